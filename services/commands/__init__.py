@@ -1,0 +1,1 @@
+"""Subcommands of ``llmserve``; each module exposes ``add_parser(subparsers)`` (see ``services.cli``)."""

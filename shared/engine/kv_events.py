@@ -1,0 +1,71 @@
+"""KV cache events: what an executor's block manager tells the prefix index.
+
+Applying a stream of batches in `seq` order reproduces the executor's set of cached block hashes:
+every hash in a BlockStored is in the executor's cache map when the event is recorded, and a
+BlockRemoved is recorded exactly when a hash leaves that map. BlockStored may repeat a hash the index
+already holds, so applying it must be idempotent (set insert).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "KVEvent",
+    "KVEventBatch",
+    "decode_kv_event_batch",
+    "encode_kv_event_batch",
+]
+
+
+class BlockStored(msgspec.Struct, kw_only=True, frozen=True, tag=True):
+    """A chain of full blocks became cached.
+
+    block_hashes[0]'s parent is parent_block_hash (None: the chain starts a prompt), and each later
+    hash's parent is the one before it. token_ids are the blocks' tokens concatenated:
+    len(token_ids) == len(block_hashes) * block_size.
+    """
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+
+
+class BlockRemoved(msgspec.Struct, kw_only=True, frozen=True, tag=True):
+    """These hashes were evicted: the executor no longer holds them."""
+
+    block_hashes: list[int]
+
+
+class AllBlocksCleared(msgspec.Struct, kw_only=True, frozen=True, tag=True):
+    """The executor dropped every cached hash."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventBatch(msgspec.Struct, kw_only=True, frozen=True):
+    """Events of one executor in the order they happened.
+
+    seq increases by exactly 1 per batch of one executor (first batch: 1), so a consumer that sees a
+    gap knows it missed a batch and must resync.
+    """
+
+    seq: int
+    events: list[KVEvent]
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+def encode_kv_event_batch(batch: KVEventBatch) -> bytes:
+    return _encoder.encode(batch)
+
+
+def decode_kv_event_batch(data: bytes) -> KVEventBatch:
+    return _decoder.decode(data)

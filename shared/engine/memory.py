@@ -1,0 +1,234 @@
+"""The exact memory ledger: weights + activations + KV cache = the configured budget.
+
+``plan_memory`` is the single source of truth for the size of the KV pool: the runtime allocates
+exactly ``MemoryLedger.num_kv_blocks`` blocks, and ``llmserve plan`` prints the same ledger, so what a
+user plans is what the executor gets.
+
+KV pool layout (one K and one V tensor per layer, see DESIGN §3)::
+
+    block:  0        1        2            num_kv_blocks-1
+          [ pad  ][ usable ][ usable ] ... [ usable ]     each block = block_size token slots
+            ^ reserved: padded slot-mapping entries point here, never owned by a request
+
+so the usable capacity is ``num_kv_blocks - 1`` blocks.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+
+from shared.engine.models.config import ModelConfig
+
+# Bytes per element. int8/fp8 exist for quantized KV caches; weights use the first three.
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int8": 1,
+    "fp8": 1,
+}
+_DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+
+# Unit suffixes, matched case-insensitively: IEC binary (KiB = 1024) and SI decimal (KB = 1000).
+# A bare letter (K, M, G, T) is decimal, as in Kubernetes quantities; "Ki"/"Gi" are binary.
+_UNITS: dict[str, int] = {"": 1, "b": 1}
+for _i, _p in enumerate("kmgtp", start=1):
+    _UNITS[f"{_p}ib"] = _UNITS[f"{_p}i"] = 1024**_i
+    _UNITS[f"{_p}b"] = _UNITS[_p] = 1000**_i
+_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+_FORMAT_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+class InsufficientMemoryError(ValueError):
+    """The budget cannot hold the weights, the activations and a minimal KV pool."""
+
+
+def dtype_bytes(dtype: str) -> int:
+    name = _DTYPE_ALIASES.get(dtype, dtype)
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[name]
+
+
+def parse_bytes(text: str | int) -> int:
+    """``"80GiB"``, ``"512MiB"``, ``"1.5GB"``, ``"1024"`` -> bytes (fractions of a byte round down)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise ValueError(f"memory size must not be negative, got {text}")
+        return text
+    match = _BYTES_RE.match(str(text))
+    if match is None:
+        raise ValueError(f"cannot parse memory size {text!r}; expected e.g. 80GiB, 512MiB, 1.5GB or 1024")
+    number, unit = match.groups()
+    scale = _UNITS.get(unit.lower())
+    if scale is None:
+        raise ValueError(f"unknown unit {unit!r} in {text!r}; use B, KiB, MiB, GiB, TiB or KB, MB, GB, TB")
+    try:
+        value = Decimal(number) * scale  # Decimal: "1.1GB" must be exactly 1_100_000_000, no float error
+    except InvalidOperation as exc:  # pragma: no cover - the regex admits only decimal numerals
+        raise ValueError(f"cannot parse memory size {text!r}") from exc
+    return int(value)
+
+
+def format_bytes(num_bytes: int) -> str:
+    """Binary units, at most two decimals, trailing zeros dropped: 524288 -> '512 KiB'."""
+    sign, value = ("-" if num_bytes < 0 else ""), float(abs(num_bytes))
+    unit = 0
+    while value >= 1024 and unit < len(_FORMAT_UNITS) - 1:
+        value /= 1024
+        unit += 1
+    text = f"{value:.2f}".rstrip("0").rstrip(".")
+    return f"{sign}{text} {_FORMAT_UNITS[unit]}"
+
+
+def kv_bytes_per_token(config: ModelConfig, kv_dtype: str) -> int:
+    """K and V, for every layer and KV head: 2 x num_layers x num_kv_heads x head_dim x bytes."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype_bytes(kv_dtype)
+
+
+def weight_bytes(config: ModelConfig, weight_dtype: str, num_params: int | None = None) -> int:
+    """Parameters x bytes. ``num_params`` overrides the count from shapes when the real tensors of a
+    model on disk were counted."""
+    count = config.num_params() if num_params is None else num_params
+    return count * dtype_bytes(weight_dtype)
+
+
+def activation_bytes(config: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int,
+                     dtype: str) -> int:
+    """Conservative peak transient memory of one forward pass over a full token budget.
+
+    With T = max_num_batched_tokens, h = hidden, q = num_heads x head_dim, kv = num_kv_heads x head_dim,
+    i = intermediate, V = vocab, R = min(max_num_seqs, T), b = bytes of ``dtype``::
+
+        T x (2h           residual stream + its RMS-normed copy
+             + (q + 2kv)  fused QKV projection output
+             + q          attention output
+             + 2i         fused gate/up projection output
+             + i) x b     SwiGLU product silu(gate) * up
+        + R x V x 4 x 2   fp32 logits of the sampled rows, and the sampler's working copy
+
+    Every buffer is counted as if alive at once (an upper bound: layers run one at a time, so only one
+    layer's buffers exist). R <= T because every scheduled sequence puts at least one token in the step.
+    Attention is assumed paged/fused, never materializing a T x context score matrix.
+    """
+    if max_num_batched_tokens <= 0 or max_num_seqs <= 0:
+        raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) and max_num_seqs "
+                         f"({max_num_seqs}) must be positive")
+    h, i = config.hidden_size, config.intermediate_size
+    per_token = 2 * h + (config.q_size + 2 * config.kv_size) + config.q_size + 2 * i + i
+    rows = min(max_num_seqs, max_num_batched_tokens)
+    return max_num_batched_tokens * per_token * dtype_bytes(dtype) + rows * config.vocab_size * 4 * 2
+
+
+@dataclass(frozen=True)
+class MemoryLedger:
+    """Where the budget goes. ``num_kv_blocks`` counts the whole pool, padding block 0 included."""
+
+    memory_budget_bytes: int
+    weight_dtype: str
+    kv_dtype: str
+    num_params: int
+    weight_bytes: int
+    activation_bytes: int
+    block_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    kv_bytes_per_token: int
+    kv_bytes_per_block: int
+    num_kv_blocks: int
+    num_kv_tokens: int  # usable blocks x block_size: tokens that requests can actually hold
+    context_len: int
+    max_concurrent_requests: int  # full-context requests that fit at once in the usable blocks
+
+    @property
+    def num_usable_kv_blocks(self) -> int:
+        return self.num_kv_blocks - 1
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_kv_blocks * self.kv_bytes_per_block
+
+    @property
+    def headroom_bytes(self) -> int:
+        """Budget left over: less than one block, since the pool takes every whole block that fits."""
+        return self.memory_budget_bytes - self.weight_bytes - self.activation_bytes - self.kv_cache_bytes
+
+
+def plan_memory(config: ModelConfig, *, memory_budget_bytes: int, weight_dtype: str, kv_dtype: str,
+                block_size: int = 16, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
+                context_len: int | None = None, num_params: int | None = None) -> MemoryLedger:
+    """Size the KV pool from the budget: floor((budget - weights - activations) / bytes per block)."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if memory_budget_bytes < 0:
+        raise ValueError(f"memory budget must not be negative, got {memory_budget_bytes}")
+    context = config.max_position_embeddings if context_len is None else context_len
+    if context <= 0:
+        raise ValueError(f"context_len must be positive, got {context}")
+    params = config.num_params() if num_params is None else num_params
+    weights = weight_bytes(config, weight_dtype, params)
+    activations = activation_bytes(config, max_num_batched_tokens, max_num_seqs, weight_dtype)
+    per_token = kv_bytes_per_token(config, kv_dtype)
+    per_block = per_token * block_size
+    # The padding block plus one usable block is the smallest pool that can run anything.
+    minimum = weights + activations + 2 * per_block
+    if memory_budget_bytes < minimum:
+        raise InsufficientMemoryError(
+            f"memory budget {format_bytes(memory_budget_bytes)} ({memory_budget_bytes} B) is below the "
+            f"minimum {format_bytes(minimum)} ({minimum} B): weights {format_bytes(weights)} + "
+            f"activations {format_bytes(activations)} + 2 KV blocks of {format_bytes(per_block)}")
+    num_blocks = (memory_budget_bytes - weights - activations) // per_block
+    usable = num_blocks - 1
+    return MemoryLedger(
+        memory_budget_bytes=memory_budget_bytes,
+        weight_dtype=weight_dtype,
+        kv_dtype=kv_dtype,
+        num_params=params,
+        weight_bytes=weights,
+        activation_bytes=activations,
+        block_size=block_size,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        kv_bytes_per_token=per_token,
+        kv_bytes_per_block=per_block,
+        num_kv_blocks=num_blocks,
+        num_kv_tokens=usable * block_size,
+        context_len=context,
+        max_concurrent_requests=usable // math.ceil(context / block_size),
+    )
+
+
+def format_ledger(ledger: MemoryLedger, config: ModelConfig) -> str:
+    """An aligned, human-readable table of the ledger."""
+    budget = ledger.memory_budget_bytes
+
+    def share(num_bytes: int) -> str:
+        return f"{format_bytes(num_bytes)}  ({100 * num_bytes / budget:.1f}%)" if budget else format_bytes(num_bytes)
+
+    rows = [
+        ("model", config.name or config.architecture),
+        ("shape", f"{config.num_layers} layers, hidden {config.hidden_size}, {config.num_heads} heads, "
+                  f"{config.num_kv_heads} kv heads x {config.head_dim}"),
+        ("budget", f"{format_bytes(budget)}  ({budget} B)"),
+        ("weights", f"{share(ledger.weight_bytes)}  [{ledger.num_params:,} params, {ledger.weight_dtype}]"),
+        ("activations", f"{share(ledger.activation_bytes)}  [{ledger.max_num_batched_tokens} batched "
+                        f"tokens, {ledger.max_num_seqs} seqs]"),
+        ("kv cache", f"{share(ledger.kv_cache_bytes)}  [{ledger.kv_dtype}]"),
+        ("kv per token", format_bytes(ledger.kv_bytes_per_token)),
+        ("kv per block", f"{format_bytes(ledger.kv_bytes_per_block)}  [{ledger.block_size} tokens]"),
+        ("kv blocks", f"{ledger.num_kv_blocks:,}  (block 0 is padding: {ledger.num_usable_kv_blocks:,} usable)"),
+        ("kv tokens", f"{ledger.num_kv_tokens:,}"),
+        ("concurrent requests", f"{ledger.max_concurrent_requests:,}  at context {ledger.context_len:,}"),
+        ("headroom", format_bytes(ledger.headroom_bytes)),
+    ]
+    width = max(len(label) for label, _ in rows)
+    lines = [f"{label:<{width}}  {value}" for label, value in rows]
+    if ledger.context_len > config.max_position_embeddings:
+        lines.append(f"note: context {ledger.context_len} exceeds the model's maximum of "
+                     f"{config.max_position_embeddings} positions")
+    if ledger.max_concurrent_requests == 0:
+        lines.append(f"note: not one request of {ledger.context_len} tokens fits in the KV cache")
+    return "\n".join(lines)
