@@ -27,23 +27,10 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
+from shared.engine.outputs import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
-
-
-class TokenLogprobs(msgspec.Struct, kw_only=True, frozen=True):
-    """Logprobs of one sampled token, computed from the raw logits (before penalties/temperature).
-
-    rank: 1-based position of the chosen token by logprob (1 = most likely; ties share the best rank).
-    top: the N most likely (token_id, logprob) pairs, sorted by logprob descending; N = the request's
-    `logprobs` (empty when it is 0). The chosen token appears in `top` only if it is among them.
-    """
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]]
 
 
 class SamplerOutput(msgspec.Struct, kw_only=True, frozen=True):

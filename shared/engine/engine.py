@@ -1,0 +1,248 @@
+"""The engine: add requests, step, get per-request deltas. One engine = one executor's model + KV pool.
+
+Per step: the scheduler picks tokens under the batch budget, pending copy-on-write block copies are
+applied, one forward runs over the flattened batch, computed blocks are committed to the prefix
+cache, the sampler draws one token per sequence that reached its end, and the output processor
+turns those into deltas. Not thread-safe: one thread owns an Engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from shared.engine.block_manager import BlockManager
+from shared.engine.kv_cache import KVCache
+from shared.engine.memory import parse_bytes, plan_memory
+from shared.engine.model_runner import ModelRunner, ScheduledChunk
+from shared.engine.models.loader import load_model, resolve_dtype, resolve_model_path
+from shared.engine.output_processor import OutputProcessor
+from shared.engine.outputs import EngineStats, RequestOutput
+from shared.engine.sampler import SamplingBatch, make_generator, sample
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.scheduler import Scheduler
+from shared.engine.sequence import Request, Sequence, SequenceStatus
+from shared.engine.tokenizer import Tokenizer
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class PromptTooLongError(ValueError):
+    """The prompt (plus the requested output) does not fit the context or the KV pool."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None          # GGUF file or Hugging Face directory; None = SmolLM2-135M-Instruct
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    block_size: int = 16
+    memory_budget: str = "1GiB"       # weights + activations + KV; the KV pool gets what is left
+    num_kv_blocks: int | None = None  # overrides memory_budget (padding block included)
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # default: the model's context
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None    # torch intra-op threads; None leaves torch's default
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        resolve_dtype(self.dtype)
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be at least 2 (block 0 is padding), got {self.num_kv_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        parse_bytes(self.memory_budget)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, *, progress: bool = True) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        path = resolve_model_path(config.model)
+        self.model_name = os.path.basename(os.path.normpath(path))
+        self.tokenizer = (Tokenizer.from_pretrained_dir(path) if os.path.isdir(path)
+                          else Tokenizer.from_gguf(path))
+        self.model = load_model(path, dtype=config.dtype, device=config.device, progress=progress)
+        self.model_config = self.model.config
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        num_blocks = config.num_kv_blocks
+        if num_blocks is None:
+            dtype_name = _DTYPE_NAMES[resolve_dtype(config.dtype)]
+            ledger = plan_memory(
+                self.model_config, memory_budget_bytes=parse_bytes(config.memory_budget),
+                weight_dtype=dtype_name, kv_dtype=dtype_name, block_size=config.block_size,
+                max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+                context_len=self.max_model_len,
+                num_params=sum(p.numel() for p in self.model.parameters()) or None)
+            num_blocks = ledger.num_kv_blocks
+        self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, self.model.dtype,
+                                config.device)
+        self.runner = ModelRunner(self.model, self.kv_cache)
+        self.block_manager = BlockManager(num_blocks, config.block_size,
+                                          enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_num_seqs=config.max_num_seqs)
+        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._counters = dict(num_prompt_tokens=0, num_computed_tokens=0, num_generated_tokens=0,
+                              num_steps=0, last_step_num_tokens=0)
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    *, priority: int = 0) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate_prompt(ids, params)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        request = Request(request_id=request_id, prompt_token_ids=ids, params=params, priority=priority,
+                          arrival_order=next(self._arrivals), max_tokens=max_tokens)
+        seq = self._new_sequence(request, 0, list(ids))
+        self.requests[request_id] = request
+        self.scheduler.add(seq)
+        self._counters["num_prompt_tokens"] += len(ids)
+
+    def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        total = len(ids) + (params.max_tokens or 0)
+        if len(ids) >= self.max_model_len or total > self.max_model_len:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(ids)} tokens and max_tokens asks for {params.max_tokens or 0} more")
+        usable_tokens = (self.kv_cache.num_blocks - 1) * self.config.block_size
+        if total > usable_tokens:
+            raise PromptTooLongError(
+                f"the request needs {total} tokens of KV cache but the pool holds {usable_tokens}")
+
+    def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
+        seed = request.params.seed
+        seq = Sequence(request=request, index=index, token_ids=token_ids,
+                       generator=make_generator(None if seed is None else seed + index, self.config.device))
+        request.sequences.append(seq)
+        self.outputs.start(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        """Forget a request and free its KV blocks at once. False if it is unknown or finished."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        for seq in request.sequences:
+            self.scheduler.remove(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        self._counters["num_steps"] += 1
+        self._counters["last_step_num_tokens"] = sched.num_tokens
+        if not sched.scheduled:
+            return []
+        self.kv_cache.copy_blocks(self.block_manager.take_pending_copies())
+        chunks = []
+        for seq, num_new in sched.scheduled:
+            start = seq.num_computed_tokens
+            chunks.append(ScheduledChunk(
+                token_ids=seq.token_ids[start:start + num_new], num_computed=start,
+                block_table=self.block_manager.block_table(seq.seq_id),
+                need_logits=start + num_new == len(seq.token_ids)))
+        logits = self.runner.execute(chunks)
+        self._counters["num_computed_tokens"] += sched.num_tokens
+
+        for seq, num_new in sched.scheduled:
+            seq.num_computed_tokens += num_new
+            self.block_manager.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        # Rows of `logits` follow the chunks that need them, in order.
+        to_sample: list[Sequence] = []
+        rows: list[int] = []
+        row = 0
+        for (seq, _), chunk in zip(sched.scheduled, chunks):
+            if not chunk.need_logits:
+                continue
+            to_sample.append(seq)
+            rows.append(row)
+            if seq.index == 0 and seq.request.params.n > 1 and len(seq.request.sequences) == 1:
+                # The prompt is done: fork the other choices, sharing its blocks (copy-on-write for
+                # the partly filled last one), and sample each of them from the same logits row.
+                for index in range(1, seq.request.params.n):
+                    child = self._new_sequence(seq.request, index, list(seq.token_ids))
+                    child.num_computed_tokens = seq.num_computed_tokens
+                    self.block_manager.fork(seq.seq_id, child.seq_id)
+                    self.scheduler.add_running(child)
+                    to_sample.append(child)
+                    rows.append(row)
+            row += 1
+        self._sample(logits, to_sample, rows)
+        return self._collect_outputs(to_sample)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+        if rows != list(range(len(rows))):
+            logits = logits[torch.tensor(rows)]
+        batch = SamplingBatch.build(
+            [s.request.params for s in seqs],
+            [s.request.prompt_token_ids for s in seqs],
+            [s.output_token_ids for s in seqs],
+            [s.generator for s in seqs],
+            self.model_config.vocab_size, logits.device)
+        result = sample(logits, batch)
+        for seq, token, lp in zip(seqs, result.sampled_token_ids, result.logprobs):
+            self.outputs.append_token(seq, token, lp)
+        self._counters["num_generated_tokens"] += len(seqs)
+
+    def _collect_outputs(self, sampled: list[Sequence]) -> list[RequestOutput]:
+        touched: dict[str, Request] = {}
+        for seq in sampled:
+            touched.setdefault(seq.request.request_id, seq.request)
+            if seq.finish_reason is not None and seq.status is not SequenceStatus.FINISHED:
+                seq.status = SequenceStatus.FINISHED
+                self.scheduler.remove(seq)
+        outputs = []
+        for request in touched.values():
+            deltas = [d for s in request.sequences if (d := self.outputs.take_delta(s)) is not None]
+            if not deltas:
+                continue
+            finished = request.finished
+            outputs.append(RequestOutput(
+                request_id=request.request_id, deltas=deltas,
+                num_prompt_tokens=len(request.prompt_token_ids),
+                num_cached_tokens=request.num_cached_tokens, finished=finished))
+            if finished:
+                del self.requests[request.request_id]
+        return outputs
+
+    # ---- counters -------------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_total_blocks=bm.num_blocks - 1,
+            num_free_blocks=bm.num_free_blocks,
+            kv_cache_usage=bm.usage,
+            prefix_cache_queries_tokens=bm.prefix_cache_queries_tokens,
+            prefix_cache_hits_tokens=bm.prefix_cache_hits_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            **self._counters,
+        )

@@ -1,0 +1,61 @@
+"""Every NATS subject llmserve uses: versioned ``llm.v1.<service>.<verb>``. No subject string may
+appear anywhere else; build them here. Queue group = the service name."""
+
+from __future__ import annotations
+
+PREFIX = "llm.v1"
+
+# Gateway → tokenizer (publish, queue group "tokenizer"): GenerateRequest.
+TOKENIZER_GENERATE = f"{PREFIX}.tokenizer.generate"
+# Tokenizer → scheduler (publish, queue group "scheduler"): TokenizedRequest.
+SCHEDULER_SUBMIT = f"{PREFIX}.scheduler.submit"
+# Executor → scheduler (publish): RequestProgress, when a request streams its first token and when
+# it finishes, so in-flight load and fail-over know what each executor holds.
+SCHEDULER_PROGRESS = f"{PREFIX}.scheduler.progress"
+# Anyone → scheduler (request/reply): SchedulerStatusRequest → SchedulerStatus.
+SCHEDULER_STATUS = f"{PREFIX}.scheduler.status"
+# Scheduler → prefix index (request/reply): block hashes → per-executor matched blocks (next issue).
+PREFIX_INDEX_MATCH = f"{PREFIX}.prefix_index.match"
+# Gateway → everyone (publish, fan-out): AbortRequest.
+ABORT = f"{PREFIX}.abort"
+# Every executor's heartbeat, for wildcard subscribers.
+EXECUTOR_STATS_ALL = f"{PREFIX}.executor.*.stats"
+# Token deltas of every request, for wildcard subscribers (tests, tracing).
+STREAM_ALL = f"{PREFIX}.stream.*"
+
+QUEUE_TOKENIZER = "tokenizer"
+QUEUE_SCHEDULER = "scheduler"
+QUEUE_PREFIX_INDEX = "prefix_index"
+
+
+def _token(value: str, what: str) -> str:
+    # A subject token may not contain separators or wildcards, or it would address other subjects.
+    if not value or any(c in value for c in ".*> \t\r\n"):
+        raise ValueError(f"invalid {what} for a NATS subject: {value!r}")
+    return value
+
+
+def executor_prefill(executor_id: str) -> str:
+    return f"{PREFIX}.executor.{_token(executor_id, 'executor id')}.prefill"
+
+
+def executor_decode(executor_id: str) -> str:
+    """Work assignments for an executor that runs the whole request (role 'decode' or 'both')."""
+    return f"{PREFIX}.executor.{_token(executor_id, 'executor id')}.decode"
+
+
+def executor_stats(executor_id: str) -> str:
+    return f"{PREFIX}.executor.{_token(executor_id, 'executor id')}.stats"
+
+
+def stream(request_id: str) -> str:
+    """Token deltas, final usage or an error for one request; the gateway subscribes before dispatch."""
+    return f"{PREFIX}.stream.{_token(request_id, 'request id')}"
+
+
+def kv_transfer(decode_id: str, request_id: str) -> str:
+    return f"{PREFIX}.kv.{_token(decode_id, 'executor id')}.{_token(request_id, 'request id')}"
+
+
+def kv_events(executor_id: str) -> str:
+    return f"{PREFIX}.kv_events.{_token(executor_id, 'executor id')}"
