@@ -17,6 +17,8 @@ from shared.engine.models.config import UnsupportedModelError
 # Add a command by adding its module here.
 COMMAND_MODULES: list[str] = [
     "services.commands.plan",
+    "services.commands.generate",
+    "services.commands.up",
 ]
 
 # Errors a user can fix (bad flag value, missing file, unsupported model): one line, no traceback.

@@ -106,6 +106,8 @@ class ExecutorHeartbeat(msgspec.Struct, kw_only=True, frozen=True):
     block_size: int
     stats: EngineStats
     sent_at: float
+    max_num_seqs: int = 0          # the engine's batch limit: the scheduler's in-flight cap (0 = unknown)
+    draining: bool = False         # shutting down: finishing what it holds, route nothing new to it
 
 
 class SchedulerStatusRequest(msgspec.Struct, kw_only=True, frozen=True):

@@ -33,6 +33,11 @@ class ModelRunner:
         """Logits [num chunks with need_logits, vocab] (fp32), in the order of ``chunks``."""
         if not chunks:
             raise ValueError("execute() needs at least one chunk")
+        max_len = self.model.config.max_position_embeddings
+        for c in chunks:
+            if c.num_computed + len(c.token_ids) > max_len:
+                raise ValueError(f"prompt of {c.num_computed + len(c.token_ids)} tokens exceeds the "
+                                 f"model's context of {max_len}")
         # Decodes go first so attention can batch them (see AttentionMetadata).
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)
         ordered = [chunks[i] for i in order]

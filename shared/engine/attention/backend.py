@@ -44,7 +44,7 @@ class TorchAttentionBackend:
         k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
 
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)

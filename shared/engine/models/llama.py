@@ -25,8 +25,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and cast back before the scale, as the reference does, so bf16 rounds alike.
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+        # One fused op (it accumulates in fp32 for bf16 inputs); the reference's separate cast before
+        # the scale can differ in the last bf16 bit, which only moves near-tie greedy choices.
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -45,19 +46,21 @@ class RotaryEmbedding(nn.Module):
             inv_freq = inv_freq.to(device)
         pos = torch.arange(self.config.max_position_embeddings, dtype=torch.float32, device=device)
         freqs = torch.outer(pos, inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", torch.cat([freqs.cos(), freqs.cos()], dim=-1), persistent=False)
+        # Sign folded in: rotate_half(x) * sin == swap_halves(x) * [-sin, sin].
+        self.register_buffer("sin", torch.cat([-freqs.sin(), freqs.sin()], dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        """cos and signed sin per token, shaped [tokens, 1, head_dim] to broadcast over heads."""
+        return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, head_dim] → x·cos + rotate_half(x)·sin, with rotate_half(x) = [-x2, x1]
+    computed as the swapped halves [x2, x1] times the signed sin table (three ops, no concat)."""
+    n, h, d = x.shape
+    swapped = x.view(n, h, 2, d // 2).flip(2).view(n, h, d)
+    return torch.addcmul(x * cos, swapped, sin_signed)
 
 
 class Attention(nn.Module):
@@ -78,7 +81,7 @@ class Attention(nn.Module):
         qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim), cos, sin).view(n, -1)
         q, k = qk.split([self.q_size, self.kv_size], dim=-1)
         v = qkv[:, self.q_size + self.kv_size:]
-        out = self.backend.forward(q.contiguous(), k.contiguous(), v.contiguous(), k_cache, v_cache, meta)
+        out = self.backend.forward(q, k, v, k_cache, v_cache, meta)
         return self.o_proj(out)
 
 

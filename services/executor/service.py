@@ -1,0 +1,199 @@
+"""The executor actor (role 'both'): ExecuteRequests in, token deltas out, heartbeats.
+
+Per request, on the wire, in this order (one publisher task keeps it):
+    RequestProgress 'started' → StreamOutput × k (the last one finished) → RequestProgress 'finished'
+or, when it ends early: StreamError (400 rejected / 503 shutting down / 500 engine failure) or a final
+StreamOutput with finish_reason 'abort', then RequestProgress 'finished'. 'finished' is always sent,
+so the scheduler's in-flight count never leaks.
+
+Drain (SIGTERM): heartbeats say ``draining`` at once so the scheduler routes nothing new here;
+requests that still arrive get 503; in-flight ones may finish for ``drain_timeout_s``, the rest are
+aborted with a 503 error event; then the engine thread stops and the connection drains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from services.executor.worker import (Abort, Aborted, Add, EngineWorker, Event, Failed, Outputs,
+                                      Rejected)
+from shared import messages, subjects
+from shared.bus import Bus, BusError, Msg
+from shared.messages import CompletionDelta, RequestOutput, StreamError, StreamOutput
+
+log = logging.getLogger("llmserve.executor")
+
+
+@dataclass(frozen=True)
+class ExecutorServiceConfig:
+    executor_id: str
+    model_name: str
+    max_model_len: int
+    block_size: int
+    max_num_seqs: int
+    heartbeat_interval_s: float = 0.5
+    drain_timeout_s: float = 5.0
+    role: str = "both"
+
+    def __post_init__(self) -> None:
+        subjects.executor_decode(self.executor_id)  # ValueError if it cannot be a subject token
+        if self.role != "both":
+            raise ValueError(f"only role 'both' is implemented, got {self.role!r}")
+        if self.heartbeat_interval_s <= 0 or self.drain_timeout_s < 0:
+            raise ValueError("heartbeat_interval_s must be > 0 and drain_timeout_s >= 0")
+
+
+@dataclass
+class _Live:
+    n: int
+    num_prompt_tokens: int
+    started: bool = False
+    aborting: bool = False
+
+
+@dataclass
+class ExecutorService:
+    bus: Bus
+    worker: EngineWorker
+    config: ExecutorServiceConfig
+    epoch: str = field(default_factory=lambda: uuid.uuid4().hex)   # fresh per process start
+    draining: bool = False
+
+    def __post_init__(self) -> None:
+        self._live: dict[str, _Live] = {}
+        self._events: asyncio.Queue[list[Event]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        # The engine thread hands events over without ever blocking on the loop.
+        self.worker.start(lambda events: loop.call_soon_threadsafe(self._events.put_nowait, events))
+        await self.bus.subscribe(subjects.executor_decode(self.config.executor_id), self._on_execute)
+        await self.bus.subscribe(subjects.ABORT, self._on_abort)
+        await self.bus.flush()
+        self._tasks = [asyncio.create_task(self._publish_loop()), asyncio.create_task(self._heartbeat_loop())]
+        await self._heartbeat()
+
+    # -- inputs ----------------------------------------------------------------------------------
+
+    async def _on_execute(self, msg: Msg) -> None:
+        req = messages.EXECUTE_REQUEST.decode(msg.data)
+        rid = req.request_id
+        if rid in self._live:
+            log.warning("ignoring a duplicate ExecuteRequest for %s", rid)
+            return
+        if self.draining:
+            await self._end_with_error(rid, 503, f"executor {self.config.executor_id} is shutting down; "
+                                                 f"retry the request")
+            return
+        self._live[rid] = _Live(n=req.params.n, num_prompt_tokens=len(req.prompt_token_ids))
+        self._idle.clear()
+        self.worker.submit(Add(req))
+
+    async def _on_abort(self, msg: Msg) -> None:
+        rid = messages.ABORT_REQUEST.decode(msg.data).request_id
+        live = self._live.get(rid)
+        if live is not None and not live.aborting:
+            live.aborting = True
+            self.worker.submit(Abort(rid))
+
+    # -- engine events → the wire (one task: per-request order is kept) -------------------------
+
+    async def _publish_loop(self) -> None:
+        while True:
+            events = await self._events.get()
+            for event in events:
+                try:
+                    await self._publish_event(event)
+                except BusError:
+                    log.exception("cannot publish an engine event")
+            if not self._live:
+                self._idle.set()
+
+    async def _publish_event(self, event: Event) -> None:
+        if isinstance(event, Outputs):
+            for out in event.outputs:
+                live = self._live.get(out.request_id)
+                if live is None:
+                    continue  # already ended (drain abort)
+                if not live.started:
+                    live.started = True
+                    await self._progress(out.request_id, "started")
+                await self.bus.publish(subjects.stream(out.request_id), messages.STREAM_MESSAGE.encode(
+                    StreamOutput(executor_id=self.config.executor_id, output=out)))
+                if out.finished:
+                    del self._live[out.request_id]
+                    await self._progress(out.request_id, "finished")
+        elif isinstance(event, Rejected):
+            if self._live.pop(event.request_id, None) is not None:
+                await self._end_with_error(event.request_id, 400, event.message, "invalid_request_error")
+        elif isinstance(event, Aborted):
+            live = self._live.pop(event.request_id, None)
+            if live is not None:
+                final = RequestOutput(request_id=event.request_id, num_prompt_tokens=live.num_prompt_tokens,
+                                      num_cached_tokens=0, finished=True,
+                                      deltas=[CompletionDelta(index=i, token_ids=[], text="", finish_reason="abort")
+                                              for i in range(live.n)])
+                await self.bus.publish(subjects.stream(event.request_id), messages.STREAM_MESSAGE.encode(
+                    StreamOutput(executor_id=self.config.executor_id, output=final)))
+                await self._progress(event.request_id, "finished")
+        elif isinstance(event, Failed):
+            for rid in event.request_ids:
+                if self._live.pop(rid, None) is not None:
+                    await self._end_with_error(rid, 500, event.message)
+
+    async def _end_with_error(self, rid: str, status: int, message: str, type_: str = "server_error") -> None:
+        await self.bus.publish(subjects.stream(rid), messages.STREAM_MESSAGE.encode(
+            StreamError(request_id=rid, status=status, message=message, type=type_)))
+        await self._progress(rid, "finished")
+
+    async def _progress(self, rid: str, state: str) -> None:
+        await self.bus.publish(subjects.SCHEDULER_PROGRESS, messages.REQUEST_PROGRESS.encode(
+            messages.RequestProgress(request_id=rid, executor_id=self.config.executor_id, state=state)))
+
+    # -- heartbeats --------------------------------------------------------------------------------
+
+    async def _heartbeat(self) -> None:
+        c = self.config
+        hb = messages.ExecutorHeartbeat(
+            executor_id=c.executor_id, epoch=self.epoch, role=c.role, model=c.model_name,
+            max_model_len=c.max_model_len, block_size=c.block_size, stats=self.worker.latest_stats,
+            sent_at=time.time(), max_num_seqs=c.max_num_seqs, draining=self.draining)
+        await self.bus.publish(subjects.executor_stats(c.executor_id), messages.EXECUTOR_HEARTBEAT.encode(hb))
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+            if not self.worker.alive:
+                # A dead engine thread must not look alive: stop heartbeating, the scheduler fails over.
+                log.error("the engine thread died; no more heartbeats")
+                return
+            try:
+                await self._heartbeat()
+            except BusError:
+                log.exception("heartbeat failed")
+
+    # -- drain -------------------------------------------------------------------------------------
+
+    async def drain(self) -> None:
+        self.draining = True
+        await self._heartbeat()
+        try:
+            await asyncio.wait_for(self._idle.wait(), self.config.drain_timeout_s)
+        except asyncio.TimeoutError:
+            for rid in list(self._live):
+                del self._live[rid]
+                self.worker.submit(Abort(rid))
+                await self._end_with_error(rid, 503, f"executor {self.config.executor_id} shut down "
+                                                     f"before the request finished")
+        await asyncio.to_thread(self.worker.stop, 10.0)
+        # Events still queued (outputs of aborted requests) are dropped: their requests have ended.
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,185 @@
+"""The engine thread: owns the Engine, steps it, and hands results back through a callback.
+
+    asyncio loop ──Add/Abort/Stop──▶ SimpleQueue ──▶ [engine thread: apply commands, step()] ──▶ emit(events)
+
+Invariants:
+- Only this thread touches the Engine (it is not thread-safe). The loop never waits for a forward
+  pass: it only enqueues commands, and ``emit`` (called from this thread) must not block — the
+  service passes ``loop.call_soon_threadsafe`` there.
+- Commands are applied between steps, in order, so an Abort after an Add always finds the request.
+- Every Add ends in exactly one terminal event for its id: a finished ``RequestOutput`` (in
+  ``Outputs``), ``Rejected``, ``Aborted`` or ``Failed``.
+- ``latest_stats`` is replaced (never mutated) after every step; reading it from another thread is safe.
+
+No asyncio, no NATS: tested synchronously with a fake engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from shared.engine.outputs import EngineStats, RequestOutput
+from shared.messages import ExecuteRequest
+
+log = logging.getLogger("llmserve.executor.worker")
+
+
+class EngineLike(Protocol):
+    def add_request(self, request_id: str, prompt: list[int], params, *, priority: int = 0) -> None: ...
+    def step(self) -> list[RequestOutput]: ...
+    def abort(self, request_id: str) -> bool: ...
+    def has_unfinished(self) -> bool: ...
+    def stats(self) -> EngineStats: ...
+
+
+# -- commands (loop → thread) ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Add:
+    request: ExecuteRequest
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+Command = Add | Abort | Stop
+
+
+# -- events (thread → loop) ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Outputs:
+    outputs: list[RequestOutput]
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """The engine refused the request (bad or too long prompt): a client error."""
+    request_id: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Aborted:
+    request_id: str
+    was_running: bool          # False: it had already finished or was never added
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A step raised: every request that was in the engine is dropped with this message."""
+    request_ids: list[str]
+    message: str
+
+
+Event = Outputs | Rejected | Aborted | Failed
+
+
+class EngineWorker:
+    def __init__(self, engine: EngineLike, *, num_threads: int | None = None) -> None:
+        self.engine = engine
+        self._emit: Callable[[list[Event]], None] = lambda events: None
+        self._num_threads = num_threads
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._live: set[str] = set()       # ids added to the engine and not yet terminal
+        self.latest_stats: EngineStats = engine.stats()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    def start(self, emit: Callable[[list[Event]], None]) -> None:
+        """Start the thread; ``emit(events)`` is called from it and must not block."""
+        self._emit = emit
+        self._thread.start()
+
+    def submit(self, command: Command) -> None:
+        """Thread-safe; never blocks."""
+        self._commands.put(command)
+
+    def stop(self, timeout: float | None = None) -> None:
+        self.submit(Stop())
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- the thread ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        if self._num_threads:
+            # OpenMP's thread count is per thread: set it where the forward passes run.
+            import torch
+            torch.set_num_threads(self._num_threads)
+        while True:
+            events: list[Event] = []
+            # Idle: block until there is work. Busy: take whatever arrived, then step.
+            try:
+                command = self._commands.get_nowait() if self._live else self._commands.get()
+            except queue.Empty:
+                command = None
+            while command is not None:
+                if isinstance(command, Stop):
+                    self._flush(events)
+                    return
+                self._apply(command, events)
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    command = None
+            if self._live:
+                self._step(events)
+            self._flush(events)
+
+    def _apply(self, command: Command, events: list[Event]) -> None:
+        if isinstance(command, Add):
+            req = command.request
+            try:
+                self.engine.add_request(req.request_id, list(req.prompt_token_ids), req.params,
+                                        priority=req.priority)
+            except ValueError as e:
+                events.append(Rejected(req.request_id, str(e)))
+                return
+            self._live.add(req.request_id)
+        elif isinstance(command, Abort):
+            was_running = command.request_id in self._live and self.engine.abort(command.request_id)
+            self._live.discard(command.request_id)
+            events.append(Aborted(command.request_id, was_running))
+
+    def _step(self, events: list[Event]) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            log.exception("engine step failed; dropping %d requests", len(self._live))
+            dropped = sorted(self._live)
+            for rid in dropped:
+                try:
+                    self.engine.abort(rid)
+                except Exception:
+                    log.exception("abort of %s after a failed step failed too", rid)
+            self._live.clear()
+            events.append(Failed(dropped, f"the engine failed: {type(e).__name__}: {e}"))
+            return
+        for out in outputs:
+            if out.finished:
+                self._live.discard(out.request_id)
+        if outputs:
+            events.append(Outputs(outputs))
+
+    def _flush(self, events: list[Event]) -> None:
+        try:
+            self.latest_stats = self.engine.stats()
+        except Exception:
+            log.exception("engine stats failed")
+        if events:
+            self._emit(events)

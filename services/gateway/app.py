@@ -1,0 +1,200 @@
+"""The FastAPI app: OpenAI-compatible routes, health, metrics.
+
+    POST /v1/completions         POST /v1/chat/completions     (JSON, or SSE with "stream": true)
+    GET  /v1/models              GET  /v1/models/{model}
+    WS   /v1/ws                  (see websocket.py)
+    GET  /health                 200 iff NATS is connected and the scheduler reports >= 1 executor
+    GET  /metrics                Prometheus text
+
+Every error is an OpenAI error body (errors.py). Auth (when an API key is configured) guards /v1/*;
+/health and /metrics stay open for probes and scrapers.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import lru_cache
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from shared.bus import Bus
+from shared.engine.outputs import RequestOutput
+
+from . import protocol
+from .config import TOKENIZER_AUTO, TOKENIZER_NONE, GatewayConfig
+from .errors import APIError, unauthorized
+from .generation import ClientDisconnected, Gateway, Prepared
+from .metrics import CLIENT_CLOSED, GatewayMetrics, RequestTracker
+from .sse import DONE, EventStreamResponse, sse_event
+from .streams import GenerationStream
+from .websocket import register_websocket
+
+log = logging.getLogger("llmserve.gateway")
+
+
+def error_response(e: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers={**e.headers(), **(headers or {})})
+
+
+def check_api_key(config: GatewayConfig, authorization: str | None) -> None:
+    if config.api_key is None:
+        return
+    scheme, _, token = (authorization or "").partition(" ")
+    # Constant-time comparison: the key must not leak through response timing.
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                             config.api_key.encode()):
+        raise unauthorized()
+
+
+def load_token_text(spec: str) -> protocol.TokenText:
+    """Token id → text for logprobs, from the model's vocabulary (or "token_id:N" without one)."""
+    if spec == TOKENIZER_NONE:
+        return protocol.token_id_text
+    from shared.engine.tokenizer import Tokenizer
+
+    if spec == TOKENIZER_AUTO:
+        from shared.engine.default_model import default_model_path
+        try:
+            spec = default_model_path()
+        except FileNotFoundError as e:
+            log.warning("no tokenizer for logprobs (%s); tokens are named token_id:N", e)
+            return protocol.token_id_text
+    tokenizer = Tokenizer.from_gguf(spec) if os.path.isfile(spec) else Tokenizer.from_pretrained_dir(spec)
+
+    @lru_cache(maxsize=65536)
+    def token_text(token_id: int) -> str:
+        # Decoded alone, the way vLLM names logprobs tokens (a partial UTF-8 character shows as U+FFFD).
+        try:
+            return tokenizer.decode([token_id], skip_special_tokens=False)
+        except Exception:
+            return protocol.token_id_text(token_id)
+
+    return token_text
+
+
+def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
+    """The app. With ``bus`` given (tests), it is used as is and not closed by the app."""
+    gw = Gateway(config, GatewayMetrics())
+    started_at = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        gw.token_text = await anyio.to_thread.run_sync(load_token_text, config.tokenizer)
+        gw.bus = bus or await Bus.connect(config.nats_url, "gateway",
+                                          connect_timeout_s=config.nats_connect_timeout_s)
+        log.info("gateway serving %s on %s:%d (nats %s, auth %s)", config.model_name or "(any model)",
+                 config.host, config.port, config.nats_url, "on" if config.api_key else "off")
+        try:
+            yield
+        finally:
+            if bus is None:
+                await gw.bus.drain()
+
+    app = FastAPI(title="llmserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.gateway = gw
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, e: APIError) -> JSONResponse:
+        return error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        # Unknown routes, wrong methods: OpenAI-shaped too, so clients parse every error one way.
+        return error_response(APIError(e.status_code, str(e.detail)))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(APIError(500, f"Internal server error: {type(e).__name__}"))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        try:
+            status = await gw.scheduler_status()
+        except APIError as e:
+            return JSONResponse({"status": "unavailable", "reason": e.message}, status_code=503)
+        if not status.executors:
+            return JSONResponse({"status": "unavailable", "reason": "no live executor"}, status_code=503)
+        return JSONResponse({"status": "ok", "num_executors": len(status.executors),
+                             "num_queued": status.num_queued})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": started_at, "owned_by": "llmserve"}
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> dict[str, Any]:
+        check_api_key(config, request.headers.get("authorization"))
+        return {"object": "list", "data": [model_card(m) for m in await gw.served_models()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str, request: Request) -> dict[str, Any]:
+        check_api_key(config, request.headers.get("authorization"))
+        await gw.check_model(model)
+        return model_card(model)
+
+    async def generate(api: protocol.Api, endpoint: str, request: Request) -> Response:
+        try:
+            check_api_key(config, request.headers.get("authorization"))
+            p = await gw.prepare(api, await request.body())
+        except APIError as e:
+            gw.metrics.count(endpoint, e.status)
+            return error_response(e)
+        tracker = gw.metrics.tracker(endpoint)
+        headers = {"X-Request-Id": p.generate.request_id}
+
+        async def disconnected() -> None:
+            # The body is read, so the next ASGI message can only be the disconnect.
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        try:
+            if not p.stream:
+                return JSONResponse(await gw.collect(p, tracker, disconnected), headers=headers)
+            stream, first = await gw.start(p, disconnected)
+        except APIError as e:
+            tracker.done(e.status)
+            return error_response(e, headers)
+        except ClientDisconnected:
+            log.info("%s: client disconnected before the response; aborted", p.generate.request_id)
+            tracker.done(CLIENT_CLOSED)
+            return Response(status_code=CLIENT_CLOSED)
+        return EventStreamResponse(sse_body(gw, p, stream, first, tracker), headers=headers)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate("completion", "completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate("chat", "chat_completions", request)
+
+    register_websocket(app, gw, check_api_key)
+    return app
+
+
+async def sse_body(gw: Gateway, p: Prepared, stream: GenerationStream, first: RequestOutput,
+                   tracker: RequestTracker) -> AsyncIterator[bytes]:
+    """SSE framing of chunk_events: every item as ``data: {...}``, always ending with [DONE] (also
+    after an error event), unless the client is gone."""
+    events = gw.chunk_events(p, stream, first, tracker)
+    try:
+        async for item in events:
+            yield sse_event(item)
+        yield DONE
+    finally:
+        with anyio.CancelScope(shield=True):
+            await events.aclose()

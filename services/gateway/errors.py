@@ -1,0 +1,103 @@
+"""OpenAI-style errors at the HTTP edge.
+
+Every failure a client sees, whatever its origin (edge validation, auth, a StreamError from a backend
+service, a timeout), becomes one ``APIError`` and is rendered the same way:
+
+    HTTP <status>   {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+
+or, once an SSE stream has begun (the status line is already sent), as a final ``data: {"error":
+...}`` event. Pure module: no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from shared.messages import StreamError
+
+# OpenAI puts client mistakes under one type and tells them apart by ``code``.
+INVALID_REQUEST = "invalid_request_error"
+
+# The ``code`` OpenAI clients branch on, by status, when the origin gave none.
+_DEFAULT_CODES: dict[int, str] = {
+    401: "invalid_api_key",
+    404: "model_not_found",
+    429: "rate_limit_exceeded",
+    504: "request_timeout",
+}
+
+
+def _default_type(status: int) -> str:
+    if status == 429:
+        return "rate_limit_error"
+    if status == 503:
+        return "service_unavailable"
+    if status == 504:
+        return "timeout_error"
+    return INVALID_REQUEST if 400 <= status < 500 else "server_error"
+
+
+@dataclass(frozen=True)
+class APIError(Exception):
+    """An error for the client. ``retry_after_s`` becomes the Retry-After header (whole seconds,
+    rounded up: the header takes no fractions and rounding down would invite an early retry)."""
+
+    status: int
+    message: str
+    type: str = ""
+    param: str | None = None
+    code: str | None = None
+    retry_after_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 400 <= self.status <= 599:
+            raise ValueError(f"APIError status must be a 4xx/5xx HTTP status, got {self.status}")
+        if not self.type:
+            object.__setattr__(self, "type", _default_type(self.status))
+        if self.code is None:
+            object.__setattr__(self, "code", _DEFAULT_CODES.get(self.status))
+
+    def __str__(self) -> str:
+        return f"{self.status} {self.type}: {self.message}"
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_s is None:
+            return {}
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, INVALID_REQUEST, param)
+
+
+def from_stream_error(err: StreamError) -> APIError:
+    """A backend service's error, passed through with its status and type. A status outside 4xx/5xx
+    would be a bug upstream; the client still gets a well-formed 500 rather than a crash."""
+    status = err.status if 400 <= err.status <= 599 else 500
+    # StreamError.type defaults to "server_error" even for client errors; prefer the status' type.
+    type_ = err.type if err.type != "server_error" or status >= 500 else ""
+    return APIError(status, err.message, type_, err.param, retry_after_s=err.retry_after_s)
+
+
+def unauthorized() -> APIError:
+    return APIError(401, "Invalid or missing API key. Pass it as 'Authorization: Bearer <key>'.",
+                    INVALID_REQUEST)
+
+
+def model_not_found(model: str, served: str) -> APIError:
+    return APIError(404, f"The model '{model}' does not exist. This server serves '{served}'.",
+                    INVALID_REQUEST, "model")
+
+
+def request_timeout(timeout_s: float) -> APIError:
+    return APIError(504, f"The request did not complete within {timeout_s:g} s and was aborted.")
+
+
+def service_unavailable(message: str) -> APIError:
+    return APIError(503, message)

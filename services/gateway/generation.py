@@ -1,0 +1,220 @@
+"""The request path shared by HTTP (SSE / JSON) and WebSocket: parse → GenerateRequest → stream.
+
+    prepare()       body bytes → Prepared (validated request + how to shape its output); APIError
+    start()         subscribe + dispatch; waits for the FIRST output, so an error that comes before
+                    any token (429, prompt too long, ...) is still a plain HTTP error status
+    chunk_events()  the rest of the stream as chunk dicts; an error after the first chunk becomes a
+                    final {"error": ...} item (never a hang: every wait is bounded by the deadline)
+    collect()       non-streaming: every output folded into one response object
+
+Whoever calls start() owns the returned stream and must close() it (that aborts it if unfinished).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+
+from shared import subjects
+from shared.bus import Bus, BusError, BusTimeout
+from shared.engine.outputs import RequestOutput
+from shared.messages import (SCHEDULER_STATUS, SCHEDULER_STATUS_REQUEST, GenerateRequest, SchedulerStatus,
+                             SchedulerStatusRequest)
+
+from . import protocol
+from .config import GatewayConfig
+from .errors import APIError, model_not_found, service_unavailable
+from .metrics import CLIENT_CLOSED, GatewayMetrics, RequestTracker
+from .openai_schema import ChatCompletionRequest, parse_chat_request, parse_completion_request
+from .streams import GenerationStream
+
+log = logging.getLogger("llmserve.gateway")
+
+T = TypeVar("T")
+# How long a list of served models learnt from the scheduler stays fresh (no --model-name given).
+MODELS_TTL_S = 2.0
+
+
+class ClientDisconnected(Exception):
+    """The client went away while we were waiting for the backend."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    api: protocol.Api
+    stream: bool
+    generate: GenerateRequest
+    spec: protocol.ResponseSpec
+
+
+class Gateway:
+    """Per-app state: config, the bus connection, metrics and the logprobs vocabulary."""
+
+    def __init__(self, config: GatewayConfig, metrics: GatewayMetrics,
+                 token_text: protocol.TokenText = protocol.token_id_text) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.token_text = token_text
+        self.bus: Bus | None = None
+        self._models: list[str] = []
+        self._models_at = -1e9
+
+    # -- backend status ------------------------------------------------------------------------
+
+    def _bus(self) -> Bus:
+        if self.bus is None or not self.bus.is_connected:
+            raise service_unavailable("The gateway is not connected to the message bus.")
+        return self.bus
+
+    async def scheduler_status(self) -> SchedulerStatus:
+        try:
+            data = await self._bus().request(
+                subjects.SCHEDULER_STATUS, SCHEDULER_STATUS_REQUEST.encode(SchedulerStatusRequest()),
+                timeout=self.config.health_timeout_s)
+        except BusTimeout:
+            raise service_unavailable("The scheduler did not answer.") from None
+        except BusError as e:
+            raise service_unavailable(f"The message bus is unavailable: {e}") from None
+        return SCHEDULER_STATUS.decode(data)
+
+    async def served_models(self, refresh: bool = False) -> list[str]:
+        """The configured model name, or (none configured) the models live executors report."""
+        if self.config.model_name is not None:
+            return [self.config.model_name]
+        if refresh or time.monotonic() - self._models_at > MODELS_TTL_S:
+            status = await self.scheduler_status()
+            self._models = sorted({e.model for e in status.executors})
+            self._models_at = time.monotonic()
+        return self._models
+
+    async def check_model(self, model: str) -> None:
+        models = await self.served_models()
+        if model not in models:
+            models = await self.served_models(refresh=True)
+        if model not in models:
+            if not models:
+                raise service_unavailable("No executor is serving any model yet.")
+            raise model_not_found(model, ", ".join(models))
+
+    # -- requests ------------------------------------------------------------------------------
+
+    async def prepare(self, api: protocol.Api, body: bytes, *, force_stream: bool = False) -> Prepared:
+        req = parse_chat_request(body) if api == "chat" else parse_completion_request(body)
+        await self.check_model(req.model)
+        now = time.time()
+        # check_model just accepted req.model (the served set may hold several executors' names).
+        limits = protocol.Limits(served_model=req.model,
+                                 max_tokens_default=self.config.max_tokens_default)
+        prefix = "chatcmpl" if api == "chat" else "cmpl"
+        request_id, deadline = f"{prefix}-{uuid.uuid4().hex}", now + self.config.request_timeout_s
+        if isinstance(req, ChatCompletionRequest):
+            generate = protocol.chat_to_generate(req, request_id=request_id, limits=limits,
+                                                 arrival_time=now, deadline=deadline)
+        else:
+            generate = protocol.completion_to_generate(req, request_id=request_id, limits=limits,
+                                                       arrival_time=now, deadline=deadline)
+        stream = bool(req.stream) or force_stream
+        spec = protocol.ResponseSpec(
+            api=api, request_id=generate.request_id, model=req.model, created=int(now),
+            n=generate.params.n, logprobs=generate.params.logprobs,
+            include_usage=stream and bool(req.stream_options and req.stream_options.include_usage),
+            token_text=self.token_text)
+        return Prepared(api, stream, generate, spec)
+
+    async def start(self, p: Prepared, disconnected: Callable[[], Awaitable[None]] | None
+                    ) -> tuple[GenerationStream, RequestOutput]:
+        """Dispatch and wait for the first output. On any exception the stream is closed (aborted)."""
+        stream = GenerationStream(self._bus(), p.generate, self.config.request_timeout_s)
+        try:
+            await stream.open()
+            first = await race_disconnect(stream.next(), disconnected)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await stream.close()
+            raise
+        return stream, first
+
+    async def collect(self, p: Prepared, tracker: RequestTracker,
+                      disconnected: Callable[[], Awaitable[None]] | None) -> dict[str, Any]:
+        """The whole non-streaming response; raises APIError / ClientDisconnected."""
+        builder = protocol.ResponseBuilder(p.spec)
+        stream, out = await self.start(p, disconnected)
+        try:
+            async def fold(out: RequestOutput) -> None:
+                while True:
+                    builder.apply(out, render=False)
+                    tracker.on_tokens(_num_tokens(out))
+                    if builder.finished:
+                        return
+                    out = await stream.next()
+
+            await race_disconnect(fold(out), disconnected)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await stream.close()
+        response = builder.response()
+        tracker.done(200, num_prompt_tokens=response["usage"]["prompt_tokens"],
+                     finish_reasons=[c["finish_reason"] for c in response["choices"]])
+        return response
+
+    async def chunk_events(self, p: Prepared, stream: GenerationStream, first: RequestOutput,
+                           tracker: RequestTracker) -> AsyncIterator[dict[str, Any]]:
+        """Every chunk of a started stream, then the usage chunk if asked; an error ends it with
+        its error body. Closing this iterator early (client gone) closes and aborts the stream."""
+        builder = protocol.ResponseBuilder(p.spec)
+        status = CLIENT_CLOSED  # unless we get to the end
+        try:
+            out = first
+            while True:
+                tracker.on_tokens(_num_tokens(out))
+                for chunk in builder.apply(out):
+                    yield chunk
+                if builder.finished:
+                    break
+                try:
+                    out = await stream.next()
+                except APIError as e:
+                    status = e.status
+                    log.info("%s failed after streaming began: %s", p.generate.request_id, e)
+                    yield e.body()
+                    return
+            if p.spec.include_usage:
+                yield builder.usage_chunk()
+            status = 200
+        finally:
+            # Shielded: this runs while the response is being cancelled (client gone), and the
+            # abort must still reach the bus.
+            with anyio.CancelScope(shield=True):
+                await stream.close()
+            response = builder.response()
+            tracker.done(status, num_prompt_tokens=response["usage"]["prompt_tokens"],
+                         finish_reasons=[c["finish_reason"] for c in response["choices"]])
+
+
+def _num_tokens(out: RequestOutput) -> int:
+    return sum(len(d.token_ids) for d in out.deltas)
+
+
+async def race_disconnect(aw: Awaitable[T], disconnected: Callable[[], Awaitable[None]] | None) -> T:
+    """``await aw``, unless ``disconnected()`` returns first: then cancel it, raise ClientDisconnected."""
+    if disconnected is None:
+        return await aw
+    work = asyncio.ensure_future(aw)
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work, watch):
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(work, watch, return_exceptions=True)
+    if work.done() and not work.cancelled():
+        return work.result()
+    raise ClientDisconnected()

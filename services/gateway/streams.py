@@ -1,0 +1,107 @@
+"""One request's life on the bus, as the gateway sees it.
+
+    open():  SUB llm.v1.stream.<rid>  →  PUB llm.v1.tokenizer.generate (GenerateRequest)
+    next():  StreamOutput → its RequestOutput   |  StreamError → APIError  |  deadline → 504
+    close(): if the request did not end (finished output or error): PUB llm.v1.abort, so the
+             executor frees its KV blocks; then UNSUB.
+
+Subscribe-before-publish on the same connection: the server registers the SUB before it sees the
+PUB, and every stream message is caused by that PUB, so none can be missed (see shared/bus.py).
+Messages of one subject arrive in publish order, so deltas are applied in the executor's order.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+
+from shared import subjects
+from shared.bus import Bus, BusError, BusTimeout, Subscription
+from shared.engine.outputs import RequestOutput
+from shared.messages import (ABORT_REQUEST, GENERATE_REQUEST, STREAM_MESSAGE, AbortRequest,
+                             GenerateRequest, StreamError, StreamOutput)
+
+from .errors import APIError, from_stream_error, request_timeout, service_unavailable
+
+log = logging.getLogger("llmserve.gateway.streams")
+
+
+class GenerationStream:
+    """Use as ``async with GenerationStream(...) as stream:`` — exiting always closes (and aborts
+    an unfinished request), whether the block returned, raised or was cancelled."""
+
+    def __init__(self, bus: Bus, request: GenerateRequest, timeout_s: float) -> None:
+        self.bus = bus
+        self.request = request
+        self.timeout_s = timeout_s
+        self._deadline = time.monotonic() + timeout_s
+        self._sub: Subscription | None = None
+        self.ended = False            # a finished output or an error arrived: nothing to abort
+        self.abort_reason: str | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    async def open(self) -> None:
+        try:
+            self._sub = await self.bus.subscribe_iter(subjects.stream(self.request_id))
+            await self.bus.publish(subjects.TOKENIZER_GENERATE, GENERATE_REQUEST.encode(self.request))
+        except BusError as e:
+            self.ended = True  # nothing was dispatched, nothing to abort
+            raise service_unavailable(f"The message bus is unavailable: {e}") from None
+
+    async def next(self) -> RequestOutput:
+        """The next step's output. Raises APIError for a StreamError, a timeout (504, and the
+        request is marked for abort) or a lost bus (503)."""
+        assert self._sub is not None, "open() first"
+        if self.ended:
+            raise RuntimeError(f"stream of {self.request_id} already ended")
+        remaining = self._deadline - time.monotonic()
+        try:
+            if remaining <= 0:
+                raise BusTimeout("deadline passed")
+            msg = await self._sub.next(timeout=remaining)
+        except BusTimeout:
+            self.abort_reason = "request timeout"
+            raise request_timeout(self.timeout_s) from None
+        except BusError as e:
+            self.abort_reason = "gateway lost the message bus"
+            raise service_unavailable(f"The message bus is unavailable: {e}") from None
+        try:
+            message = STREAM_MESSAGE.decode(msg.data)
+        except msgspec.DecodeError as e:
+            log.error("undecodable message on %s: %s", msg.subject, e)
+            self.abort_reason = "undecodable stream message"
+            raise APIError(500, "The server sent an undecodable stream message.") from None
+        if isinstance(message, StreamError):
+            self.ended = True
+            raise from_stream_error(message)
+        assert isinstance(message, StreamOutput)
+        if message.output.finished:
+            self.ended = True
+        return message.output
+
+    async def close(self, reason: str | None = None) -> None:
+        """Abort (if unfinished) and unsubscribe. Idempotent; never raises: it runs on every exit
+        path, including while the client connection is being torn down."""
+        if not self.ended and self._sub is not None:
+            self.ended = True
+            reason = reason or self.abort_reason or "client disconnected"
+            try:
+                await self.bus.publish(subjects.ABORT, ABORT_REQUEST.encode(
+                    AbortRequest(request_id=self.request_id, reason=reason)))
+            except BusError as e:
+                log.warning("could not publish abort of %s: %s", self.request_id, e)
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            await sub.unsubscribe()
+
+    async def __aenter__(self) -> GenerationStream:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

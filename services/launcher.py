@@ -1,0 +1,360 @@
+"""Start the whole stack as separate processes: nats-server, redis-server, then every service
+(``python -m services.<name>``), wait until it serves, and stop it all again.
+
+Used by ``llmserve up`` and by the test fixture ``stack``, so tests run exactly what users run.
+
+Process invariants:
+- every child runs in its own session (own process group): a terminal Ctrl-C reaches only the
+  launcher, which then stops the children in order (gateway first, servers last) so they can drain;
+- on Linux every child also gets PR_SET_PDEATHSIG=SIGTERM, so a launcher killed with SIGKILL does not
+  leave orphans behind;
+- ``Stack.stop()`` sends SIGTERM to each child's process group, waits ``grace_s``, then SIGKILLs the
+  group; after it returns no child process is alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from shared.servers import LOOPBACK, ServerProcess, detach_child, free_port, start_nats, start_redis
+
+__all__ = ["StackConfig", "Stack", "ServiceProcess", "StackStartError", "launch", "gateway_available",
+           "served_model_name"]
+
+
+class StackStartError(RuntimeError):
+    """A service exited or did not become ready; the message holds its log tail."""
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    model: str | None = None              # GGUF path / HF dir; None = the default SmolLM2
+    model_name: str | None = None         # name served at /v1/models (default: from the model)
+    host: str = LOOPBACK
+    port: int = 8000                      # 0 = a free port
+    num_executors: int = 1
+    num_tokenizers: int = 1
+    num_schedulers: int = 1
+    dtype: str = "bfloat16"
+    memory_budget: str = "2GiB"
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    num_threads: int | None = None        # torch threads per executor (default: cores / executors)
+    max_queue_len: int = 256
+    heartbeat_timeout_s: float = 2.0
+    no_executor_timeout_s: float = 10.0   # queued requests get 503 after this long without executors
+    api_key: str | None = None
+    request_timeout_s: float | None = None
+    nats_url: str | None = None           # use these servers instead of starting our own
+    redis_url: str | None = None
+    log_dir: str | None = None            # children's stderr to <log_dir>/<name>.log; None = ours
+    ready_timeout_s: float = 180.0
+    drain_timeout_s: float = 5.0          # in-flight requests get this long on shutdown
+    extra_env: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("num_executors", "num_tokenizers", "num_schedulers", "max_num_seqs",
+                     "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_queue_len < 0:
+            raise ValueError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        for name in ("heartbeat_timeout_s", "no_executor_timeout_s", "ready_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+
+
+@dataclass
+class ServiceProcess:
+    name: str                          # e.g. "executor-0"
+    argv: list[str]
+    process: subprocess.Popen[bytes]
+    log_path: str | None
+    env: dict[str, str] = field(repr=False, default_factory=dict)
+    num_restarts: int = 0
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, max_chars: int = 4000) -> str:
+        if self.log_path is None:
+            return "(logs went to the launcher's stderr)"
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - max_chars))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def signal_group(self, sig: int) -> None:
+        # The child leads its own group; its own children (if any) go with it.
+        try:
+            os.killpg(self.process.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        """SIGKILL at once (tests use it to simulate a crash)."""
+        self.signal_group(signal.SIGKILL)
+        self.process.wait()
+
+
+def gateway_available() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("services.gateway.__main__") is not None
+
+
+@dataclass
+class Stack:
+    config: StackConfig
+    nats_url: str
+    redis_url: str
+    base_url: str | None                       # None when the gateway is not available
+    services: dict[str, ServiceProcess] = field(default_factory=dict)
+    servers: list[ServerProcess] = field(default_factory=list)
+    _stopped: bool = False
+
+    def pids(self) -> list[int]:
+        return [s.pid for s in self.services.values()] + [s.pid for s in self.servers]
+
+    def start_service(self, name: str, module: str, args: list[str], env: dict[str, str]) -> ServiceProcess:
+        argv = [sys.executable, "-m", module, *args]
+        log_path = os.path.join(self.config.log_dir, f"{name}.log") if self.config.log_dir else None
+        svc = ServiceProcess(name, argv, _spawn(argv, env, log_path), log_path, env)
+        self.services[name] = svc
+        return svc
+
+    def supervise(self, note: Callable[[str], None]) -> None:
+        """Restart any service that exited on its own (``llmserve up`` calls this periodically).
+        A crash loop is slowed by the time a restart takes (model loading) and reported each time."""
+        if self._stopped:
+            return
+        for svc in self.services.values():
+            if svc.alive():
+                continue
+            svc.num_restarts += 1
+            note(f"{svc.name} exited with code {svc.process.returncode}; restarting it "
+                 f"(restart #{svc.num_restarts})\n{svc.log_tail(1500) if svc.log_path else ''}".rstrip())
+            svc.signal_group(signal.SIGKILL)   # leftovers of the old process group, if any
+            svc.process = _spawn(svc.argv, svc.env, svc.log_path)
+
+    def check_alive(self) -> None:
+        for svc in self.services.values():
+            if not svc.alive():
+                raise StackStartError(f"{svc.name} exited with code {svc.process.returncode}:\n"
+                                      f"{svc.log_tail()}")
+
+    def wait_ready(self, progress: Callable[[str], None] | None = None) -> None:
+        """Until GET /health answers 200 (the gateway sees a live executor through the scheduler),
+        or, without a gateway, until the scheduler reports a live executor."""
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        last_note = 0.0
+        while True:
+            self.check_alive()
+            if self._ready():
+                return
+            now = time.monotonic()
+            if now > deadline:
+                tails = "\n".join(f"--- {s.name}:\n{s.log_tail(1500)}" for s in self.services.values())
+                raise StackStartError(f"the stack was not ready within {self.config.ready_timeout_s}s\n{tails}")
+            if progress and now - last_note > 5.0:
+                last_note = now
+                progress("waiting for the executors to load the model and report in...")
+            time.sleep(0.2)
+
+    def _ready(self) -> bool:
+        if self.base_url is not None:
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as r:
+                    return int(r.status) == 200
+            except (urllib.error.URLError, OSError):
+                return False
+        return asyncio.run(_scheduler_has_executor(self.nats_url))
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Drain and stop everything, gateway first and servers last; idempotent. After it returns,
+        every process this stack started has exited. ``grace_s`` (default: the drain timeout + 5 s)
+        is how long each wave may take before SIGKILL."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if grace_s is None:
+            grace_s = self.config.drain_timeout_s + 5.0
+        # The gateway stops taking requests first; then the pipeline drains behind it.
+        order = ["gateway", "tokenizer", "scheduler", "executor"]
+        waves = [[s for s in self.services.values() if s.name.split("-")[0] == kind] for kind in order]
+        for wave in waves:
+            for svc in wave:
+                svc.signal_group(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for svc in wave:
+                try:
+                    svc.process.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    svc.signal_group(signal.SIGKILL)
+                    svc.process.wait()
+                # A child may have left a grandchild in its group: sweep the group regardless.
+                svc.signal_group(signal.SIGKILL)
+        for server in reversed(self.servers):
+            server.stop(timeout=grace_s)
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+async def _scheduler_has_executor(nats_url: str) -> bool:
+    from shared import messages, subjects
+    from shared.bus import Bus, BusError
+
+    try:
+        bus = await Bus.connect(nats_url, "launcher-probe", connect_timeout_s=2)
+    except BusError:
+        return False
+    try:
+        data = await bus.request(subjects.SCHEDULER_STATUS,
+                                 messages.SCHEDULER_STATUS_REQUEST.encode(messages.SchedulerStatusRequest()),
+                                 timeout=1.0)
+        return bool(messages.SCHEDULER_STATUS.decode(data).executors)
+    except BusError:
+        return False
+    finally:
+        await bus.close()
+
+
+def _spawn(argv: list[str], env: dict[str, str], log_path: str | None) -> subprocess.Popen[bytes]:
+    log_file = open(log_path, "ab") if log_path else None
+    try:
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file or None,
+                                stderr=subprocess.STDOUT if log_file else None, env=env,
+                                preexec_fn=detach_child)
+    finally:
+        if log_file:
+            log_file.close()
+
+
+DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def served_model_name(config: StackConfig) -> str:
+    """The name clients send in ``model`` and executors advertise: the flag, else the model file's
+    name without ``.gguf`` (the default model: its plain name)."""
+    if config.model_name:
+        return config.model_name
+    if config.model is None:
+        return DEFAULT_SERVED_MODEL_NAME
+    base = os.path.basename(os.path.normpath(config.model))
+    for suffix in (".gguf", ".GGUF"):
+        base = base.removesuffix(suffix)
+    return "-".join(base.split())
+
+
+def _executor_threads(config: StackConfig) -> int:
+    if config.num_threads is not None:
+        return config.num_threads
+    # Executors on one machine share its cores; they must not each take all of them.
+    return max(1, (os.cpu_count() or 1) // config.num_executors)
+
+
+def launch(config: StackConfig, progress: Callable[[str], None] | None = None,
+           wait: bool = True) -> Stack:
+    """Start servers (unless URLs are given) and every service; wait until ready unless ``wait`` is
+    False. On any failure everything already started is stopped before the error propagates."""
+    note = progress or (lambda _msg: None)
+    servers: list[ServerProcess] = []
+    stack: Stack | None = None
+    try:
+        nats_url = config.nats_url
+        if nats_url is None:
+            servers.append(start_nats())
+            nats_url = servers[-1].url
+            note(f"nats-server on {nats_url}")
+        redis_url = config.redis_url
+        if redis_url is None:
+            servers.append(start_redis())
+            redis_url = servers[-1].url
+            note(f"redis-server on {redis_url}")
+        port = config.port or free_port(config.host)
+        has_gateway = gateway_available()
+        stack = Stack(config, nats_url, redis_url,
+                      f"http://{config.host}:{port}" if has_gateway else None, servers=servers)
+        env = {**os.environ, "NATS_URL": nats_url, "REDIS_URL": redis_url, **dict(config.extra_env)}
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        model = ["--model", config.model] if config.model else []
+        common = ["--nats-url", nats_url]
+
+        for i in range(config.num_executors):
+            args = [*common, *model, "--executor-id", f"executor-{i}", "--dtype", config.dtype,
+                    "--model-name", served_model_name(config),
+                    "--memory-budget", config.memory_budget, "--max-num-seqs", str(config.max_num_seqs),
+                    "--max-num-batched-tokens", str(config.max_num_batched_tokens),
+                    "--num-threads", str(_executor_threads(config)),
+                    "--drain-timeout", str(config.drain_timeout_s)]
+            if config.num_kv_blocks is not None:
+                args += ["--num-kv-blocks", str(config.num_kv_blocks)]
+            if config.max_model_len is not None:
+                args += ["--max-model-len", str(config.max_model_len)]
+            stack.start_service(f"executor-{i}", "services.executor", args, env)
+        for i in range(config.num_schedulers):
+            stack.start_service(f"scheduler-{i}", "services.scheduler",
+                                [*common, "--max-queue-len", str(config.max_queue_len),
+                                 "--heartbeat-timeout", str(config.heartbeat_timeout_s),
+                                 "--no-executor-timeout", str(config.no_executor_timeout_s)], env)
+        for i in range(config.num_tokenizers):
+            args = [*common, *model]
+            if config.max_model_len is not None:
+                args += ["--max-model-len", str(config.max_model_len)]
+            stack.start_service(f"tokenizer-{i}", "services.tokenizer", args, env)
+        if has_gateway:
+            args = [*common, "--host", config.host, "--port", str(port),
+                    "--drain-timeout", str(config.drain_timeout_s)]
+            args += ["--model-name", served_model_name(config)]
+            if config.model:
+                args += ["--tokenizer", config.model]
+            if config.request_timeout_s is not None:
+                args += ["--request-timeout", str(config.request_timeout_s)]
+            # The key goes through the environment, not argv: argv is visible to every user in `ps`.
+            gateway_env = {k: v for k, v in env.items() if k != "LLMSERVE_API_KEY"}
+            if config.api_key:
+                gateway_env["LLMSERVE_API_KEY"] = config.api_key
+            stack.start_service("gateway", "services.gateway", args, gateway_env)
+        else:
+            note("services.gateway is not installed: starting the stack without an HTTP endpoint")
+        if wait:
+            stack.wait_ready(progress)
+        return stack
+    except BaseException:
+        if stack is not None:
+            stack.stop(grace_s=3.0)
+        else:
+            for server in reversed(servers):
+                server.stop()
+        raise

@@ -1,0 +1,116 @@
+"""Turn a ``GenerateRequest`` into a validated ``TokenizedRequest``: render chat messages with the
+model's template, encode, check the length against the context, hash the full blocks.
+
+Pure logic (no NATS, no asyncio); every rejection is a ``PromptError`` carrying the OpenAI error
+fields the gateway returns (400 ``invalid_request_error`` and the offending parameter).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from shared.block_hash import hash_prompt_blocks
+from shared.engine.tokenizer import ChatTemplateError, Tokenizer, read_gguf_metadata
+from shared.messages import GenerateRequest, StreamError, TokenizedRequest
+
+
+class PromptError(ValueError):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def to_stream_error(self, request_id: str) -> StreamError:
+        return StreamError(request_id=request_id, status=400, type="invalid_request_error",
+                           message=str(self), param=self.param)
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    max_model_len: int
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+
+def load_tokenizer(model: str) -> Tokenizer:
+    """The tokenizer alone (no weights): from a GGUF file or a Hugging Face directory."""
+    if os.path.isdir(model):
+        return Tokenizer.from_pretrained_dir(model)
+    if os.path.isfile(model):
+        return Tokenizer.from_gguf(model)
+    raise FileNotFoundError(f"model {model!r} is neither a GGUF file nor a directory")
+
+
+def model_context_len(model: str) -> int:
+    """The model's trained context length, read from its metadata (default 2048, like the loader)."""
+    if os.path.isdir(model):
+        path = os.path.join(model, "config.json")
+        with open(path) as f:
+            config: dict[str, Any] = json.load(f)
+        return int(config.get("max_position_embeddings", 2048))
+    metadata = read_gguf_metadata(model)
+    arch = metadata.get("general.architecture", "llama")
+    return int(metadata.get(f"{arch}.context_length", 2048))
+
+
+def _encode_chat(req: GenerateRequest, tokenizer: Tokenizer) -> list[int]:
+    assert req.messages is not None
+    messages = [{"role": m.role, "content": m.content} for m in req.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+    except ChatTemplateError as e:
+        raise PromptError(f"cannot render the chat template: {e}", "messages") from e
+    # Most templates write BOS themselves; add it only when the model wants one and it is missing.
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    bos = tokenizer.bos_token_id
+    if tokenizer.add_bos_token and bos is not None and ids[:1] != [bos]:
+        ids.insert(0, bos)
+    return ids
+
+
+def prompt_token_ids(req: GenerateRequest, tokenizer: Tokenizer) -> tuple[list[int], str]:
+    """The prompt's ids and the name of the parameter they came from."""
+    given = [name for name in ("prompt", "prompt_token_ids", "messages") if getattr(req, name) is not None]
+    if len(given) != 1:
+        raise PromptError(f"exactly one of prompt, prompt_token_ids or messages must be given, got "
+                          f"{', '.join(given) or 'none'}", "prompt")
+    if req.messages is not None:
+        if not req.messages:
+            raise PromptError("messages must not be empty", "messages")
+        return _encode_chat(req, tokenizer), "messages"
+    if req.prompt is not None:
+        if not req.prompt:
+            raise PromptError("prompt must not be empty", "prompt")
+        return tokenizer.encode(req.prompt, add_special_tokens=True), "prompt"
+    ids = list(req.prompt_token_ids or [])
+    bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
+    if bad:
+        raise PromptError(f"prompt token ids must be in [0, {tokenizer.vocab_size}); got {bad[:5]}", "prompt")
+    return ids, "prompt"
+
+
+def tokenize_request(req: GenerateRequest, tokenizer: Tokenizer, limits: PromptLimits) -> TokenizedRequest:
+    ids, param = prompt_token_ids(req, tokenizer)
+    if not ids:
+        raise PromptError(f"the {param} encodes to zero tokens", param)
+    max_tokens = req.params.max_tokens
+    num_prompt = len(ids)
+    # The prompt must leave room for at least one generated token.
+    if num_prompt >= limits.max_model_len or num_prompt + (max_tokens or 0) > limits.max_model_len:
+        where = "in the messages" if param == "messages" else "in the prompt"
+        raise PromptError(
+            f"This model's maximum context length is {limits.max_model_len} tokens. However, you "
+            f"requested {num_prompt + (max_tokens or 0)} tokens ({num_prompt} {where}, "
+            f"{max_tokens or 0} for the completion). Please reduce the length of the {param} "
+            f"or the completion (max_tokens).",
+            param if num_prompt >= limits.max_model_len or not max_tokens else "max_tokens")
+    return TokenizedRequest(request_id=req.request_id, prompt_token_ids=ids,
+                            block_hashes=hash_prompt_blocks(ids, limits.block_size), params=req.params,
+                            priority=req.priority, arrival_time=req.arrival_time, deadline=req.deadline)

@@ -1,0 +1,75 @@
+"""The tokenizer actor: GenerateRequest (queue group) → TokenizedRequest to the scheduler, or a 400
+StreamError straight to the request's stream. Trace headers are passed along unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import msgspec
+
+from services.tokenizer.prompts import PromptError, PromptLimits, tokenize_request
+from shared import messages, subjects
+from shared.bus import Bus, Msg
+from shared.engine.tokenizer import Tokenizer
+
+log = logging.getLogger("llmserve.tokenizer")
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    nats_url: str
+    model: str
+    max_model_len: int | None = None   # None: the model's context length
+    block_size: int = 16
+    name: str = "tokenizer"
+
+    def __post_init__(self) -> None:
+        if not self.nats_url:
+            raise ValueError("nats_url must not be empty")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+
+class TokenizerService:
+    def __init__(self, bus: Bus, tokenizer: Tokenizer, limits: PromptLimits) -> None:
+        self.bus = bus
+        self.tokenizer = tokenizer
+        self.limits = limits
+
+    async def start(self) -> None:
+        await self.bus.subscribe(subjects.TOKENIZER_GENERATE, self._on_generate, queue=subjects.QUEUE_TOKENIZER)
+        await self.bus.flush()
+
+    async def _on_generate(self, msg: Msg) -> None:
+        try:
+            req = messages.GENERATE_REQUEST.decode(msg.data)
+        except msgspec.DecodeError as e:  # no request id to answer to: only a log line is possible
+            log.error("dropping a malformed GenerateRequest: %s", e)
+            return
+        try:
+            tokenized = tokenize_request(req, self.tokenizer, self.limits)
+        except PromptError as e:
+            await self.bus.publish(subjects.stream(req.request_id),
+                                   messages.STREAM_MESSAGE.encode(e.to_stream_error(req.request_id)))
+            return
+        except Exception as e:  # a tokenizer bug must still end the request, not leave it hanging
+            log.exception("tokenizing %s failed", req.request_id)
+            error = messages.StreamError(request_id=req.request_id, status=500,
+                                         message=f"tokenizer failed: {e}")
+            await self.bus.publish(subjects.stream(req.request_id), messages.STREAM_MESSAGE.encode(error))
+            return
+        await self.bus.publish(subjects.SCHEDULER_SUBMIT, messages.TOKENIZED_REQUEST.encode(tokenized),
+                               headers=msg.headers)
+
+
+async def serve(config: TokenizerConfig, tokenizer: Tokenizer, limits: PromptLimits,
+                stop: asyncio.Event) -> None:
+    bus = await Bus.connect(config.nats_url, config.name)
+    await TokenizerService(bus, tokenizer, limits).start()
+    log.info("tokenizer ready (max_model_len=%d, block_size=%d)", limits.max_model_len, limits.block_size)
+    await stop.wait()
+    await bus.drain()

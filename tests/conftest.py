@@ -1,0 +1,55 @@
+"""Shared pytest fixtures. Each engineer's fixtures live in their own delimited block below."""
+
+from __future__ import annotations
+
+# =============================================================================================
+# Model runtime fixtures (real SmolLM2-135M-Instruct and its transformers reference).
+# All session-scoped: loading the transformers reference alone takes ~20 s on this machine.
+# =============================================================================================
+import os
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    """Path of the default model's GGUF (SmolLM2-135M-Instruct, Q4_1)."""
+    from shared.engine.default_model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_path):
+    """Our tokenizer, built from the GGUF's metadata."""
+    from shared.engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def hf_reference_model(smollm2_path):
+    """transformers' LlamaForCausalLM loaded from the same GGUF (dequantized), fp32, eval mode."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path), dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def runtime_fp32(smollm2_path):
+    """Our LlamaModel for SmolLM2 in fp32 (no KV cache: build one per test, see helpers.greedy)."""
+    from shared.engine.models.loader import load_model
+
+    return load_model(smollm2_path, dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="session")
+def runtime_bf16(smollm2_path):
+    """Our LlamaModel for SmolLM2 in bf16 (CPU: linears pre-packed for oneDNN)."""
+    from shared.engine.models.loader import load_model
+
+    return load_model(smollm2_path, dtype="bfloat16", progress=False)
+
+# ============================================================================ end model runtime

@@ -1,0 +1,95 @@
+"""Greedy generation through the paged runtime, the way the engine drives it: one prefill (optionally
+chunked) through ``ScheduledChunk``s, then one token per step, against a block table of distinct
+non-zero block ids (block 0 is padding and must never be written)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.engine.kv_cache import KVCache
+from shared.engine.model_runner import ModelRunner, ScheduledChunk
+from shared.engine.models.llama import LlamaModel
+
+BLOCK_SIZE = 16
+
+
+def blocks_needed(num_tokens: int, block_size: int = BLOCK_SIZE) -> int:
+    return -(-num_tokens // block_size)
+
+
+def make_runner(model: LlamaModel, num_blocks: int, block_size: int = BLOCK_SIZE) -> ModelRunner:
+    """A runner over a fresh, zeroed KV cache in the model's dtype."""
+    return ModelRunner(model, KVCache(model.config, num_blocks, block_size, model.dtype))
+
+
+def shuffled_block_table(num_blocks_needed: int, num_blocks_in_cache: int,
+                         rng: random.Random | None = None, exclude: set[int] | None = None) -> list[int]:
+    """Distinct, non-zero, non-contiguous block ids in random order (never block 0)."""
+    rng = rng or random.Random(0)
+    pool = [b for b in range(1, num_blocks_in_cache) if not exclude or b not in exclude]
+    if len(pool) < num_blocks_needed:
+        raise ValueError(f"cache of {num_blocks_in_cache} blocks cannot give {num_blocks_needed} free blocks")
+    return rng.sample(pool, num_blocks_needed)
+
+
+@dataclass
+class GreedyResult:
+    token_ids: list[int]                                            # new tokens only
+    logits: list[torch.Tensor] = field(default_factory=list)       # fp32 [vocab] per step, if kept
+
+
+def greedy_generate(model: LlamaModel, prompt_ids: list[int], max_new_tokens: int, *,
+                    chunk_size: int | None = None, block_size: int = BLOCK_SIZE,
+                    seed: int = 0, keep_logits: bool = False,
+                    stop_token_ids: tuple[int, ...] = ()) -> GreedyResult:
+    """Greedy decode of ``max_new_tokens`` (fewer if a stop token is produced; it is kept).
+
+    The cache has a few spare blocks so the shuffled table is genuinely scattered."""
+    if not prompt_ids:
+        raise ValueError("prompt_ids must not be empty")
+    total = len(prompt_ids) + max_new_tokens
+    needed = blocks_needed(total, block_size)
+    runner = make_runner(model, num_blocks=2 * needed + 3, block_size=block_size)
+    table = shuffled_block_table(needed, runner.kv_cache.num_blocks, random.Random(seed))
+
+    chunk = chunk_size or len(prompt_ids)
+    logits = None
+    for start in range(0, len(prompt_ids), chunk):
+        ids = prompt_ids[start:start + chunk]
+        last = start + len(ids) == len(prompt_ids)
+        out = runner.execute([ScheduledChunk(ids, start, table, need_logits=last)])
+        if last:
+            logits = out[0]
+    result = GreedyResult([])
+    position = len(prompt_ids)
+    while True:
+        assert logits is not None
+        if keep_logits:
+            result.logits.append(logits.clone())
+        token = int(torch.argmax(logits))
+        result.token_ids.append(token)
+        if len(result.token_ids) == max_new_tokens or token in stop_token_ids:
+            break
+        logits = runner.execute([ScheduledChunk([token], position, table)])[0]
+        position += 1
+    # Block 0 is padding: nothing may ever be written to it.
+    assert not runner.kv_cache.storage[:, :, 0].any(), "block 0 (padding) was written"
+    return result
+
+
+def all_position_logits(model: LlamaModel, token_ids: list[int], block_size: int = BLOCK_SIZE,
+                        seed: int = 0) -> torch.Tensor:
+    """fp32 logits [len(token_ids), vocab] at every position of one paged prefill (teacher forcing):
+    row i is the distribution of the token after ``token_ids[:i + 1]``."""
+    from shared.engine.attention.metadata import build_attention_metadata
+
+    needed = blocks_needed(len(token_ids), block_size)
+    kv = KVCache(model.config, 2 * needed + 3, block_size, model.dtype)
+    table = shuffled_block_table(needed, kv.num_blocks, random.Random(seed))
+    meta = build_attention_metadata(query_lens=[len(token_ids)], num_computed=[0], block_tables=[table],
+                                    block_size=block_size)
+    hidden = model(torch.tensor(token_ids, dtype=torch.int64), kv.layers, meta)
+    return model.compute_logits(hidden)

@@ -1,0 +1,266 @@
+"""Test support for the gateway: a FAKE backend on a real NATS server, and the real gateway process.
+
+``FakeBackend`` plays tokenizer + scheduler + executor in one: it consumes GenerateRequests on
+TOKENIZER_GENERATE and publishes scripted StreamOutput / StreamError on the request's stream
+subject, records AbortRequests, and answers SCHEDULER_STATUS. It runs its own event loop in a
+thread, so tests stay synchronous (plain httpx / websockets clients against a real server).
+
+The script is chosen by a keyword in the prompt (completions) or last message (chat):
+
+    (default)         n choices; choice i emits max_tokens - i tokens "c{i}.{step} ", one per step;
+                      choice 0 ends with 'length', the others with 'stop'. Even steps carry every
+                      choice in one message, odd steps one message per choice (in reverse order).
+    error429          StreamError 429 with retry_after_s=1.5, before any output
+    error400          StreamError 400 (param 'prompt'), as the tokenizer sends for a too-long prompt
+    fail_after_first  one output, then StreamError 503
+    hang              nothing at all
+    slow              one token every 50 ms (up to 2000) until aborted
+    garbage           an undecodable message
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import httpx
+
+from shared import subjects
+from shared.bus import Bus
+from shared.engine.outputs import CompletionDelta, RequestOutput, TokenLogprobs
+from shared.messages import (ABORT_REQUEST, GENERATE_REQUEST, SCHEDULER_STATUS, STREAM_MESSAGE,
+                             AbortRequest, ExecutorStatus, GenerateRequest, SchedulerStatus,
+                             StreamError, StreamOutput)
+from shared.servers import free_port
+
+FAKE_MODEL = "fake-model"
+NUM_PROMPT_TOKENS = 7
+
+
+def token_text(choice: int, step: int) -> str:
+    return f"c{choice}.{step} "
+
+
+def token_id(choice: int, step: int) -> int:
+    return 1000 + 100 * choice + step
+
+
+def expected_text(choice: int, max_tokens: int) -> str:
+    return "".join(token_text(choice, s) for s in range(max_tokens - choice))
+
+
+class FakeBackend:
+    def __init__(self, nats_url: str) -> None:
+        self.nats_url = nats_url
+        self.requests: dict[str, GenerateRequest] = {}
+        self.aborts: list[AbortRequest] = []
+        self.num_executors = 1
+        self._aborted: dict[str, asyncio.Event] = {}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="fake-backend")
+        self._bus: Bus | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- lifecycle (called from the test thread) -------------------------------------------------
+
+    def start(self) -> FakeBackend:
+        self._thread.start()
+        self._call(self._start())
+        return self
+
+    def stop(self) -> None:
+        self._call(self._stop())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    def _call(self, coro: Any, timeout: float = 10.0) -> Any:
+        fut: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return fut.result(timeout)
+
+    def wait_abort(self, request_id: str | None = None, timeout: float = 5.0) -> AbortRequest:
+        """The abort of ``request_id`` (or the first abort of any request) once it arrives."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for a in list(self.aborts):
+                if request_id is None or a.request_id == request_id:
+                    return a
+            time.sleep(0.02)
+        raise AssertionError(f"no AbortRequest for {request_id or 'any request'} within {timeout}s; "
+                             f"got {self.aborts}")
+
+    def request_for(self, keyword: str) -> GenerateRequest:
+        found = [r for r in list(self.requests.values()) if keyword in _prompt_text(r)]
+        assert found, f"no request with {keyword!r} reached the backend"
+        return found[-1]
+
+    # -- the backend (its own loop) -----------------------------------------------------------------
+
+    async def _start(self) -> None:
+        self._bus = bus = await Bus.connect(self.nats_url, "fake-backend")
+        await bus.subscribe(subjects.TOKENIZER_GENERATE, self._on_generate, queue=subjects.QUEUE_TOKENIZER)
+        await bus.subscribe(subjects.ABORT, self._on_abort)
+        await bus.subscribe(subjects.SCHEDULER_STATUS, self._on_status)
+        await bus.flush()
+
+    async def _stop(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        if self._bus is not None:
+            await self._bus.close()
+
+    async def _on_status(self, msg: Any) -> None:
+        executors = [ExecutorStatus(executor_id=f"fake-{i}", model=FAKE_MODEL, num_free_blocks=10,
+                                    num_total_blocks=10, num_running=0, num_waiting=0,
+                                    num_in_flight=0, last_heartbeat_age_s=0.1)
+                     for i in range(self.num_executors)]
+        await msg.respond(SCHEDULER_STATUS.encode(SchedulerStatus(executors=executors, num_queued=0,
+                                                                  max_queue_len=8)))
+
+    async def _on_abort(self, msg: Any) -> None:
+        abort = ABORT_REQUEST.decode(msg.data)
+        self.aborts.append(abort)
+        self._aborted.setdefault(abort.request_id, asyncio.Event()).set()
+
+    async def _on_generate(self, msg: Any) -> None:
+        req = GENERATE_REQUEST.decode(msg.data)
+        self.requests[req.request_id] = req
+        self._aborted.setdefault(req.request_id, asyncio.Event())
+        task = asyncio.create_task(self._play(req))  # don't block the next request
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, rid: str, message: StreamOutput | StreamError) -> None:
+        assert self._bus is not None
+        await self._bus.publish(subjects.stream(rid), STREAM_MESSAGE.encode(message))
+
+    async def _output(self, req: GenerateRequest, deltas: list[CompletionDelta], finished: bool) -> None:
+        out = RequestOutput(request_id=req.request_id, deltas=deltas, num_prompt_tokens=NUM_PROMPT_TOKENS,
+                            num_cached_tokens=0, finished=finished)
+        await self._send(req.request_id, StreamOutput(executor_id="fake-0", output=out))
+
+    def _delta(self, req: GenerateRequest, choice: int, step: int, last: bool) -> CompletionDelta:
+        tid = token_id(choice, step)
+        n_top = req.params.logprobs
+        logprobs = None if n_top is None else [
+            TokenLogprobs(token_id=tid, logprob=-0.25, rank=1, top=[(tid, -0.25), (5, -2.0)][:n_top])]
+        return CompletionDelta(index=choice, token_ids=[tid], text=token_text(choice, step),
+                               logprobs=logprobs,
+                               finish_reason=("length" if choice == 0 else "stop") if last else None)
+
+    async def _play(self, req: GenerateRequest) -> None:
+        text = _prompt_text(req)
+        rid = req.request_id
+        if "error429" in text:
+            await self._send(rid, StreamError(request_id=rid, status=429, message="queue is full",
+                                              type="rate_limit_error", retry_after_s=1.5))
+        elif "error400" in text:
+            await self._send(rid, StreamError(request_id=rid, status=400, type="invalid_request_error",
+                                              message="prompt is too long", param="prompt"))
+        elif "fail_after_first" in text:
+            await self._output(req, [self._delta(req, 0, 0, False)], False)
+            await asyncio.sleep(0.05)
+            await self._send(rid, StreamError(request_id=rid, status=503, message="executor died"))
+        elif "garbage" in text:
+            assert self._bus is not None
+            await self._bus.publish(subjects.stream(rid), b"\xc1 not msgpack")
+        elif "hang" in text:
+            pass
+        elif "slow" in text:
+            for step in range(2000):
+                if self._aborted[rid].is_set():
+                    return
+                await self._output(req, [self._delta(req, 0, step, False)], False)
+                await asyncio.sleep(0.05)
+        else:
+            await self._play_script(req)
+
+    async def _play_script(self, req: GenerateRequest) -> None:
+        n, max_tokens = req.params.n, req.params.max_tokens or 16
+        lengths = [max_tokens - i for i in range(n)]
+        for step in range(max_tokens):
+            deltas = [self._delta(req, i, step, step == lengths[i] - 1)
+                      for i in range(n) if step < lengths[i]]
+            last_step = step == max_tokens - 1
+            if step % 2 == 0:
+                await self._output(req, deltas, last_step)
+            else:
+                for j, delta in enumerate(reversed(deltas)):
+                    await self._output(req, [delta], last_step and j == len(deltas) - 1)
+
+
+def _prompt_text(req: GenerateRequest) -> str:
+    if req.messages:
+        return req.messages[-1].content
+    return req.prompt or ""
+
+
+class GatewayProcess:
+    """``python -m services.gateway`` on a free loopback port (a real uvicorn server: streams are
+    seen as a client sees them, unlike httpx's in-process ASGI transport, which buffers them)."""
+
+    def __init__(self, nats_url: str, *args: str, api_key: str | None = None) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        argv = [sys.executable, "-m", "services.gateway", "--nats-url", nats_url,
+                "--port", str(self.port), "--tokenizer", "none", "--log-level", "warning", *args]
+        if api_key:
+            argv += ["--api-key", api_key]
+        self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"gateway exited: {self.output()}")
+            try:
+                if httpx.get(self.base_url + "/metrics", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"gateway not ready in {timeout}s: {self.output()}")
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def output(self) -> str:
+        if self.process.poll() is None:
+            return "(still running)"
+        assert self.process.stdout is not None
+        return self.process.stdout.read().decode(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def sse_events(raw: str) -> list[str]:
+    """The data payloads of an SSE body, asserting the exact framing: ``data: ...\\n\\n`` only."""
+    assert raw.endswith("\n\n"), raw[-200:]
+    events = raw[:-2].split("\n\n")
+    for e in events:
+        assert e.startswith("data: ") and "\n" not in e, e
+    return [e[len("data: "):] for e in events]
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.02)

@@ -1,0 +1,152 @@
+"""shared.bus against a real nats-server: publish/subscribe, queue groups, request/reply and its
+timeout, handler errors not killing a subscription, iterator subscriptions, max_payload."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from shared.bus import Bus, BusError, BusNoResponders, BusTimeout
+from shared.servers import start_nats
+
+SUBJECT = "test.bus.a"
+
+
+def test_publish_subscribe_in_order(nats_url):
+    async def main() -> None:
+        async with await Bus.connect(nats_url, "sub") as sub_bus, await Bus.connect(nats_url, "pub") as pub_bus:
+            got: list[bytes] = []
+            done = asyncio.Event()
+
+            async def handler(msg) -> None:
+                got.append(msg.data)
+                if len(got) == 100:
+                    done.set()
+
+            await sub_bus.subscribe(SUBJECT + ".order", handler)
+            await sub_bus.flush()
+            for i in range(100):
+                await pub_bus.publish(SUBJECT + ".order", str(i).encode(), headers={"traceparent": "x"})
+            await asyncio.wait_for(done.wait(), 5)
+            assert got == [str(i).encode() for i in range(100)]
+
+    asyncio.run(main())
+
+
+def test_queue_group_delivers_each_message_once(nats_url):
+    async def main() -> None:
+        buses = [await Bus.connect(nats_url, f"member-{i}") for i in range(3)]
+        pub = await Bus.connect(nats_url, "pub")
+        counts = [0, 0, 0]
+        total = asyncio.Event()
+
+        def make_handler(i: int):
+            async def handler(msg) -> None:
+                counts[i] += 1
+                if sum(counts) == 60:
+                    total.set()
+            return handler
+
+        for i, b in enumerate(buses):
+            await b.subscribe(SUBJECT + ".q", make_handler(i), queue="workers")
+            await b.flush()
+        for i in range(60):
+            await pub.publish(SUBJECT + ".q", b"x")
+        await asyncio.wait_for(total.wait(), 5)
+        await asyncio.sleep(0.1)
+        assert sum(counts) == 60
+        assert sum(1 for c in counts if c > 0) >= 2  # spread over members, not all to one
+        for b in [*buses, pub]:
+            await b.close()
+
+    asyncio.run(main())
+
+
+def test_request_reply_timeout_and_no_responders(nats_url):
+    async def main() -> None:
+        async with await Bus.connect(nats_url, "srv") as srv, await Bus.connect(nats_url, "cli") as cli:
+            async def echo(msg) -> None:
+                await msg.respond(b"re:" + msg.data)
+
+            async def silent(msg) -> None:
+                pass
+
+            await srv.subscribe(SUBJECT + ".echo", echo)
+            await srv.subscribe(SUBJECT + ".silent", silent)
+            await srv.flush()
+            assert await cli.request(SUBJECT + ".echo", b"hi", timeout=2) == b"re:hi"
+            with pytest.raises(BusTimeout, match="no reply"):
+                await cli.request(SUBJECT + ".silent", b"hi", timeout=0.2)
+            with pytest.raises(BusNoResponders, match="no service"):
+                await cli.request(SUBJECT + ".nobody", b"hi", timeout=2)
+
+    asyncio.run(main())
+
+
+def test_handler_exception_keeps_subscription(nats_url, caplog):
+    async def main() -> None:
+        async with await Bus.connect(nats_url, "b") as bus:
+            got: list[bytes] = []
+            done = asyncio.Event()
+
+            async def handler(msg) -> None:
+                if msg.data == b"boom":
+                    raise RuntimeError("handler bug")
+                got.append(msg.data)
+                done.set()
+
+            await bus.subscribe(SUBJECT + ".err", handler)
+            await bus.publish(SUBJECT + ".err", b"boom")
+            await bus.publish(SUBJECT + ".err", b"ok")
+            await asyncio.wait_for(done.wait(), 5)
+            assert got == [b"ok"]
+
+    with caplog.at_level("ERROR", logger="llmserve.bus"):
+        asyncio.run(main())
+    assert any("handler bug" in (r.exc_text or "") or r.exc_info for r in caplog.records)
+
+
+def test_subscribe_iter(nats_url):
+    async def main() -> None:
+        async with await Bus.connect(nats_url, "b") as bus:
+            async with await bus.subscribe_iter(SUBJECT + ".iter") as sub:
+                for i in range(3):
+                    await bus.publish(SUBJECT + ".iter", bytes([i]))
+                got = []
+                async for msg in sub:
+                    got.append(msg.data)
+                    if len(got) == 3:
+                        break
+                assert got == [b"\x00", b"\x01", b"\x02"]
+                with pytest.raises(BusTimeout):
+                    await sub.next(timeout=0.1)
+            await sub.unsubscribe()  # idempotent
+
+    asyncio.run(main())
+
+
+def test_max_payload_is_raised_and_enforced():
+    server = start_nats(max_payload=2 * 1024 * 1024)
+
+    async def main() -> None:
+        async with await Bus.connect(server.url, "b") as bus:
+            assert bus.max_payload == 2 * 1024 * 1024
+            async with await bus.subscribe_iter(SUBJECT + ".big") as sub:
+                await bus.publish(SUBJECT + ".big", b"x" * (1024 * 1024 + 5))  # over nats' 1 MiB default
+                assert len((await sub.next(5)).data) == 1024 * 1024 + 5
+            with pytest.raises(BusError, match="max_payload"):
+                await bus.publish(SUBJECT + ".big", b"x" * (3 * 1024 * 1024))
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.stop()
+
+
+def test_connect_failure_is_clear():
+    async def main() -> None:
+        with pytest.raises(BusError, match="cannot connect"):
+            await Bus.connect("nats://127.0.0.1:1", "x", connect_timeout_s=0.5)
+
+    asyncio.run(main())

@@ -1,0 +1,239 @@
+"""The executor: its engine thread (EngineWorker, synchronously with a fake engine) and the service
+over a real nats-server with the real SmolLM2 engine: greedy output over NATS equals the engine run
+directly, progress and heartbeats, 400 on a bad request, abort, and drain."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import uuid
+
+import pytest
+
+from services.executor.service import ExecutorService, ExecutorServiceConfig
+from services.executor.worker import Abort, Aborted, Add, EngineWorker, Failed, Outputs, Rejected
+from shared import messages, subjects
+from shared.bus import Bus
+from shared.messages import (AbortRequest, CompletionDelta, EngineStats, ExecuteRequest, RequestOutput,
+                             SamplingParams, StreamError, StreamOutput)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+# -- the engine thread, with a fake engine ------------------------------------------------------------
+
+class FakeEngine:
+    """Each request yields one token per step, ``max_tokens`` of them; prompt [0] is rejected,
+    prompt [666] makes the step raise."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, list[int]] = {}
+        self.thread_ids: set[int] = set()
+
+    def add_request(self, request_id, prompt, params, *, priority=0):
+        self.thread_ids.add(threading.get_ident())
+        if prompt == [0]:
+            raise ValueError("prompt is empty")
+        self.requests[request_id] = [params.max_tokens, 0, prompt[0]]
+
+    def step(self):
+        self.thread_ids.add(threading.get_ident())
+        outs = []
+        for rid, state in list(self.requests.items()):
+            if state[2] == 666:
+                raise RuntimeError("kernel exploded")
+            state[1] += 1
+            done = state[1] == state[0]
+            outs.append(RequestOutput(request_id=rid, num_prompt_tokens=1, num_cached_tokens=0, finished=done,
+                                      deltas=[CompletionDelta(index=0, token_ids=[state[1]], text=str(state[1]),
+                                                              finish_reason="length" if done else None)]))
+            if done:
+                del self.requests[rid]
+        return outs
+
+    def abort(self, request_id):
+        return self.requests.pop(request_id, None) is not None
+
+    def has_unfinished(self):
+        return bool(self.requests)
+
+    def stats(self):
+        return EngineStats(num_running=len(self.requests), num_waiting=0, num_total_blocks=10, num_free_blocks=10,
+                           kv_cache_usage=0.0, prefix_cache_queries_tokens=0, prefix_cache_hits_tokens=0,
+                           num_preemptions=0, num_prompt_tokens=0, num_computed_tokens=0,
+                           num_generated_tokens=0, num_steps=0, last_step_num_tokens=0)
+
+
+def run_worker(commands, until):
+    """Start a worker on a FakeEngine, feed commands, collect events until ``until(events)``."""
+    engine = FakeEngine()
+    worker = EngineWorker(engine)
+    got: queue.SimpleQueue = queue.SimpleQueue()
+    worker.start(lambda evs: [got.put(e) for e in evs])
+    for c in commands:
+        worker.submit(c)
+    events = []
+    while not until(events):
+        events.append(got.get(timeout=5))
+    worker.stop(5)
+    assert not worker.alive
+    assert engine.thread_ids == {worker._thread.ident}          # only the engine thread touched it
+    return events
+
+
+def ex(rid: str, prompt: list[int], max_tokens: int = 3) -> Add:
+    return Add(ExecuteRequest(request_id=rid, prompt_token_ids=prompt, params=SamplingParams(max_tokens=max_tokens)))
+
+
+def finished(events, rid):
+    return any(isinstance(e, Outputs) and any(o.request_id == rid and o.finished for o in e.outputs) for e in events)
+
+
+def test_worker_steps_until_done_and_rejects_bad_requests():
+    events = run_worker([ex("a", [5]), ex("bad", [0])], lambda evs: finished(evs, "a"))
+    assert Rejected("bad", "prompt is empty") in events
+    tokens = [d.token_ids[0] for e in events if isinstance(e, Outputs) for o in e.outputs for d in o.deltas]
+    assert tokens == [1, 2, 3]
+
+
+def test_worker_abort_and_failed_step():
+    events = run_worker([ex("a", [5], max_tokens=10**6), Abort("a"), Abort("unknown")],
+                        lambda evs: sum(isinstance(e, Aborted) for e in evs) == 2)
+    assert Aborted("a", True) in events and Aborted("unknown", False) in events
+    events = run_worker([ex("x", [666])], lambda evs: any(isinstance(e, Failed) for e in evs))
+    failure = next(e for e in events if isinstance(e, Failed))
+    assert failure.request_ids == ["x"] and "kernel exploded" in failure.message
+
+
+# -- the service over NATS, with the real engine ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def engine():
+    from shared.engine.engine import Engine, EngineConfig
+    return Engine(EngineConfig(dtype="float32", num_kv_blocks=64, max_num_seqs=4, num_threads=1), progress=False)
+
+
+def direct_greedy(engine, prompt_ids: list[int], params: SamplingParams) -> list[int]:
+    engine.add_request("direct", prompt_ids, params)
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.deltas[0].token_ids
+    return tokens
+
+
+class Client:
+    """Plays scheduler + gateway: sends ExecuteRequests and records streams, progress, heartbeats."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.progress: list[tuple[str, str]] = []
+        self.heartbeats: list[messages.ExecutorHeartbeat] = []
+
+    async def start(self) -> None:
+        async def on_progress(msg) -> None:
+            p = messages.REQUEST_PROGRESS.decode(msg.data)
+            self.progress.append((p.request_id, p.state))
+
+        async def on_heartbeat(msg) -> None:
+            self.heartbeats.append(messages.EXECUTOR_HEARTBEAT.decode(msg.data))
+
+        await self.bus.subscribe(subjects.SCHEDULER_PROGRESS, on_progress)
+        await self.bus.subscribe(subjects.EXECUTOR_STATS_ALL, on_heartbeat)
+        await self.bus.flush()
+
+    async def run(self, executor_id: str, rid: str, prompt: list[int], params: SamplingParams,
+                  abort_after: int | None = None) -> list:
+        out = []
+        async with await self.bus.subscribe_iter(subjects.stream(rid)) as sub:
+            await self.bus.publish(subjects.executor_decode(executor_id), messages.EXECUTE_REQUEST.encode(
+                ExecuteRequest(request_id=rid, prompt_token_ids=prompt, params=params)))
+            while True:
+                msg = messages.STREAM_MESSAGE.decode((await sub.next(60)).data)
+                out.append(msg)
+                if abort_after is not None and len(out) == abort_after:
+                    await self.bus.publish(subjects.ABORT, messages.ABORT_REQUEST.encode(AbortRequest(request_id=rid)))
+                if isinstance(msg, StreamError) or msg.output.finished:
+                    return out
+
+
+async def wait_for(predicate, timeout: float = 5.0) -> None:
+    for _ in range(int(timeout / 0.02)):
+        if predicate():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+def test_service_over_nats_matches_engine(nats_url, engine):
+    prompt = engine.tokenizer.encode("The capital of France is")
+    expected = direct_greedy(engine, prompt, GREEDY)
+    assert len(expected) == 12
+
+    async def main() -> None:
+        service_bus = await Bus.connect(nats_url, "executor-test")
+        service = ExecutorService(service_bus, EngineWorker(engine, num_threads=1), ExecutorServiceConfig(
+            executor_id="ex-test", model_name=engine.model_name, max_model_len=engine.max_model_len,
+            block_size=16, max_num_seqs=4, heartbeat_interval_s=0.1, drain_timeout_s=0.5))
+        client = Client(await Bus.connect(nats_url, "client-test"))
+        await client.start()
+        await service.start()
+        try:
+            # Greedy output over NATS equals the engine run directly, and streams in several deltas.
+            rid = uuid.uuid4().hex
+            outs = await client.run("ex-test", rid, prompt, GREEDY)
+            assert all(isinstance(o, StreamOutput) and o.executor_id == "ex-test" for o in outs)
+            assert [t for o in outs for t in o.output.deltas[0].token_ids] == expected
+            assert len(outs) > 1 and outs[-1].output.deltas[0].finish_reason == "length"
+            assert "".join(o.output.deltas[0].text for o in outs) == engine.tokenizer.decode(expected)
+            await wait_for(lambda: (rid, "finished") in client.progress)
+            assert [s for r, s in client.progress if r == rid] == ["started", "finished"]
+
+            # Two at once: both complete with the same greedy tokens (batched together).
+            r1, r2 = uuid.uuid4().hex, uuid.uuid4().hex
+            a, b = await asyncio.gather(client.run("ex-test", r1, prompt, GREEDY),
+                                        client.run("ex-test", r2, prompt, GREEDY))
+            for outs in (a, b):
+                assert [t for o in outs for t in o.output.deltas[0].token_ids] == expected
+
+            # A request the engine refuses: 400 and 'finished' (no 'started').
+            bad = uuid.uuid4().hex
+            outs = await client.run("ex-test", bad, [10**8], GREEDY)
+            assert isinstance(outs[-1], StreamError) and outs[-1].status == 400
+            assert outs[-1].type == "invalid_request_error" and "vocabulary" in outs[-1].message
+            await wait_for(lambda: (bad, "finished") in client.progress)
+            assert (bad, "started") not in client.progress
+
+            # Abort mid-generation: a final 'abort' output, then 'finished'; the KV blocks come back.
+            long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+            ab = uuid.uuid4().hex
+            outs = await client.run("ex-test", ab, prompt, long, abort_after=2)
+            assert outs[-1].output.finished and outs[-1].output.deltas[0].finish_reason == "abort"
+            assert sum(len(o.output.deltas[0].token_ids) for o in outs) < 200
+            await wait_for(lambda: (ab, "finished") in client.progress)
+
+            # Heartbeats: one epoch, the engine's numbers (nothing running once the abort is applied).
+            await wait_for(lambda: len(client.heartbeats) >= 3 and client.heartbeats[-1].stats.num_running == 0)
+            hb = client.heartbeats[-1]
+            assert {h.epoch for h in client.heartbeats} == {service.epoch}
+            assert (hb.executor_id, hb.role, hb.max_num_seqs, hb.draining) == ("ex-test", "both", 4, False)
+            assert hb.stats.num_total_blocks == 63 and hb.stats.num_free_blocks == 63
+
+            # Drain: an in-flight request that cannot finish in drain_timeout gets a 503 error event;
+            # a request arriving while draining gets 503 at once; heartbeats say draining.
+            slow = uuid.uuid4().hex
+            task = asyncio.create_task(client.run("ex-test", slow, prompt, long))
+            await wait_for(lambda: (slow, "started") in client.progress, 30)
+            await service.drain()
+            outs = await asyncio.wait_for(task, 10)
+            assert isinstance(outs[-1], StreamError) and outs[-1].status == 503
+            assert "shut down" in outs[-1].message
+            assert client.heartbeats[-1].draining
+            late = await client.run("ex-test", uuid.uuid4().hex, prompt, GREEDY)
+            assert isinstance(late[-1], StreamError) and late[-1].status == 503
+        finally:
+            await client.bus.close()
+            await service_bus.close()
+
+    asyncio.run(main())

@@ -1,0 +1,158 @@
+"""The tokenizer service over a real nats-server: chat and text requests reach SCHEDULER_SUBMIT as
+ids + block hashes, bad ones end on the request's stream with a 400 StreamError; and the
+``python -m services.tokenizer`` process itself starts, serves and drains on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from services.tokenizer.prompts import PromptError, PromptLimits, model_context_len, tokenize_request
+from services.tokenizer.service import TokenizerService
+from shared import messages, subjects
+from shared.block_hash import hash_prompt_blocks
+from shared.bus import Bus
+from shared.messages import ChatMessage, GenerateRequest, SamplingParams, StreamError
+
+LIMITS = PromptLimits(max_model_len=64, block_size=4)
+
+
+def gen(**kw) -> GenerateRequest:
+    kw.setdefault("params", SamplingParams(max_tokens=8))
+    return GenerateRequest(request_id=kw.pop("request_id", uuid.uuid4().hex), model="m", **kw)
+
+
+# -- pure logic ----------------------------------------------------------------------------------
+
+def test_chat_is_rendered_with_the_template(smollm2_tokenizer):
+    req = gen(messages=[ChatMessage(role="user", content="What is 2+2?")], priority=3, deadline=99.0)
+    out = tokenize_request(req, smollm2_tokenizer, LIMITS)
+    text = smollm2_tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])
+    assert out.prompt_token_ids == smollm2_tokenizer.encode(text, add_special_tokens=False)
+    assert out.block_hashes == hash_prompt_blocks(out.prompt_token_ids, 4)
+    assert (out.priority, out.deadline, out.params) == (3, 99.0, req.params)
+
+
+def test_text_and_ids(smollm2_tokenizer):
+    out = tokenize_request(gen(prompt="Hello there"), smollm2_tokenizer, LIMITS)
+    assert out.prompt_token_ids == smollm2_tokenizer.encode("Hello there")
+    ids = [1, 2, 3, 4, 5]
+    assert tokenize_request(gen(prompt_token_ids=ids), smollm2_tokenizer, LIMITS).prompt_token_ids == ids
+
+
+@pytest.mark.parametrize("kw, match, param", [
+    (dict(prompt=""), "must not be empty", "prompt"),
+    (dict(messages=[]), "must not be empty", "messages"),
+    (dict(), "exactly one of", "prompt"),
+    (dict(prompt="a", prompt_token_ids=[1]), "exactly one of", "prompt"),
+    (dict(prompt_token_ids=[10**9]), r"must be in \[0, ", "prompt"),
+    (dict(prompt="word " * 100), "maximum context length is 64 tokens", "prompt"),
+    (dict(prompt="word " * 30, params=SamplingParams(max_tokens=40)), "maximum context length", "max_tokens"),
+])
+def test_rejections(smollm2_tokenizer, kw, match, param):
+    with pytest.raises(PromptError, match=match) as e:
+        tokenize_request(gen(**kw), smollm2_tokenizer, LIMITS)
+    assert e.value.param == param
+
+
+def test_too_long_message_names_both_numbers(smollm2_tokenizer):
+    prompt = "word " * 30
+    num_prompt = len(smollm2_tokenizer.encode(prompt))
+    with pytest.raises(PromptError) as e:
+        tokenize_request(gen(prompt=prompt, params=SamplingParams(max_tokens=40)), smollm2_tokenizer, LIMITS)
+    text = str(e.value)
+    assert "maximum context length is 64 tokens" in text and "40 for the completion" in text
+    assert f"requested {num_prompt + 40} tokens ({num_prompt} in the prompt" in text
+
+
+def test_prompt_filling_the_context_without_max_tokens_is_rejected(smollm2_tokenizer):
+    ids = list(range(1, 65))
+    with pytest.raises(PromptError, match="maximum context length"):
+        tokenize_request(gen(prompt_token_ids=ids, params=SamplingParams(max_tokens=None)), smollm2_tokenizer, LIMITS)
+    assert tokenize_request(gen(prompt_token_ids=ids[:-1], params=SamplingParams(max_tokens=None)),
+                            smollm2_tokenizer, LIMITS).prompt_token_ids == ids[:-1]
+
+
+def test_model_context_len_from_metadata(smollm2_path):
+    assert model_context_len(smollm2_path) == 8192
+
+
+# -- over NATS -----------------------------------------------------------------------------------
+
+async def _roundtrip(bus: Bus, req: GenerateRequest) -> tuple[str, object]:
+    """Publish like the gateway (stream subscribed first) and return where the answer went."""
+    async with await bus.subscribe_iter(subjects.stream(req.request_id)) as stream, \
+            await bus.subscribe_iter(subjects.SCHEDULER_SUBMIT) as submit:
+        await bus.publish(subjects.TOKENIZER_GENERATE, messages.GENERATE_REQUEST.encode(req),
+                          headers={"traceparent": "00-abc-def-01"})
+        done, pending = await asyncio.wait([asyncio.ensure_future(stream.next(5)),
+                                            asyncio.ensure_future(submit.next(5))],
+                                           return_when=asyncio.FIRST_COMPLETED)
+        for t in pending:
+            t.cancel()
+        msg = done.pop().result()
+        if msg.subject == subjects.SCHEDULER_SUBMIT:
+            assert msg.headers and msg.headers.get("traceparent") == "00-abc-def-01"
+            return "submit", messages.TOKENIZED_REQUEST.decode(msg.data)
+        return "stream", messages.STREAM_MESSAGE.decode(msg.data)
+
+
+def test_service_over_nats(nats_url, smollm2_tokenizer):
+    async def main() -> None:
+        service_bus = await Bus.connect(nats_url, "tokenizer-test")
+        await TokenizerService(service_bus, smollm2_tokenizer, LIMITS).start()
+        client = await Bus.connect(nats_url, "gateway-test")
+        try:
+            where, out = await _roundtrip(client, gen(messages=[ChatMessage(role="user", content="Hi")]))
+            assert where == "submit" and out.prompt_token_ids[:1] == [1]
+            where, out = await _roundtrip(client, gen(prompt="Hello"))
+            assert where == "submit" and out.prompt_token_ids == smollm2_tokenizer.encode("Hello")
+            req = gen(prompt="word " * 100)
+            where, out = await _roundtrip(client, req)
+            assert where == "stream" and isinstance(out, StreamError)
+            assert (out.request_id, out.status, out.type) == (req.request_id, 400, "invalid_request_error")
+            assert "maximum context length is 64" in out.message
+            # A malformed message is dropped without killing the subscription.
+            await client.publish(subjects.TOKENIZER_GENERATE, b"\x00garbage")
+            where, _ = await _roundtrip(client, gen(prompt="still alive"))
+            assert where == "submit"
+        finally:
+            await client.close()
+            await service_bus.close()
+
+    asyncio.run(main())
+
+
+def test_process_serves_and_drains_on_sigterm(nats_url):
+    env = {**os.environ, "NATS_URL": nats_url}
+    proc = subprocess.Popen([sys.executable, "-m", "services.tokenizer", "--max-model-len", "32"],
+                            env=env, stderr=subprocess.PIPE)
+    try:
+        async def main() -> None:
+            async with await Bus.connect(nats_url, "gateway-test") as client:
+                req = gen(prompt="word " * 40)
+                for _ in range(100):   # until the process has subscribed
+                    async with await client.subscribe_iter(subjects.stream(req.request_id)) as stream:
+                        await client.publish(subjects.TOKENIZER_GENERATE, messages.GENERATE_REQUEST.encode(req))
+                        try:
+                            out = messages.STREAM_MESSAGE.decode((await stream.next(0.2)).data)
+                            break
+                        except TimeoutError:
+                            continue
+                else:
+                    raise AssertionError("the tokenizer process never answered")
+                assert isinstance(out, StreamError) and "maximum context length is 32" in out.message
+
+        asyncio.run(main())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()

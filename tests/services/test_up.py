@@ -1,0 +1,211 @@
+"""The local servers, the launcher and ``llmserve up``: real processes on loopback ports.
+
+- start_nats / start_redis: ready, clear errors, stopped.
+- the ``stack`` fixture (the launcher ``llmserve up`` uses): /health, completions streaming and not,
+  and an executor killed mid-stream ends the stream with an error instead of a hang.
+- ``llmserve up`` as a subprocess: ready banner, a completion, SIGINT stops every child; a SIGKILLed
+  launcher leaves no orphan either (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from services.launcher import gateway_available
+from shared.servers import ServerStartError, detach_child, start_nats, start_redis
+
+MODEL = "SmolLM2-135M-Instruct"
+needs_gateway = pytest.mark.skipif(not gateway_available(), reason="services.gateway is not installed")
+
+
+def children_of(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (scans /proc; no psutil)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    found, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        found += kids
+        frontier += kids
+    return found
+
+
+def wait_all_dead(pids, pid_alive, timeout: float = 20.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if pid_alive(p)]
+        if not alive:
+            return []
+        time.sleep(0.1)
+    return [p for p in pids if pid_alive(p)]
+
+
+# -- servers -----------------------------------------------------------------------------------------
+
+def test_servers_start_answer_and_stop(pid_alive):
+    nats, redis = start_nats(max_payload=4 * 1024 * 1024), start_redis()
+    try:
+        for server, greeting, expect in ((nats, None, b"INFO"), (redis, b"PING\r\n", b"+PONG")):
+            with socket.create_connection((server.host, server.port), timeout=2) as s:
+                if greeting:
+                    s.sendall(greeting)
+                data = s.recv(4096)
+                assert expect in data
+        info = json.loads(socket.create_connection((nats.host, nats.port), timeout=2).recv(4096)[5:])
+        assert info["max_payload"] == 4 * 1024 * 1024
+    finally:
+        nats.stop()
+        redis.stop()
+    assert not pid_alive(nats.pid) and not pid_alive(redis.pid)
+    assert not os.path.exists(nats.workdir)
+
+
+def test_server_start_error_shows_its_log():
+    nats = start_nats()
+    try:
+        with pytest.raises(ServerStartError, match=r"(?s)nats-server exited .*address already in use"):
+            start_nats(port=nats.port)
+    finally:
+        nats.stop()
+
+
+# -- the stack, through the fixture ------------------------------------------------------------------
+
+@needs_gateway
+def test_stack_serves_sheds_load_and_survives_an_executor_kill(stack, pid_alive):
+    # One sequence at a time and no waiting room: a second concurrent request is shed with 429.
+    s = stack(num_kv_blocks=128, max_num_seqs=1, max_queue_len=0, request_timeout_s=60, heartbeat_timeout_s=1.5)
+    assert s.base_url is not None
+    with httpx.Client(base_url=s.base_url, timeout=60) as http:
+        assert http.get("/health").status_code == 200
+        body = {"model": MODEL, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "Say hi"}]}
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 8
+        # Streaming; while it runs a second request gets 429; then the executor is killed after the
+        # first chunk and the stream ends with an error event instead of hanging.
+        body = {"model": MODEL, "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True,
+                "prompt": "Once upon a time"}
+        lines = []
+        t0 = time.monotonic()
+        with http.stream("POST", "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 1:
+                    busy = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+                    assert busy.status_code == 429, busy.text
+                    assert float(busy.headers["retry-after"]) > 0
+                    assert busy.json()["error"]["type"] == "rate_limit_error"
+                    s.services["executor-0"].kill()
+        text = "\n".join(lines)
+        assert "error" in text and "executor-0" in text, text[-500:]
+        assert time.monotonic() - t0 < 30
+        assert not pid_alive(s.services["executor-0"].pid)
+        # With no executor left, /health says so.
+        deadline = time.monotonic() + 10
+        while http.get("/health").status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert http.get("/health").status_code == 503
+    pids = s.pids()
+    s.stop()
+    assert wait_all_dead(pids, pid_alive, 1.0) == []
+
+
+# -- llmserve up, as a user runs it ------------------------------------------------------------------
+
+def _start_up(tmp_path, *extra: str) -> tuple[subprocess.Popen[str], queue.SimpleQueue[str]]:
+    """``llmserve up`` on a free port; its stdout lines arrive on the returned queue (a reader thread,
+    so the test never blocks on a pipe). stderr goes to a file. detach_child: should this test die,
+    the launcher (and through it everything) goes too."""
+    up = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--port", "0", "--num-kv-blocks", "64",
+         "--dtype", "float32", "--num-threads", "1", "--max-num-seqs", "4", "--log-dir", str(tmp_path / "logs"),
+         *extra],
+        stdout=subprocess.PIPE, stderr=open(tmp_path / "up.stderr", "w"), text=True, preexec_fn=detach_child,
+        env={k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL")})
+    lines: queue.SimpleQueue[str] = queue.SimpleQueue()
+
+    def pump() -> None:
+        assert up.stdout is not None
+        for line in up.stdout:
+            lines.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return up, lines
+
+
+def _read_until(up, lines, pattern: str, tmp_path, timeout: float) -> re.Match[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=0.5)
+        except queue.Empty:
+            if up.poll() is not None:
+                raise AssertionError(f"llmserve up exited ({up.returncode}):\n{(tmp_path / 'up.stderr').read_text()}")
+            continue
+        if m := re.search(pattern, line):
+            return m
+    raise AssertionError(f"no {pattern!r} from llmserve up within {timeout}s:\n{(tmp_path / 'up.stderr').read_text()}")
+
+
+@needs_gateway
+def test_llmserve_up_serves_and_sigint_stops_everything(tmp_path, pid_alive):
+    up, lines = _start_up(tmp_path, "--api-key", "sekret")
+    try:
+        base_url = _read_until(up, lines, r"ready at (http://\S+)", tmp_path, 240).group(1)
+        _read_until(up, lines, r"Authorization: Bearer sekret", tmp_path, 5)   # the curl example
+        children = children_of(up.pid)
+        assert len(children) >= 6        # nats, redis, executor, scheduler, tokenizer, gateway
+        headers = {"Authorization": "Bearer sekret"}
+        with httpx.Client(base_url=base_url, timeout=60) as http:
+            assert http.get("/health").status_code == 200
+            assert http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"}).status_code == 401
+            r = http.post("/v1/completions", headers=headers,
+                          json={"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4,
+                                "temperature": 0})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"]
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0
+        assert wait_all_dead(children, pid_alive, 5.0) == []
+    finally:
+        if up.poll() is None:
+            up.kill()
+        up.wait()
+
+
+def test_killed_launcher_leaves_no_orphans(tmp_path, pid_alive):
+    up, _ = _start_up(tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        children: list[int] = []
+        while len(children) < 5 and time.monotonic() < deadline:   # servers + services spawned
+            time.sleep(0.2)
+            children = children_of(up.pid)
+        assert len(children) >= 5, (tmp_path / "up.stderr").read_text()
+    finally:
+        up.kill()
+        up.wait()
+    assert wait_all_dead(children, pid_alive, 20.0) == []

@@ -1,0 +1,192 @@
+"""Engine behaviour on the real SmolLM2 (fp32, so batched and solo runs agree to the token)."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.engine.engine import Engine, EngineConfig, PromptTooLongError
+from shared.engine.llm import LLM
+from shared.engine.sampling_params import SamplingParams
+
+GREEDY = dict(temperature=0.0)
+
+PROMPTS = [
+    "The capital of France is",
+    "def quicksort(arr):",
+    "Write a haiku about the sea.",
+    "1, 1, 2, 3, 5, 8,",
+    "Le chat est",
+    "Q: What is the boiling point of water?\nA:",
+    "import numpy as np\n",
+    "In 1969, astronauts",
+    "The three primary colors are",
+    "Once upon a time, in a small village,",
+    "SELECT name FROM users WHERE",
+    "Photosynthesis is the process by which",
+    "My favourite fruit is",
+    "<html>\n  <body>\n",
+    "The quick brown fox",
+    "List three prime numbers:",
+]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(EngineConfig(dtype="float32", num_kv_blocks=512, max_num_seqs=32, max_num_batched_tokens=256),
+               progress=False)
+
+
+def _tokens(results):
+    return [r.outputs[0].token_ids for r in results]
+
+
+def assert_no_leak(engine: Engine) -> None:
+    stats = engine.stats()
+    assert stats.num_running == stats.num_waiting == 0
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_sixteen_concurrent_greedy_requests_match_solo_runs(llm):
+    params = [SamplingParams(max_tokens=8 + 3 * i, ignore_eos=True, **GREEDY) for i in range(16)]
+    batched = _tokens(llm.generate(PROMPTS, params))
+    solo = [_tokens(llm.generate(p, sp))[0] for p, sp in zip(PROMPTS, params)]
+    assert batched == solo
+    assert [len(t) for t in batched] == [8 + 3 * i for i in range(16)]
+    assert_no_leak(llm.engine)
+
+
+def test_small_pool_forces_preemption_without_changing_output(llm):
+    params = SamplingParams(max_tokens=48, ignore_eos=True, **GREEDY)
+    prompts = PROMPTS[:8]
+    expected = _tokens(llm.generate(prompts, params))
+    # 8 sequences each growing to ~60 tokens (4 blocks) cannot all fit in 15 usable blocks.
+    small = LLM(EngineConfig(dtype="float32", num_kv_blocks=16, max_num_seqs=8), progress=False)
+    got = _tokens(small.generate(prompts, params))
+    assert got == expected
+    assert small.engine.stats().num_preemptions > 0
+    assert_no_leak(small.engine)
+
+
+def test_shared_prefix_computes_only_uncached_tokens(llm):
+    engine = llm.engine
+    tok = engine.tokenizer
+    words = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho "
+             "sigma tau upsilon phi chi psi omega ").split()
+    prefix: list[int] = []
+    i = 0
+    while len(prefix) < 512:
+        prefix += tok.encode(" " + words[i % len(words)] + str(i % 7))
+        i += 1
+    prefix = prefix[:512]
+    first = prefix + tok.encode(" Summarise the list above.")
+    second = prefix + tok.encode(" Which word comes after sigma?")
+    params = SamplingParams(max_tokens=12, ignore_eos=True, **GREEDY)
+    engine.block_manager.reset_prefix_cache()
+    llm.generate(first, params)
+    before = engine.stats()
+    out_cached = _tokens(llm.generate(second, params))[0]
+    after = engine.stats()
+    assert after.prefix_cache_hits_tokens - before.prefix_cache_hits_tokens == 512
+    # The uncached prompt tail, then one token per generated token except the last (never fed back).
+    assert after.num_computed_tokens - before.num_computed_tokens == (len(second) - 512) + (12 - 1)
+    assert engine.block_manager.reset_prefix_cache()
+    out_uncached = _tokens(llm.generate(second, params))[0]
+    assert out_cached == out_uncached
+    assert_no_leak(engine)
+
+
+def test_chunked_prefill_matches_single_shot(llm):
+    prompt = " ".join(PROMPTS) * 3
+    params = SamplingParams(max_tokens=16, ignore_eos=True, **GREEDY)
+    expected = _tokens(llm.generate(prompt, params))
+    chunked = LLM(EngineConfig(dtype="float32", num_kv_blocks=128, max_num_batched_tokens=32,
+                               enable_prefix_caching=False), progress=False)
+    assert _tokens(chunked.generate(prompt, params)) == expected
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(llm):
+    seeded = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    alone = _tokens(llm.generate(PROMPTS[2], seeded))[0]
+    others = [SamplingParams(max_tokens=10 + i, temperature=1.0, ignore_eos=True) for i in range(5)]
+    mixed = llm.generate(PROMPTS[:5] + [PROMPTS[2]], others + [seeded])
+    assert mixed[-1].outputs[0].token_ids == alone
+    again = llm.generate([PROMPTS[7], PROMPTS[2]], [others[0], seeded])
+    assert again[1].outputs[0].token_ids == alone
+
+
+def test_stop_string_across_tokens_is_removed(llm):
+    base = llm.generate("The capital of France is", SamplingParams(max_tokens=20, **GREEDY))[0].outputs[0]
+    text = base.text
+    # A stop string straddling a token boundary: the end of one token and the start of the next.
+    stop = text[3:9]
+    out = llm.generate("The capital of France is", SamplingParams(max_tokens=20, stop=[stop], **GREEDY))[0].outputs[0]
+    assert out.text == text[: text.index(stop)]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    kept = llm.generate("The capital of France is",
+                        SamplingParams(max_tokens=20, stop=[stop], include_stop_str_in_output=True, **GREEDY))[0].outputs[0]
+    assert kept.text == text[: text.index(stop) + len(stop)]
+
+
+def test_stop_token_ids_and_max_tokens(llm):
+    base = llm.generate("1, 1, 2, 3, 5, 8,", SamplingParams(max_tokens=12, ignore_eos=True, **GREEDY))[0].outputs[0]
+    assert base.finish_reason == "length" and len(base.token_ids) == 12
+    stop_id = base.token_ids[4]
+    out = llm.generate("1, 1, 2, 3, 5, 8,", SamplingParams(max_tokens=12, stop_token_ids=[stop_id], **GREEDY))[0].outputs[0]
+    first = base.token_ids.index(stop_id)
+    assert out.token_ids == base.token_ids[: first + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+
+
+def test_logprobs_follow_openai_semantics(llm):
+    out = llm.generate("The capital of France is", SamplingParams(max_tokens=6, logprobs=3, **GREEDY))[0].outputs[0]
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+    for tid, lp in zip(out.token_ids, out.logprobs):
+        assert lp.token_id == tid
+        assert len(lp.top) == 3
+        assert [p for _, p in lp.top] == sorted((p for _, p in lp.top), reverse=True)
+        # Greedy picks the most likely token: rank 1, equal to the best alternative.
+        assert lp.rank == 1 and lp.top[0] == (tid, lp.logprob) and lp.logprob <= 0.0
+
+
+def test_n_greater_than_one_shares_the_prompt(llm):
+    prompt = "Tell me a story about a dragon"
+    greedy = llm.generate(prompt, SamplingParams(n=3, max_tokens=10, ignore_eos=True, **GREEDY))[0]
+    assert [c.index for c in greedy.outputs] == [0, 1, 2]
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids == greedy.outputs[2].token_ids
+    assert greedy.outputs[0].token_ids == _tokens(llm.generate(prompt, SamplingParams(max_tokens=10, ignore_eos=True, **GREEDY)))[0]
+    sampled = llm.generate(prompt, SamplingParams(n=3, max_tokens=16, temperature=1.0, seed=7, ignore_eos=True))[0]
+    assert len({tuple(c.token_ids) for c in sampled.outputs}) > 1
+    assert all(len(c.token_ids) == 16 for c in sampled.outputs)
+    assert_no_leak(llm.engine)
+
+
+def test_abort_frees_blocks_at_once(llm):
+    engine = llm.engine
+    engine.add_request("to-abort", "A long story begins here and", SamplingParams(max_tokens=50, **GREEDY))
+    engine.step()
+    engine.step()
+    assert engine.stats().num_free_blocks < engine.stats().num_total_blocks
+    assert engine.abort("to-abort") is True
+    assert engine.abort("to-abort") is False
+    assert_no_leak(engine)
+
+
+def test_bad_requests_are_rejected_clearly(llm):
+    engine = llm.engine
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("e1", [], SamplingParams())
+    with pytest.raises(PromptTooLongError, match="maximum context length is 8192"):
+        engine.add_request("e2", [100] * 8192, SamplingParams(max_tokens=1))
+    with pytest.raises(PromptTooLongError, match="max_tokens"):
+        engine.add_request("e3", [100] * 10, SamplingParams(max_tokens=8190))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("e4", [1, 2, 10**9], SamplingParams())
+    engine.add_request("dup", "hi", SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("dup", "hi", SamplingParams(max_tokens=1))
+    engine.abort("dup")
+    for bad in (dict(max_tokens=0), dict(max_tokens=-3), dict(max_tokens=1.5), dict(temperature=-0.1),
+                dict(top_p=0.0), dict(top_p=1.5), dict(n=0), dict(foo=1)):
+        with pytest.raises(ValueError):
+            SamplingParams.from_dict(bad)
+    assert_no_leak(engine)
