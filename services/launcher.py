@@ -25,7 +25,8 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from shared.servers import LOOPBACK, ServerProcess, detach_child, free_port, start_nats, start_redis
+from shared.servers import (LOOPBACK, ServerProcess, detach_child, free_port, read_log_tail, start_nats,
+                            start_redis)
 
 __all__ = ["StackConfig", "Stack", "ServiceProcess", "StackStartError", "launch", "gateway_available",
            "served_model_name"]
@@ -104,13 +105,7 @@ class ServiceProcess:
     def log_tail(self, max_chars: int = 4000) -> str:
         if self.log_path is None:
             return "(logs went to the launcher's stderr)"
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - max_chars))
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
+        return read_log_tail(self.log_path, max_chars)
 
     def signal_group(self, sig: int) -> None:
         # The child leads its own group; its own children (if any) go with it.

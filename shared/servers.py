@@ -50,6 +50,17 @@ class ServerStartError(RuntimeError):
     """A server binary is missing, exited, or did not answer in time. The message holds its log."""
 
 
+
+def read_log_tail(path: str, max_chars: int = 4000) -> str:
+    """The last ``max_chars`` of a log file ('' if it cannot be read), for error messages."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_chars))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
 @dataclass
 class ServerProcess:
     name: str
@@ -66,13 +77,7 @@ class ServerProcess:
         return self.process.pid
 
     def log_tail(self, max_chars: int = 4000) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - max_chars))
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
+        return read_log_tail(self.log_path, max_chars)
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM, wait up to ``timeout``, then SIGKILL; removes the temp dir. Idempotent."""

@@ -9,9 +9,12 @@ import math
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 from shared.engine.attention.metadata import AttentionMetadata
+
+
+# Query rows per score matrix in prefill: bounds its memory at ~(heads × 256 × context × 4 bytes).
+_QUERY_SLICE = 256
 
 
 class AttentionBackend(Protocol):
@@ -44,29 +47,46 @@ class TorchAttentionBackend:
         k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
 
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
+        if nd == num_tokens:
+            return self._decode(q, k_cache, v_cache, meta)  # a pure decode step: no scatter needed
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
-        q3 = q.view(num_tokens, h, d)
         for i in range(nd, meta.num_seqs):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            q_len, seq_len = end - start, meta.seq_lens[i]
-            qi = q3[start:end].transpose(0, 1)  # [h, q_len, d]
-            if seq_len == q_len:
-                # Nothing cached before this chunk: attend to the fresh K/V with a plain causal mask.
+            seq_len = meta.seq_lens[i]
+            if seq_len == end - start:
+                # Nothing cached before this chunk: its own fresh K/V are all it attends to.
                 ki, vi = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
-                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale,
-                                                    enable_gqa=True)
             else:
                 ki, vi = self._gather(k_cache, v_cache, meta.block_tables[i], seq_len)
-                # Query j sits at position (seq_len - q_len + j) and sees keys up to it.
-                ctx = seq_len - q_len
-                mask = (torch.arange(seq_len, device=q.device)[None, :]
-                        <= (ctx + torch.arange(q_len, device=q.device))[:, None])
-                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=self.scale,
-                                                    enable_gqa=True)
-            out[start:end] = oi.transpose(0, 1).reshape(q_len, h * d)
+            out[start:end] = self._prefill(q[start:end], ki, vi, seq_len)
+        return out
+
+    def _prefill(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """Causal attention of a chunk's queries (the last q_len positions of the sequence) over
+        ``keys``/``values`` [kvh, seq_len, d]. Each KV head serves its group's query heads stacked
+        as rows of one matmul, in fp32 (on CPU, bf16 SDPA is several times slower than this).
+        Queries go in slices so the score matrix stays bounded for long contexts."""
+        q_len = q.shape[0]
+        kvh, d, g = self.num_kv_heads, self.head_dim, self.group
+        keys_t = keys.float().transpose(1, 2)     # [kvh, d, seq_len]
+        values = values.float()
+        out = torch.empty(q_len, kvh * g * d, dtype=q.dtype, device=q.device)
+        key_pos = torch.arange(seq_len, device=q.device)
+        for lo in range(0, q_len, _QUERY_SLICE):
+            hi = min(q_len, lo + _QUERY_SLICE)
+            n = hi - lo
+            # [n, h*d] → [kvh, g*n, d]: query heads of one KV group become rows.
+            qg = q[lo:hi].reshape(n, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * n, d).float()
+            scores = torch.bmm(qg, keys_t).mul_(self.scale).view(kvh, g, n, seq_len)
+            # Query at position p (= seq_len - q_len + row) sees keys 0..p.
+            query_pos = torch.arange(seq_len - q_len + lo, seq_len - q_len + hi, device=q.device)
+            scores.masked_fill_(key_pos[None, :] > query_pos[:, None], float("-inf"))
+            probs = torch.softmax(scores, dim=-1).view(kvh, g * n, seq_len)
+            o = torch.bmm(probs, values).view(kvh, g, n, d).permute(2, 0, 1, 3)  # [n, kvh, g, d]
+            out[lo:hi] = o.reshape(n, kvh * g * d)
         return out
 
     def _gather(self, k_cache, v_cache, block_table, seq_len):
@@ -86,9 +106,18 @@ class TorchAttentionBackend:
         assert meta.decode_mask is not None
         max_len = meta.decode_mask.shape[-1]
         ids = meta.block_tables[:nd, : max_len // meta.block_size].reshape(-1)
-        keys = k_cache.index_select(0, ids).view(nd, max_len, kvh, d).transpose(1, 2).float()
-        values = v_cache.index_select(0, ids).view(nd, max_len, kvh, d).transpose(1, 2).float()
-        qg = q.view(nd, kvh, g, d).float()
-        scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.scale + meta.decode_mask  # [nd, kvh, g, L]
+        keys = self._gather_heads_first(k_cache, ids, nd, max_len)
+        values = self._gather_heads_first(v_cache, ids, nd, max_len)
+        qg = q.reshape(nd * kvh, g, d).float()
+        # scale·(q·kᵀ) + mask in one kernel; the mask is -inf past each sequence's length.
+        mask = meta.decode_mask.expand(nd, kvh, g, max_len).reshape(nd * kvh, g, max_len)
+        scores = torch.baddbmm(mask, qg, keys.transpose(1, 2), alpha=self.scale)
         probs = torch.softmax(scores, dim=-1)
-        return torch.matmul(probs, values).reshape(nd, kvh * g * d).to(q.dtype)
+        return torch.bmm(probs, values).view(nd, kvh * g * d).to(q.dtype)
+
+    def _gather_heads_first(self, cache: torch.Tensor, block_ids: torch.Tensor, nd: int, max_len: int) -> torch.Tensor:
+        """Blocks → fp32 [nd * kvh, max_len, d], transposed and converted in one copy."""
+        kvh, d = self.num_kv_heads, self.head_dim
+        blocks = cache.index_select(0, block_ids).view(nd, max_len, kvh, d).transpose(1, 2)
+        out = torch.empty((nd, kvh, max_len, d), dtype=torch.float32, device=cache.device)
+        return out.copy_(blocks).view(nd * kvh, max_len, d)
