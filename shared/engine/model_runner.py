@@ -47,6 +47,7 @@ class ModelRunner:
             block_tables=[c.block_table for c in ordered],
             block_size=self.kv_cache.block_size,
             device=self.device,
+            dtype=self.model.dtype,
         )
         input_ids = torch.tensor([t for c in ordered for t in c.token_ids], dtype=torch.int64,
                                  device=self.device)

@@ -9,6 +9,7 @@ import math
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from shared.engine.attention.metadata import AttentionMetadata
 
@@ -98,26 +99,16 @@ class TorchAttentionBackend:
         return ki, vi
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        """All single-token queries at once: gather each sequence's blocks padded to the longest,
-        mask the padding, and attend per KV head with the query heads of its group stacked.
-        The math runs in fp32: at these tiny shapes bf16 matmuls are slower on CPU, not faster."""
+        """All single-token queries at once: gather each sequence's blocks (in the cache dtype, one
+        copy) padded to the longest, mask the padding, and let SDPA attend with grouped heads.
+        At batch 32 the gather and any up-cast copy dominate a decode step, so nothing is converted."""
         nd = q.shape[0]
-        kvh, d, g = self.num_kv_heads, self.head_dim, self.group
+        kvh, d = self.num_kv_heads, self.head_dim
         assert meta.decode_mask is not None
         max_len = meta.decode_mask.shape[-1]
         ids = meta.block_tables[:nd, : max_len // meta.block_size].reshape(-1)
-        keys = self._gather_heads_first(k_cache, ids, nd, max_len)
-        values = self._gather_heads_first(v_cache, ids, nd, max_len)
-        qg = q.reshape(nd * kvh, g, d).float()
-        # scale·(q·kᵀ) + mask in one kernel; the mask is -inf past each sequence's length.
-        mask = meta.decode_mask.expand(nd, kvh, g, max_len).reshape(nd * kvh, g, max_len)
-        scores = torch.baddbmm(mask, qg, keys.transpose(1, 2), alpha=self.scale)
-        probs = torch.softmax(scores, dim=-1)
-        return torch.bmm(probs, values).view(nd, kvh * g * d).to(q.dtype)
-
-    def _gather_heads_first(self, cache: torch.Tensor, block_ids: torch.Tensor, nd: int, max_len: int) -> torch.Tensor:
-        """Blocks → fp32 [nd * kvh, max_len, d], transposed and converted in one copy."""
-        kvh, d = self.num_kv_heads, self.head_dim
-        blocks = cache.index_select(0, block_ids).view(nd, max_len, kvh, d).transpose(1, 2)
-        out = torch.empty((nd, kvh, max_len, d), dtype=torch.float32, device=cache.device)
-        return out.copy_(blocks).view(nd * kvh, max_len, d)
+        keys = k_cache.index_select(0, ids).view(nd, max_len, kvh, d).transpose(1, 2)
+        values = v_cache.index_select(0, ids).view(nd, max_len, kvh, d).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.reshape(nd, self.num_heads, 1, d), keys, values,
+                                             attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True)
+        return out.view(nd, self.num_heads * d)

@@ -31,7 +31,7 @@ class AttentionMetadata:
     block_size: int
     # Decode-only tensors, built once per step rather than once per layer.
     decode_seq_lens: torch.Tensor | None = None   # [num_decodes] int64
-    decode_mask: torch.Tensor | None = None       # [num_decodes, 1, 1, max_len] additive fp32 mask
+    decode_mask: torch.Tensor | None = None       # [num_decodes, 1, 1, max_len] additive, model dtype
 
     @property
     def num_seqs(self) -> int:
@@ -49,6 +49,7 @@ def build_attention_metadata(
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> AttentionMetadata:
     """Build metadata for sequences ordered decodes first. ``num_computed[i]`` tokens of sequence i
     are already in the cache; its ``query_lens[i]`` new tokens follow them."""
@@ -87,7 +88,7 @@ def build_attention_metadata(
         # Decode keys are gathered padded to whole blocks; mask every key at or past a sequence's length.
         max_len = -(-max_len // block_size) * block_size
         arange = torch.arange(max_len, device=device)
-        mask = torch.zeros(num_decodes, 1, 1, max_len, dtype=torch.float32, device=device)
+        mask = torch.zeros(num_decodes, 1, 1, max_len, dtype=dtype, device=device)
         mask.masked_fill_((arange[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
         meta.decode_seq_lens = lens
         meta.decode_mask = mask

@@ -1,0 +1,121 @@
+"""The cost of the architecture: the same requests through the whole stack over HTTP (gateway →
+tokenizer → scheduler → executor over NATS) and through the engine in process, in one run.
+
+    python -m loadtests.bench_stack_vs_engine [--num-prompts 64 --concurrency 16 --input-len 128 --output-len 128]
+
+Both sides see identical token-id prompts, greedy decoding with ignore_eos, the same engine config and
+the same number of requests in flight. The in-process side keeps ``concurrency`` requests in the
+engine and adds the next one as soon as one finishes, timing each request from when it is added.
+Writes loadtests/results/bench_stack_vs_engine.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+
+from loadtests.bench_serving import RequestResult, make_prompts, parse_args as serving_args, print_report
+from loadtests.bench_serving import run as run_serving
+from loadtests.bench_serving import summarize
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--out", default="loadtests/results/bench_stack_vs_engine.json")
+    return p.parse_args(argv)
+
+
+def serving_namespace(args: argparse.Namespace, base_url: str | None) -> argparse.Namespace:
+    return serving_args([
+        "--base-url", base_url or "", "--num-prompts", str(args.num_prompts),
+        "--concurrency", str(args.concurrency), "--input-len", str(args.input_len),
+        "--output-len", str(args.output_len), "--prompt-mode", "ids", "--warmup", "1"])
+
+
+def run_engine(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
+    from shared.engine.engine import Engine, EngineConfig
+    from shared.engine.sampling_params import SamplingParams
+
+    engine = Engine(EngineConfig(dtype=args.dtype, max_num_seqs=max(64, args.concurrency),
+                                 max_num_batched_tokens=args.max_num_batched_tokens,
+                                 num_threads=args.num_threads), progress=False)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    warm, prompts = prompts[0], prompts[1:]
+    engine.add_request("warmup", warm, params)
+    while engine.has_unfinished():
+        engine.step()
+    results = [RequestResult() for _ in prompts]
+    started: dict[str, float] = {}
+    last: dict[str, float] = {}
+    pending = list(range(len(prompts)))
+    start = time.perf_counter()
+    while pending or engine.has_unfinished():
+        while pending and len(engine.requests) < args.concurrency:
+            i = pending.pop(0)
+            engine.add_request(str(i), prompts[i], params)
+            started[str(i)] = time.perf_counter()
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            r = results[int(out.request_id)]
+            n = sum(len(d.token_ids) for d in out.deltas)
+            if n:
+                if r.output_tokens == 0:
+                    r.ttft_s = now - started[out.request_id]
+                else:
+                    r.itl_s.append(now - last[out.request_id])
+                last[out.request_id] = now
+                r.output_tokens += n
+            if out.finished:
+                r.ok, r.status, r.e2e_s = True, 200, now - started[out.request_id]
+    return summarize(serving_namespace(args, None), "in-process", results, time.perf_counter() - start)
+
+
+def run_stack(args: argparse.Namespace) -> dict:
+    from services.launcher import StackConfig, launch
+
+    stack = launch(StackConfig(port=0, dtype=args.dtype, max_num_seqs=max(64, args.concurrency),
+                               max_num_batched_tokens=args.max_num_batched_tokens,
+                               num_threads=args.num_threads, max_queue_len=1024))
+    try:
+        return asyncio.run(run_serving(serving_namespace(args, stack.base_url)))
+    finally:
+        stack.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    ns = serving_namespace(args, None)
+    prompts = make_prompts(ns, random.Random(ns.seed))   # exactly the prompts the HTTP client sends
+    print("stack: starting the services and sending requests over HTTP ...", file=sys.stderr)
+    stack = run_stack(args)
+    print("engine: the same requests in process ...", file=sys.stderr)
+    engine = run_engine(args, prompts)
+    for name, s in (("stack over HTTP", stack), ("in-process engine", engine)):
+        print(f"\n### {name}")
+        print_report(s)
+    ratio = stack["output_throughput_tps"] / engine["output_throughput_tps"]
+    print(f"\nstack / in-process output throughput: {ratio:.3f} (target >= 0.90)")
+    result = {"stack": stack, "engine": engine, "throughput_ratio": ratio,
+              "load_avg": os.getloadavg()}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
