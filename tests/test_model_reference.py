@@ -18,11 +18,12 @@ NUM_NEW_TOKENS = 64
 # 2.7e-5 .. 6.2e-5 over these prompts; ~5x headroom.
 LOGITS_ATOL = 3e-4
 # Where bf16's greedy run first leaves fp32's, fp32's top-2 logit margin must be below NEAR_TIE.
-# Measured at the first divergence: 0.015 .. 0.08.
+# Measured at the first divergence: 0.007 .. 0.16 (the bf16 kernels have changed under this test;
+# each revision moves which near-ties flip).
 NEAR_TIE = 0.2
 # Later steps (bf16's own prefix, fp32 teacher-forced) may flip a somewhat larger gap: bf16 moves the
 # gap between fp32's best and a top-5 rival by up to 0.55 (p95 ~0.2) on these prompts, and
-# transformers' own bf16 does the same (up to 0.52, p95 ~0.2). Measured flipped gaps: <= 0.18.
+# transformers' own bf16 does the same (up to 0.52, p95 ~0.2). Measured flipped gaps: <= 0.25.
 BF16_GAP_NOISE = 0.6
 
 _LONG_PARAGRAPHS = [
@@ -159,12 +160,13 @@ def test_bf16_leaves_fp32_path_only_at_near_ties(name, fp32_runs, bf16_runs, bf1
 
 
 def test_bf16_tracks_fp32_closely(prompt_ids, fp32_runs, bf16_runs, bf16_disagreements):
-    """Guard against a vacuous near-tie test: bf16 must mostly pick fp32's token. Measured: the first
-    token agrees on all 6 prompts, the first 3 on 5 of 6; teacher-forced disagreements 1-4 of 64 steps per prompt."""
+    """Guard against a vacuous near-tie test: bf16 must mostly pick fp32's token. Measured (over
+    three revisions of the bf16 kernels, which move the near-ties): the first token agrees on all
+    6 prompts, the first 3 on >= 5 of 6; teacher-forced disagreements 1-5 of 64 steps per prompt.
+    (bf16's run may end early at EOS once it has left fp32's path.)"""
     firsts = {n: first_divergence(fp32_runs[n].token_ids, bf16_runs[n].token_ids) for n in PROMPT_NAMES}
     counts = {n: len(bf16_disagreements[n]) for n in PROMPT_NAMES}
     print("bf16 first divergence:", firsts, "teacher-forced disagreements:", counts)
-    assert all(len(bf16_runs[n].token_ids) == NUM_NEW_TOKENS for n in PROMPT_NAMES)
     assert sum(f >= 1 for f in firsts.values()) >= len(PROMPT_NAMES) - 1, firsts
     assert sum(f >= 3 for f in firsts.values()) >= len(PROMPT_NAMES) - 2, firsts
     assert all(c <= NUM_NEW_TOKENS // 8 for c in counts.values()), counts

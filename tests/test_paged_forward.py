@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from helpers.greedy import BLOCK_SIZE, blocks_needed, make_runner, shuffled_block_table
+from helpers.greedy import blocks_needed, make_runner, shuffled_block_table
 from shared.engine.model_runner import ModelRunner, ScheduledChunk
 
 # Measured max |logit diff| vs the sequence alone: mixed batch <= 3.7e-5, chunked prefill <= 4.7e-5
