@@ -19,6 +19,9 @@ import random
 import sys
 import time
 
+# Same OpenMP policy as the stack's executor (see services/launcher.py); must precede torch's import.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from loadtests.bench_serving import RequestResult, make_prompts, parse_args as serving_args, print_report
 from loadtests.bench_serving import run as run_serving
 from loadtests.bench_serving import summarize

@@ -100,7 +100,7 @@ class TorchAttentionBackend:
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """All single-token queries at once: gather each sequence's blocks (in the cache dtype, one
-        copy) padded to the longest, mask the padding, and let SDPA attend with grouped heads.
+        copy) padded to the longest, mask the padding, and attend per KV head.
         At batch 32 the gather and any up-cast copy dominate a decode step, so nothing is converted."""
         nd = q.shape[0]
         kvh, d = self.num_kv_heads, self.head_dim
@@ -109,6 +109,8 @@ class TorchAttentionBackend:
         ids = meta.block_tables[:nd, : max_len // meta.block_size].reshape(-1)
         keys = k_cache.index_select(0, ids).view(nd, max_len, kvh, d).transpose(1, 2)
         values = v_cache.index_select(0, ids).view(nd, max_len, kvh, d).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.reshape(nd, self.num_heads, 1, d), keys, values,
-                                             attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True)
-        return out.view(nd, self.num_heads * d)
+        # The g query heads of a KV head go in as g query rows over that head's keys: plain SDPA,
+        # no head expansion (SDPA's enable_gqa path was ~3.5x slower here at batch 32).
+        out = F.scaled_dot_product_attention(q.reshape(nd, kvh, self.group, d), keys, values,
+                                             attn_mask=meta.decode_mask, scale=self.scale)
+        return out.reshape(nd, self.num_heads * d)
