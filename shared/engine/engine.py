@@ -27,9 +27,6 @@ from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import Request, Sequence, SequenceStatus
 from shared.engine.tokenizer import Tokenizer
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
 class PromptTooLongError(ValueError):
     """The prompt (plus the requested output) does not fit the context or the KV pool."""
 
@@ -77,10 +74,10 @@ class Engine:
                                  self.model_config.max_position_embeddings)
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
-            dtype_name = _DTYPE_NAMES[resolve_dtype(config.dtype)]
+            # config.dtype is a name the loader accepted; the ledger uses the same names.
             ledger = plan_memory(
                 self.model_config, memory_budget_bytes=parse_bytes(config.memory_budget),
-                weight_dtype=dtype_name, kv_dtype=dtype_name, block_size=config.block_size,
+                weight_dtype=config.dtype, kv_dtype=config.dtype, block_size=config.block_size,
                 max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
                 context_len=self.max_model_len,
                 num_params=sum(p.numel() for p in self.model.parameters()) or None)

@@ -30,7 +30,6 @@ class AttentionMetadata:
     num_decodes: int               # the first num_decodes sequences have query_len == 1
     block_size: int
     # Decode-only tensors, built once per step rather than once per layer.
-    decode_seq_lens: torch.Tensor | None = None   # [num_decodes] int64
     decode_mask: torch.Tensor | None = None       # [num_decodes, 1, 1, max_len] additive, model dtype
 
     @property
@@ -90,6 +89,5 @@ def build_attention_metadata(
         arange = torch.arange(max_len, device=device)
         mask = torch.zeros(num_decodes, 1, 1, max_len, dtype=dtype, device=device)
         mask.masked_fill_((arange[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
-        meta.decode_seq_lens = lens
         meta.decode_mask = mask
     return meta

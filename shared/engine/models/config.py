@@ -7,7 +7,7 @@ agree on layer counts, head shapes and dtypes.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 # Architectures the Llama implementation covers. Qwen2 is Llama plus a bias on Q/K/V.
@@ -54,7 +54,6 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     name: str = ""
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
