@@ -11,18 +11,11 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from gateway_harness import (FAKE_MODEL, NUM_PROMPT_TOKENS, FakeBackend, GatewayProcess, expected_text,
+from gateway_harness import (backend, FAKE_MODEL, NUM_PROMPT_TOKENS, FakeBackend, GatewayProcess, expected_text,
                              sse_events, token_id)
 
 API_KEY = "test-key"
 REQUEST_TIMEOUT_S = 3.0
-
-
-@pytest.fixture(scope="module")
-def backend(nats_server) -> Iterator[FakeBackend]:
-    fake = FakeBackend(nats_server.url).start()
-    yield fake
-    fake.stop()
 
 
 @pytest.fixture(scope="module")

@@ -7,18 +7,11 @@ import json
 from collections.abc import Iterator
 
 import pytest
-from gateway_harness import FAKE_MODEL, FakeBackend, GatewayProcess, expected_text
+from gateway_harness import FAKE_MODEL, GatewayProcess, backend, expected_text
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
 API_KEY = "ws-key"
-
-
-@pytest.fixture(scope="module")
-def backend(nats_server) -> Iterator[FakeBackend]:
-    fake = FakeBackend(nats_server.url).start()
-    yield fake
-    fake.stop()
 
 
 @pytest.fixture(scope="module")
