@@ -159,8 +159,11 @@ class MemoryLedger:
 
 def plan_memory(config: ModelConfig, *, memory_budget_bytes: int, weight_dtype: str, kv_dtype: str,
                 block_size: int = 16, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
-                context_len: int | None = None, num_params: int | None = None) -> MemoryLedger:
-    """Size the KV pool from the budget: floor((budget - weights - activations) / bytes per block)."""
+                context_len: int | None = None, num_params: int | None = None,
+                resident_weight_bytes: int | None = None) -> MemoryLedger:
+    """Size the KV pool from the budget: floor((budget - weights - activations) / bytes per block).
+    ``resident_weight_bytes``: what a loaded model really holds (packed and kept copies included),
+    used instead of params x dtype bytes when given."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     if memory_budget_bytes < 0:
@@ -169,7 +172,7 @@ def plan_memory(config: ModelConfig, *, memory_budget_bytes: int, weight_dtype: 
     if context <= 0:
         raise ValueError(f"context_len must be positive, got {context}")
     params = config.num_params() if num_params is None else num_params
-    weights = weight_bytes(config, weight_dtype, params)
+    weights = weight_bytes(config, weight_dtype, params) if resident_weight_bytes is None else resident_weight_bytes
     activations = activation_bytes(config, max_num_batched_tokens, max_num_seqs, weight_dtype)
     per_token = kv_bytes_per_token(config, kv_dtype)
     per_block = per_token * block_size

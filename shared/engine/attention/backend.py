@@ -28,6 +28,12 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:          # [num_tokens, num_heads * head_dim]
+        """Write k/v into their cache slots, then attend (see ``attend``)."""
+        ...
+
+    def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention only: the step's K/V are already in the cache (e.g. written by a fused
+        RoPE-and-cache kernel); k/v are still passed for prefill chunks that start from nothing."""
         ...
 
 
@@ -38,16 +44,26 @@ class TorchAttentionBackend:
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
         self.scale = 1.0 / math.sqrt(head_dim)
+        self.cpu_ops = None
+
+    def use_cpu_ops(self, ops) -> None:
+        """With torch.ops.llmserve_cpu (kernels/cpu), CPU decodes read each sequence's blocks in place
+        instead of gather + padded SDPA, for the head shapes the kernel covers; None: torch only."""
+        supported = ops is not None and ops.decode_attention_supports(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.cpu_ops = ops if supported else None
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        kvh, d = self.num_kv_heads, self.head_dim
+        # Write first: a sequence's new tokens attend to themselves through the cache.
+        k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k.view(-1, kvh, d))
+        v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v.view(-1, kvh, d))
+        return self.attend(q, k, v, k_cache, v_cache, meta)
+
+    def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = q.shape[0]
-        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        kvh, d = self.num_kv_heads, self.head_dim
         k = k.view(num_tokens, kvh, d)
         v = v.view(num_tokens, kvh, d)
-        # Write first: a sequence's new tokens attend to themselves through the cache.
-        k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
-
         nd = meta.num_decodes
         if nd == num_tokens:
             return self._decode(q, k_cache, v_cache, meta)  # a pure decode step: no scatter needed
@@ -99,12 +115,18 @@ class TorchAttentionBackend:
         return ki, vi
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        nd = q.shape[0]
+        if self.cpu_ops is not None and q.device.type == "cpu":
+            return self.cpu_ops.decode_attention(q.contiguous(), k_cache, v_cache, meta.block_tables[:nd],
+                                                 meta.decode_seq_lens, self.num_heads, self.scale)
+        return self._decode_gathered(q, k_cache, v_cache, meta)
+
+    def _decode_gathered(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """All single-token queries at once: gather each sequence's blocks (in the cache dtype, one
         copy) padded to the longest, mask the padding, and attend per KV head.
         At batch 32 the gather and any up-cast copy dominate a decode step, so nothing is converted."""
         nd = q.shape[0]
         kvh, d = self.num_kv_heads, self.head_dim
-        assert meta.decode_mask is not None
         max_len = meta.decode_mask.shape[-1]
         ids = meta.block_tables[:nd, : max_len // meta.block_size].reshape(-1)
         keys = k_cache.index_select(0, ids).view(nd, max_len, kvh, d).transpose(1, 2)

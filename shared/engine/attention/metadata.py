@@ -14,7 +14,7 @@ token ``t`` of a sequence is stored at slot ``block_tables[s][t // block_size] *
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,8 +29,23 @@ class AttentionMetadata:
     query_start_loc: list[int]     # [num_seqs + 1] prefix sums of query_lens
     num_decodes: int               # the first num_decodes sequences have query_len == 1
     block_size: int
-    # Decode-only tensors, built once per step rather than once per layer.
-    decode_mask: torch.Tensor | None = None       # [num_decodes, 1, 1, max_len] additive, model dtype
+    decode_seq_lens: torch.Tensor  # [num_decodes] int64, seq_lens of the decodes as a tensor
+    mask_dtype: torch.dtype = torch.float32
+    # Built on first use by a backend that needs it, then shared by every layer of the step.
+    _decode_mask: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def decode_mask(self) -> torch.Tensor:
+        """[num_decodes, 1, 1, max_len] additive mask in ``mask_dtype`` over decode keys gathered padded
+        to whole blocks: every key at or past a sequence's length is -inf."""
+        if self._decode_mask is None:
+            lens = self.decode_seq_lens
+            max_len = -(-max(self.seq_lens[: self.num_decodes]) // self.block_size) * self.block_size
+            arange = torch.arange(max_len, device=lens.device)
+            mask = torch.zeros(self.num_decodes, 1, 1, max_len, dtype=self.mask_dtype, device=lens.device)
+            mask.masked_fill_((arange[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
+            self._decode_mask = mask
+        return self._decode_mask
 
     @property
     def num_seqs(self) -> int:
@@ -71,7 +86,7 @@ def build_attention_metadata(
         starts.append(starts[-1] + q_len)
     max_blocks = max((len(t) for t in block_tables), default=0)
     padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
-    meta = AttentionMetadata(
+    return AttentionMetadata(
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         block_tables=torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(padded), max_blocks),
@@ -80,14 +95,6 @@ def build_attention_metadata(
         query_start_loc=starts,
         num_decodes=num_decodes,
         block_size=block_size,
+        decode_seq_lens=torch.tensor(seq_lens[:num_decodes], dtype=torch.int64, device=device),
+        mask_dtype=dtype,
     )
-    if num_decodes:
-        lens = torch.tensor(seq_lens[:num_decodes], dtype=torch.int64, device=device)
-        max_len = max(seq_lens[:num_decodes])
-        # Decode keys are gathered padded to whole blocks; mask every key at or past a sequence's length.
-        max_len = -(-max_len // block_size) * block_size
-        arange = torch.arange(max_len, device=device)
-        mask = torch.zeros(num_decodes, 1, 1, max_len, dtype=dtype, device=device)
-        mask.masked_fill_((arange[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
-        meta.decode_mask = mask
-    return meta

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu import cpu_ops as load_cpu_ops
 from shared.engine.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from shared.engine.models.config import ModelConfig, rope_inv_freq
 from shared.engine.models.packed_linear import PackedLinear, can_prepack, prepack_linears
@@ -46,6 +47,9 @@ class RotaryEmbedding(nn.Module):
             inv_freq = inv_freq.to(device)
         pos = torch.arange(self.config.max_position_embeddings, dtype=torch.float32, device=device)
         freqs = torch.outer(pos, inv_freq)
+        # fp32 [positions, head_dim/2]: what the fused CPU kernel reads.
+        self.register_buffer("cos_half", freqs.cos(), persistent=False)
+        self.register_buffer("sin_half", freqs.sin(), persistent=False)
         self.register_buffer("cos", torch.cat([freqs.cos(), freqs.cos()], dim=-1), persistent=False)
         # Sign folded in: rotate_half(x) * sin == swap_halves(x) * [-sin, sin].
         self.register_buffer("sin", torch.cat([-freqs.sin(), freqs.sin()], dim=-1), persistent=False)
@@ -84,6 +88,14 @@ class Attention(nn.Module):
         out = self.backend.forward(q, k, v, k_cache, v_cache, meta)
         return self.o_proj(out)
 
+    def forward_fused(self, x, rotary: RotaryEmbedding, k_cache, v_cache, meta: AttentionMetadata, ops) -> torch.Tensor:
+        """The same computation with RoPE and the cache write done by one kernel, in place on qkv."""
+        qkv = self.qkv_proj(x)
+        ops.rope_and_cache(qkv, meta.positions, rotary.cos_half.float(), rotary.sin_half.float(), k_cache, v_cache,
+                           meta.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.o_proj(self.backend.attend(q, k, v, k_cache, v_cache, meta))
+
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
@@ -95,6 +107,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def forward_fused(self, x: torch.Tensor, ops) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -109,6 +124,20 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(self, x, residual, rotary, k_cache, v_cache, meta, ops):
+        """Residual stream kept apart, as the fused add+norm kernel wants it: on entry the layer input
+        is ``residual + x`` (``residual`` None for the first layer); returns the next (x, residual).
+        Every add rounds to the model dtype exactly where ``forward``'s adds do."""
+        eps = self.input_layernorm.eps
+        if residual is None:
+            residual = x
+            h = ops.rms_norm(x, self.input_layernorm.weight, eps, None)
+        else:
+            h = ops.rms_norm(x, self.input_layernorm.weight, eps, residual)  # residual += x, in place
+        h = self.self_attn.forward_fused(h, rotary, k_cache, v_cache, meta, ops)
+        h = ops.rms_norm(h, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps, residual)
+        return self.mlp.forward_fused(h, ops), residual
+
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend | None = None) -> None:
@@ -122,6 +151,8 @@ class LlamaModel(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._packed_head: PackedLinear | None = None
+        self.backend = backend
+        self.cpu_ops = None  # torch.ops.llmserve_cpu once enable_cpu_kernels() found them
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -139,6 +170,12 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:                            # [num_tokens, hidden] final-normed hidden states
         x = self.embed_tokens(input_ids)
+        ops = self.cpu_ops
+        if ops is not None and x.device.type == "cpu":
+            residual = None
+            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+                x, residual = layer.forward_fused(x, residual, self.rotary, k_cache, v_cache, meta, ops)
+            return ops.rms_norm(x, self.norm.weight, self.norm.eps, residual)
         cos, sin = self.rotary(meta.positions, x.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, k_cache, v_cache, meta)
@@ -154,14 +191,49 @@ class LlamaModel(nn.Module):
 
     def prepack(self) -> int:
         """Pre-pack linear weights for the CPU bf16/fp16 fast path (no-op elsewhere). The tied output
-        head gets a packed copy; the embedding keeps the original for lookups."""
-        count = prepack_linears(self.layers)
+        head gets a packed copy; the embedding keeps the original for lookups. Call after
+        ``enable_cpu_kernels`` so decode-sized matmuls can use the small-M kernel."""
+        ops = self.cpu_ops
+        small_m = ops.linear_bf16 if ops is not None and ops.has_avx512_bf16() else None
+        count = prepack_linears(self.layers, small_m)
         if can_prepack(self.lm_head_weight):
-            self._packed_head = PackedLinear(self.lm_head_weight, None)
+            self._packed_head = PackedLinear(self.lm_head_weight, None, small_m)
             if not self.config.tie_word_embeddings:
                 del self.lm_head
             count += 1
         return count
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight tensor held (parameters, packed copies, kept row-major copies), each
+        storage counted once: what the memory ledger must subtract from the budget."""
+        tensors = list(self.parameters())
+        for module in self.modules():
+            if isinstance(module, PackedLinear):
+                tensors += module.tensors()
+        seen: dict[object, int] = {}
+        for t in tensors:
+            if t.is_mkldnn:  # packed: opaque, no shared storage to find
+                seen[id(t)] = t.numel() * t.element_size()
+            else:
+                storage = t.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+        return sum(seen.values())
+
+    def enable_cpu_kernels(self, enabled: bool = True) -> bool:
+        """Route the forward through the fused CPU kernels (kernels/cpu) when the weights live on the
+        CPU in fp32 or bf16 and the kernels could be built (``enabled=False``: the plain torch path,
+        the reference the kernels are tested against); returns whether they are in use."""
+        w = self.embed_tokens.weight
+        usable = enabled and w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
+        ops = load_cpu_ops() if usable else None
+        self.cpu_ops = ops
+        if isinstance(self.backend, TorchAttentionBackend):
+            self.backend.use_cpu_ops(ops)
+        small_m = ops.linear_bf16 if ops is not None and ops.has_avx512_bf16() else None
+        for module in self.modules():
+            if isinstance(module, PackedLinear):
+                module.set_small_m_kernel(small_m)
+        return ops is not None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up. Every parameter row must be set

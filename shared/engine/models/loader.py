@@ -78,6 +78,7 @@ def load_model(path: str | None = None, *, dtype: str | torch.dtype = "bfloat16"
     bar = tqdm(weights, total=total, desc=f"loading {os.path.basename(path)}", unit="tensor",
                disable=not progress, file=sys.stderr)
     model.load_weights(bar)
+    model.enable_cpu_kernels()
     model.prepack()
     return model.eval()
 
