@@ -3,8 +3,8 @@
 (a) Offline throughput: N prompts (seeded lengths in [64, 512], cut from real text tokenized by the
     engine's tokenizer), M greedy output tokens each (ignore_eos), through ``LLM.generate`` for each
     ``--batched-tokens`` value, against Hugging Face ``transformers`` batched ``generate`` on the same
-    token ids (left padding + attention mask, min_new_tokens = max_new_tokens, same dtype, the model
-    loaded from the same GGUF).
+    token ids (left padding + attention mask, min_new_tokens = max_new_tokens, the model loaded from
+    the same GGUF), in our dtype and in fp32, transformers' default for a GGUF (``--hf-dtypes``).
 (b) Continuous vs static batching on a mixed short/long trace: the same engine (max_num_seqs = B),
     either given every request at once (continuous) or given them B at a time, each batch stepped
     until its longest member finishes before the next is admitted (static).
@@ -12,9 +12,11 @@
     manager vs contiguous per-request reservations of prompt + max_tokens, prompt + the trace's
     largest max_tokens (a server-wide output cap) and max_model_len.
 
-Process settings, the same for our engine and transformers (both printed and in the JSON):
-OMP_WAIT_POLICY=PASSIVE unless set (libgomp's spinning collapses on shared cores) and glibc's
-mmap/trim thresholds raised (``tune_malloc``; ``--no-tune-malloc`` keeps the defaults).
+Process settings, the same for our engine and transformers (both printed and in the JSON): libgomp's
+wait policy as the environment sets it (unset: spin briefly, then sleep; on a quiet machine that is
+~2x faster per decode step than OMP_WAIT_POLICY=PASSIVE, which only pays off on a host shared with
+other busy processes) and glibc's mmap/trim thresholds raised (``tune_malloc``; ``--no-tune-malloc``
+keeps the defaults).
 
     python -m loadtests.bench_engine --repeats 2 --profile   # what the report used
     python -m loadtests.bench_engine                 # full run, writes loadtests/results/bench_engine.json
@@ -41,12 +43,6 @@ from typing import Any
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-# libgomp's default (spin before sleeping) collapses when the 2 cores are shared with other processes:
-# measured here, a 16-sequence decode step took ~600-1000 ms with the default and ~100 ms with PASSIVE
-# at a load average of 6. It must be set before torch (and its OpenMP runtime) loads; export
-# OMP_WAIT_POLICY=ACTIVE to measure the default. Both the engine and transformers run under it.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
@@ -141,6 +137,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--max-num-seqs", type=int, default=None, help="default: --num-prompts (>= 32)")
     g.add_argument("--batched-tokens", default="512,1024",
                    help="comma-separated max_num_batched_tokens values to try; the best is reported")
+    g.add_argument("--hf-dtypes", default="same,float32",
+                   help="dtypes of the transformers baselines ('same' = --dtype); the first is compared token by token")
     g.add_argument("--hf-max-time", type=float, default=360.0,
                    help="seconds; transformers generate stops early past this (stated in the output)")
     g = p.add_argument_group("(b)/(c) mixed short/long trace")
@@ -164,6 +162,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.prompt_len = _int_pair(args.prompt_len, "--prompt-len")
     args.mix_prompt_len = _int_pair(args.mix_prompt_len, "--mix-prompt-len")
     args.batched_tokens = [int(x) for x in args.batched_tokens.split(",") if x.strip()]
+    args.hf_dtypes = list(dict.fromkeys(args.dtype if d.strip() == "same" else d.strip()
+                                        for d in args.hf_dtypes.split(",") if d.strip()))
     if args.profile_only:
         args.profile = True
         args.skip_offline = args.skip_mix = True
@@ -279,13 +279,13 @@ def bench_engine_offline(args, prompts: list[list[int]]) -> dict[str, Any]:
     return {"runs": runs, "best": best, "outputs": best_outputs}
 
 
-def bench_hf_offline(args, prompts: list[list[int]], pad_token_id: int) -> dict[str, Any]:
+def bench_hf_offline(args, prompts: list[list[int]], pad_token_id: int, dtype_name: str) -> dict[str, Any]:
     import transformers
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
-    log("(a) transformers: loading the same GGUF (dequantized)")
+    dtype = getattr(torch, dtype_name)
+    log(f"(a) transformers: loading the same GGUF (dequantized to {dtype_name})")
     t0 = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(args.model), gguf_file=os.path.basename(args.model), dtype=dtype).eval()
@@ -330,7 +330,7 @@ def bench_hf_offline(args, prompts: list[list[int]], pad_token_id: int) -> dict[
     num_out = num_new * len(prompts)
     log(f"    {num_out} tokens in {elapsed:.1f}s = {num_out / elapsed:.1f} tok/s"
         + ("" if complete else f" (TRUNCATED at {num_new}/{args.output_len} tokens per prompt)"))
-    result = dict(load_s=load_s, elapsed_s=elapsed, cpu_s=cpu, output_tokens_per_cpu_s=num_out / cpu,
+    result = dict(dtype=dtype_name, load_s=load_s, elapsed_s=elapsed, cpu_s=cpu, output_tokens_per_cpu_s=num_out / cpu,
                   batch_size=len(prompts),
                   new_tokens_per_prompt=num_new, complete=complete, num_output_tokens=num_out,
                   output_tokens_per_s=num_out / elapsed, prefill_phase_s=prefill_s,
@@ -608,19 +608,23 @@ def print_report(res: dict[str, Any]) -> None:
             print(f"    {name:<44}{r['output_tokens_per_s']:>13.1f}{r['elapsed_s']:>10.1f}{r['num_steps']:>7}"
                   f"{r['prefill_phase_s']:>10.1f}{r['decode_phase_tokens_per_s']:>13.1f}"
                   f"{r['output_tokens_per_cpu_s']:>11.1f}")
-        hf = a.get("hf")
-        if hf:
-            dec = hf["decode_phase_tokens_per_s"]
-            print(f"    {'transformers generate (batched, left pad)':<44}{hf['output_tokens_per_s']:>13.1f}"
-                  f"{hf['elapsed_s']:>10.1f}{hf['new_tokens_per_prompt']:>7}{hf['prefill_phase_s']:>10.1f}"
-                  f"{dec if dec is None else format(dec, '.1f'):>13}{hf['output_tokens_per_cpu_s']:>11.1f}")
+        hf_runs = a.get("hf_runs")
+        if hf_runs:
+            for hf in hf_runs:
+                dec = hf["decode_phase_tokens_per_s"]
+                name = f"transformers generate {hf['dtype']} (batched)"
+                print(f"    {name:<44}{hf['output_tokens_per_s']:>13.1f}"
+                      f"{hf['elapsed_s']:>10.1f}{hf['new_tokens_per_prompt']:>7}{hf['prefill_phase_s']:>10.1f}"
+                      f"{dec if dec is None else format(dec, '.1f'):>13}{hf['output_tokens_per_cpu_s']:>11.1f}")
             print("    (prefill s: until every prompt is computed; decode tok/s: output tokens after that / time;\n"
                   "     tok/CPU-s: output tokens per second of this process's CPU time, less sensitive to neighbours)")
-            print(f"    transformers measured: {hf['measured']}")
-            print(f"    ratio best engine (mbt={a['engine']['best']['max_num_batched_tokens']}) / transformers "
-                  f"= {a['ratio_vs_hf']:.2f}x wall, {a['cpu_ratio_vs_hf']:.2f}x per CPU-second   (target >= 8x)")
+            for hf in hf_runs:
+                print(f"    transformers {hf['dtype']} measured: {hf['measured']}")
+                print(f"    ratio best engine (mbt={a['engine']['best']['max_num_batched_tokens']}, "
+                      f"{res['config']['dtype']}) / transformers {hf['dtype']} = {hf['ratio']:.2f}x wall, "
+                      f"{hf['cpu_ratio']:.2f}x per CPU-second   (target >= 8x)")
             ag = a["agreement"]
-            print(f"    greedy agreement over {ag['tokens_compared']} tokens: {ag['identical_prompts']}/"
+            print(f"    greedy agreement with transformers {hf_runs[0]['dtype']} over {ag['tokens_compared']} tokens: {ag['identical_prompts']}/"
                   f"{ag['num_prompts']} identical, median common prefix {ag['median_common_prefix']}")
         else:
             print("    transformers baseline skipped")
@@ -713,12 +717,16 @@ def main(argv: list[str] | None = None) -> int:
         a["engine"] = {"runs": eng["runs"], "best": eng["best"]}
         if not args.skip_hf:
             pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_ids[0]
-            hf = bench_hf_offline(args, prompts, pad)
-            a["agreement"] = agreement(eng["outputs"], hf.pop("outputs"))
-            a["hf"] = hf
-            a["ratio_vs_hf"] = eng["best"]["output_tokens_per_s"] / hf["output_tokens_per_s"]
-            a["cpu_ratio_vs_hf"] = (max(r["output_tokens_per_cpu_s"] for r in eng["runs"])
-                                    / hf["output_tokens_per_cpu_s"])
+            a["hf_runs"] = []
+            for dtype_name in args.hf_dtypes:
+                hf = bench_hf_offline(args, prompts, pad, dtype_name)
+                outputs = hf.pop("outputs")
+                if "agreement" not in a:
+                    a["agreement"] = agreement(eng["outputs"], outputs)
+                hf["ratio"] = eng["best"]["output_tokens_per_s"] / hf["output_tokens_per_s"]
+                hf["cpu_ratio"] = (max(r["output_tokens_per_cpu_s"] for r in eng["runs"])
+                                   / hf["output_tokens_per_cpu_s"])
+                a["hf_runs"].append(hf)
         res["offline"] = a
     if not args.skip_mix:
         res["mix"] = bench_mix(args, corpus)

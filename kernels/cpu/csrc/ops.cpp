@@ -37,6 +37,55 @@ void check_cpu_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
+// ---- 16-lane fp32 helpers (AVX-512F) -----------------------------------------------------------------
+
+inline __mmask16 tail_mask(int64_t remaining) {
+  return remaining >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1);
+}
+
+// Loads up to 16 elements as fp32 (bf16 widens by a 16-bit shift); masked-off lanes read as 0.
+inline __m512 load16(const float* p, __mmask16 m = 0xFFFF) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const c10::BFloat16* p, __mmask16 m = 0xFFFF) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// fp32 -> bf16 bits, round to nearest even (finite inputs), as c10::BFloat16's constructor rounds.
+inline __m256i to_bf16_bits(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+inline void store16(float* p, __m512 v, __mmask16 m = 0xFFFF) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16(c10::BFloat16* p, __m512 v, __mmask16 m = 0xFFFF) { _mm256_mask_storeu_epi16(p, m, to_bf16_bits(v)); }
+
+// The value T would hold: identity for fp32, a round trip through bf16 otherwise.
+inline __m512 round_as(float*, __m512 v) { return v; }
+inline __m512 round_as(c10::BFloat16*, __m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_bits(v)), 16));
+}
+
+// exp(x) for 16 lanes: x = n ln2 + r with |r| <= ln2/2, e^r by its Taylor series to r^7 (relative
+// error ~6e-9, under one fp32 ulp), then scaled by 2^n. Inputs below -87 flush towards 0.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 split in two for exactness
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
 // ---- RMSNorm, optionally fused with the residual add ------------------------------------------------
 // out = x / sqrt(mean(x^2) + eps) * weight, accumulated in fp32. With a residual: residual += x first
 // (in place, rounded to the model dtype as the unfused add would be) and the sum is normalized.
@@ -155,17 +204,21 @@ void rope_and_cache(at::Tensor qkv, const at::Tensor& positions, const at::Tenso
 
 template <typename T>
 void silu_mul_impl(T* out, const T* gate_up, int64_t rows, int64_t inter) {
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* g = gate_up + r * 2 * inter;
+  at::parallel_for(0, rows * inter, 4096, [&](int64_t begin, int64_t end) {
+    // Flattened over rows x features so one decode row still splits across threads.
+    for (int64_t idx = begin; idx < end;) {
+      const int64_t r = idx / inter, i = idx % inter, n = std::min(end - idx, inter - i);
+      const T* g = gate_up + r * 2 * inter + i;
       const T* u = g + inter;
-      T* o = out + r * inter;
-      for (int64_t i = 0; i < inter; ++i) {
+      T* o = out + r * inter + i;
+      for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 m = tail_mask(n - j);
+        const __m512 gv = load16(g + j, m);
         // silu(g) rounded to the model dtype before the product, as the unfused ops round.
-        const float gf = to_float(g[i]);
-        const float silu = to_float(from_float<T>(gf / (1.f + std::exp(-gf))));
-        o[i] = from_float<T>(silu * to_float(u[i]));
+        const __m512 silu = round_as(o, _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)))));
+        store16(o + j, _mm512_mul_ps(silu, load16(u + j, m)), m);
       }
+      idx += n;
     }
   });
 }
@@ -185,31 +238,6 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // One query token per sequence. Work item = (sequence, KV head): that head's group of query heads
 // scores every cached key of the sequence, read block by block in place (fp32 maths), softmax, then
 // the weighted sum of values. The cache is read once per KV head, not once per query head.
-
-// Loads 16 elements as fp32 (bf16 widens by a 16-bit shift).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
-// exp(x) for 16 lanes: x = n ln2 + r with |r| <= ln2/2, e^r by its Taylor series to r^7 (relative
-// error ~6e-9, under one fp32 ulp), then scaled by 2^n. Inputs below -87 flush towards 0.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 split in two for exactness
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // In place: x[i] = exp(x[i] - shift); returns the sum.
 inline float exp_shifted_sum(float* x, int64_t len, float shift) {
@@ -354,6 +382,158 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   return out;
 }
 
+// ---- Causal attention of prefill chunks over the paged cache -----------------------------------------
+// Sequence s has q_len = query_start[s+1] - query_start[s] new tokens, the last q_len of its seq_lens[s]
+// (their K/V already written). Work item = (sequence, KV head, tile of kTile query tokens); its rows
+// are the tile's tokens x the KV head's query heads, so each key block is converted once for all of
+// them. Keys go 16 at a time (one cache block per pass when block_size is 16): K is transposed to fp32
+// [head_dim][16] so a row's 16 scores are head_dim broadcast-FMAs (no horizontal sums), then an
+// online softmax (running max and sum per row) folds the block into fp32 accumulators. Blocks past a
+// tile's last position are never read: the causal half of the work is skipped, not masked.
+
+template <typename T, int NV>
+void prefill_attention_impl(T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+                            int64_t max_blocks, const int64_t* query_start, const int64_t* seq_lens, int64_t num_seqs,
+                            int64_t heads, int64_t kv_heads, int64_t block_size, float scale) {
+  constexpr int64_t D = NV * 16, kTile = 32, kKeys = 16;
+  const int64_t group = heads / kv_heads, kv_row = kv_heads * D, rows_max = kTile * group;
+  struct Item { int64_t seq, kh, tok0; };
+  std::vector<Item> items;
+  for (int64_t s = 0; s < num_seqs; ++s)
+    for (int64_t t0 = 0; t0 < query_start[s + 1] - query_start[s]; t0 += kTile)
+      for (int64_t kh = 0; kh < kv_heads; ++kh) items.push_back({s, kh, t0});
+  const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
+  // Later tiles see more keys: threads take items round-robin so each gets a mix of costs.
+  at::parallel_for(0, num_threads, 1, [&](int64_t tbegin, int64_t tend) {
+    // qf has 3 spare rows: the 4-row score loop may read past the last real row.
+    std::vector<float> qf((rows_max + 3) * D), acc(rows_max * D), row_max(rows_max), row_sum(rows_max);
+    alignas(64) float kt[D * kKeys];
+    alignas(64) float vf[kKeys * D];
+    alignas(64) float p[kKeys];
+    for (int64_t tid = tbegin; tid < tend; ++tid) {
+      for (size_t it = tid; it < items.size(); it += num_threads) {
+        const Item item = items[it];
+        const int64_t s = item.seq, kh = item.kh, len = seq_lens[s];
+        const int64_t q_len = query_start[s + 1] - query_start[s], first_pos = len - q_len;
+        const int64_t ntok = std::min(kTile, q_len - item.tok0), rows = ntok * group;
+        const int64_t* table = block_tables + s * max_blocks;
+        // Rows: token-major, then the group's heads.
+        for (int64_t tk = 0; tk < ntok; ++tk)
+          for (int64_t j = 0; j < group; ++j) {
+            const T* src = q + (query_start[s] + item.tok0 + tk) * heads * D + (kh * group + j) * D;
+            float* dst = qf.data() + (tk * group + j) * D;
+            for (int v = 0; v < NV; ++v) _mm512_storeu_ps(dst + v * 16, _mm512_mul_ps(load16(src + v * 16), _mm512_set1_ps(scale)));
+          }
+        std::fill(acc.begin(), acc.begin() + rows * D, 0.f);
+        std::fill(row_max.begin(), row_max.begin() + rows, -INFINITY);
+        std::fill(row_sum.begin(), row_sum.begin() + rows, 0.f);
+        const int64_t last_pos = first_pos + item.tok0 + ntok - 1;  // keys 0..last_pos are needed
+        for (int64_t k0 = 0; k0 <= last_pos; k0 += kKeys) {
+          const int64_t nk = std::min(kKeys, last_pos + 1 - k0);
+          for (int64_t t = 0; t < kKeys; ++t) {
+            if (t < nk) {
+              const int64_t pos = k0 + t;
+              const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+              const T* kp = k_cache + slot * kv_row + kh * D;
+              const T* vp = v_cache + slot * kv_row + kh * D;
+              for (int64_t i = 0; i < D; ++i) kt[i * kKeys + t] = to_float(kp[i]);
+              for (int v = 0; v < NV; ++v) _mm512_store_ps(vf + t * D + v * 16, load16(vp + v * 16));
+            } else {
+              for (int64_t i = 0; i < D; ++i) kt[i * kKeys + t] = 0.f;
+            }
+          }
+          const __m512i key_pos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(k0)),
+                                                   _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+          for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+            // Scores of four rows at once: eight independent FMA chains (two per row) share each
+            // K load, so the loop runs at FMA throughput rather than one chain's latency.
+            const int64_t nr = std::min<int64_t>(4, rows - r0);
+            if (first_pos + item.tok0 + (r0 + nr - 1) / group < k0) continue;  // all four rows end before the block
+            __m512 even[4], odd[4];
+            for (int64_t x = 0; x < 4; ++x) even[x] = odd[x] = _mm512_setzero_ps();
+            const float* q0 = qf.data() + r0 * D;
+            for (int64_t i = 0; i < D; i += 2) {
+              const __m512 ke = _mm512_load_ps(kt + i * kKeys), ko = _mm512_load_ps(kt + (i + 1) * kKeys);
+              for (int64_t x = 0; x < 4; ++x) {  // rows past nr read qf scratch beyond rows: harmless, unused
+                even[x] = _mm512_fmadd_ps(_mm512_set1_ps(q0[x * D + i]), ke, even[x]);
+                odd[x] = _mm512_fmadd_ps(_mm512_set1_ps(q0[x * D + i + 1]), ko, odd[x]);
+              }
+            }
+            for (int64_t x = 0; x < nr; ++x) {
+              const int64_t r = r0 + x, pos = first_pos + item.tok0 + r / group;
+              if (pos < k0) continue;  // this row's keys all come before the block
+              const __mmask16 valid = _mm512_cmple_epi32_mask(key_pos, _mm512_set1_epi32(static_cast<int32_t>(pos)));
+              const __m512 sc = _mm512_add_ps(even[x], odd[x]);
+              const float block_max = _mm512_mask_reduce_max_ps(valid, sc);
+              const float new_max = std::max(row_max[r], block_max);
+              const float correction = std::exp(row_max[r] - new_max);  // 0 on the first block (-inf)
+              const __m512 pv = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(new_max))));
+              row_sum[r] = row_sum[r] * correction + _mm512_reduce_add_ps(pv);
+              row_max[r] = new_max;
+              _mm512_store_ps(p, pv);
+              float* ar = acc.data() + r * D;
+              __m512 a[NV];
+              for (int v = 0; v < NV; ++v) a[v] = _mm512_mul_ps(_mm512_loadu_ps(ar + v * 16), _mm512_set1_ps(correction));
+              for (int64_t t = 0; t < nk; ++t) {
+                const __m512 pt = _mm512_set1_ps(p[t]);
+                for (int v = 0; v < NV; ++v) a[v] = _mm512_fmadd_ps(pt, _mm512_load_ps(vf + t * D + v * 16), a[v]);
+              }
+              for (int v = 0; v < NV; ++v) _mm512_storeu_ps(ar + v * 16, a[v]);
+            }
+          }
+        }
+        for (int64_t tk = 0; tk < ntok; ++tk)
+          for (int64_t j = 0; j < group; ++j) {
+            const int64_t r = tk * group + j;
+            T* dst = out + (query_start[s] + item.tok0 + tk) * heads * D + (kh * group + j) * D;
+            const __m512 inv = _mm512_set1_ps(1.f / row_sum[r]);
+            for (int v = 0; v < NV; ++v) store16(dst + v * 16, _mm512_mul_ps(_mm512_loadu_ps(acc.data() + r * D + v * 16), inv));
+          }
+      }
+    }
+  });
+}
+
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& seq_lens,
+                             int64_t heads, double scale) {
+  for (auto* t : {&q, &k_cache, &v_cache, &block_tables, &query_start, &seq_lens}) check_cpu_contiguous(*t, "prefill_attention input");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "caches must be [blocks, block_size, kv_heads, head_dim]");
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
+  const int64_t num_seqs = seq_lens.numel();
+  TORCH_CHECK(decode_attention_supports(heads, kv_heads, head_dim), "prefill_attention: unsupported shape: ", heads,
+              " heads, ", kv_heads, " KV heads, head_dim ", head_dim);
+  for (auto* t : {&block_tables, &query_start, &seq_lens}) TORCH_CHECK(t->scalar_type() == at::kLong, "index tensors must be int64");
+  TORCH_CHECK(query_start.numel() == num_seqs + 1 && block_tables.dim() == 2 && block_tables.size(0) == num_seqs,
+              "query_start must be [num_seqs + 1] and block_tables [num_seqs, max_blocks]");
+  TORCH_CHECK(q.dim() == 2 && q.size(1) == heads * head_dim, "q must be [tokens, heads * head_dim]");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(), "cache dtype must equal q dtype");
+  const int64_t* qs = query_start.data_ptr<int64_t>();
+  TORCH_CHECK(num_seqs == 0 || (qs[0] == 0 && qs[num_seqs] == q.size(0)), "query_start must run from 0 to the number of q rows");
+  for (int64_t s = 0; s < num_seqs; ++s) {  // raw checks: every block a sequence reads must exist
+    const int64_t len = seq_lens.data_ptr<int64_t>()[s], q_len = qs[s + 1] - qs[s];
+    TORCH_CHECK(q_len >= 1 && q_len <= len, "sequence ", s, ": ", q_len, " new tokens but length ", len);
+    TORCH_CHECK(len <= block_tables.size(1) * block_size, "sequence ", s, " length ", len, " does not fit its block table");
+    const int64_t* table = block_tables.data_ptr<int64_t>() + s * block_tables.size(1);
+    for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(table[b] >= 0 && table[b] < k_cache.size(0), "block id ", table[b], " outside the cache");
+  }
+  at::Tensor out = at::empty_like(q);
+  const float sc = static_cast<float>(scale);
+  AT_DISPATCH_SWITCH(q.scalar_type(), "prefill_attention",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      auto fn = head_dim == 64 ? prefill_attention_impl<scalar_t, 4> : prefill_attention_impl<scalar_t, 8>;
+      fn(out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+         block_tables.data_ptr<int64_t>(), block_tables.size(1), qs, seq_lens.data_ptr<int64_t>(), num_seqs, heads, kv_heads, block_size, sc);
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      auto fn = head_dim == 64 ? prefill_attention_impl<scalar_t, 4> : prefill_attention_impl<scalar_t, 8>;
+      fn(out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+         block_tables.data_ptr<int64_t>(), block_tables.size(1), qs, seq_lens.data_ptr<int64_t>(), num_seqs, heads, kv_heads, block_size, sc);
+    }));
+  return out;
+}
+
 // ---- Small-M bf16 linear: y = x W^T (+ b), W row-major [N, K] ---------------------------------------
 // Decode multiplies one or a few rows by every weight, so the cost is streaming W from DRAM once. Four
 // weight rows per pass with their accumulators in registers (AVX512-BF16: 32 products per instruction,
@@ -448,6 +628,7 @@ TORCH_LIBRARY(llmserve_cpu, m) {
   m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("has_avx512_bf16() -> bool", has_avx512_bf16);
   m.def("decode_attention_supports(int heads, int kv_heads, int head_dim) -> bool", decode_attention_supports);
+  m.def("prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start, Tensor seq_lens, int heads, float scale) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, int heads, float scale) -> Tensor");
 }
 
@@ -457,4 +638,5 @@ TORCH_LIBRARY_IMPL(llmserve_cpu, CPU, m) {
   m.impl("silu_mul", silu_mul);
   m.impl("linear_bf16", linear_bf16);
   m.impl("decode_attention", decode_attention);
+  m.impl("prefill_attention", prefill_attention);
 }

@@ -47,8 +47,9 @@ class TorchAttentionBackend:
         self.cpu_ops = None
 
     def use_cpu_ops(self, ops) -> None:
-        """With torch.ops.llmserve_cpu (kernels/cpu), CPU decodes read each sequence's blocks in place
-        instead of gather + padded SDPA, for the head shapes the kernel covers; None: torch only."""
+        """With torch.ops.llmserve_cpu (kernels/cpu), CPU attention reads each sequence's blocks in
+        place (decodes: instead of gather + padded SDPA; prefill chunks: instead of per-sequence fp32
+        matmuls over a masked square), for the head shapes the kernels cover; None: torch only."""
         supported = ops is not None and ops.decode_attention_supports(self.num_heads, self.num_kv_heads, self.head_dim)
         self.cpu_ops = ops if supported else None
 
@@ -70,6 +71,12 @@ class TorchAttentionBackend:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
+        if self.cpu_ops is not None and q.device.type == "cpu":
+            # Every prefill chunk in one call, reading the cache in place (K/V were written first).
+            out[nd:] = self.cpu_ops.prefill_attention(
+                q[nd:].contiguous(), k_cache, v_cache, meta.block_tables[nd:], meta.prefill_query_start,
+                meta.prefill_seq_lens, self.num_heads, self.scale)
+            return out
         for i in range(nd, meta.num_seqs):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             seq_len = meta.seq_lens[i]

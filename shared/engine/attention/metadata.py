@@ -30,6 +30,9 @@ class AttentionMetadata:
     num_decodes: int               # the first num_decodes sequences have query_len == 1
     block_size: int
     decode_seq_lens: torch.Tensor  # [num_decodes] int64, seq_lens of the decodes as a tensor
+    prefill_seq_lens: torch.Tensor     # [num_seqs - num_decodes] int64, seq_lens of the prefill chunks
+    prefill_query_start: torch.Tensor  # [num_seqs - num_decodes + 1] int64, query_start_loc of the
+                                       # prefill chunks, shifted to start at 0
     mask_dtype: torch.dtype = torch.float32
     # Built on first use by a backend that needs it, then shared by every layer of the step.
     _decode_mask: torch.Tensor | None = field(default=None, repr=False)
@@ -96,5 +99,8 @@ def build_attention_metadata(
         num_decodes=num_decodes,
         block_size=block_size,
         decode_seq_lens=torch.tensor(seq_lens[:num_decodes], dtype=torch.int64, device=device),
+        prefill_seq_lens=torch.tensor(seq_lens[num_decodes:], dtype=torch.int64, device=device),
+        prefill_query_start=torch.tensor([s - starts[num_decodes] for s in starts[num_decodes:]],
+                                         dtype=torch.int64, device=device),
         mask_dtype=dtype,
     )
