@@ -1,5 +1,8 @@
-"""Triton kernels for the CUDA path (paged attention and friends) will live here.
+"""Kernels below the torch reference path.
 
-Nothing is implemented yet: every device runs the torch attention backend in
-``shared/engine/attention/backend.py``, which is the reference those kernels will be tested against.
+``kernels/cpu``: fused C++ kernels for the CPU path (RMSNorm + residual, RoPE + KV-cache write,
+SiLU-and-mul, paged decode and prefill attention, a small-M bf16 matmul), built once per machine on
+first use. Triton kernels for the CUDA path are still to come; on CUDA every op runs the torch
+attention backend in ``shared/engine/attention/backend.py``, which is the reference all of them are
+tested against.
 """

@@ -202,3 +202,14 @@ def test_prefill_attention_is_causal_over_cached_context(dtype):
         expected = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask).transpose(0, 1).reshape(ql, -1)
         torch.testing.assert_close(out[starts[s]: starts[s + 1]].float(), expected,
                                    atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-2)
+
+
+def test_kernels_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("LLMSERVE_CPU_KERNELS", "0")
+    cpu_ops.cache_clear()
+    try:
+        assert cpu_ops() is None
+    finally:
+        monkeypatch.delenv("LLMSERVE_CPU_KERNELS")
+        cpu_ops.cache_clear()
+    assert cpu_ops() is not None

@@ -5,7 +5,7 @@
 torch path, which computes the same thing and is what the kernels are tested against.
 
 The build uses ``-march=native``, so the library is keyed by this CPU's feature flags as well as by
-the source (torch's extension cache rebuilds when the source changes). The first build takes about a
+the source (torch's extension cache rebuilds when the source changes). The first build takes under a
 minute; later processes load the cached library in milliseconds. Concurrent first builds (several
 executors starting together) wait on torch's build lock.
 """
@@ -49,7 +49,7 @@ def _load():
 
     name = f"llmserve_cpu_{_cpu_key()}"
     t0 = time.perf_counter()
-    log.info("loading CPU kernels %s (compiled on first use, about a minute)", name)
+    log.info("loading CPU kernels %s (compiled on first use: under a minute)", name)
     cpp_extension.load(name=name, sources=[_SOURCE], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
                        is_python_module=False, verbose=False)
     log.info("CPU kernels ready in %.1f s", time.perf_counter() - t0)
