@@ -1,20 +1,26 @@
-// CPU kernels for the decode-heavy parts of a Llama forward pass (registered as torch.ops.llmserve_cpu.*).
+// CPU kernels for the hot parts of a Llama forward pass (registered as torch.ops.llmserve_cpu.*).
 //
 // Why they exist: a single-token decode step of a small model is ~30 layers x ~25 tiny torch ops, each
-// paying dispatch and an OpenMP fork/join, and batched decode attention spent most of a step gathering
-// blocks and running a padded, masked SDPA. These kernels fuse the elementwise work (RMSNorm + residual,
-// RoPE + KV-cache write, SiLU-and-mul) and read the paged KV cache in place for decode attention (no
-// gather), and stream bf16 weights for the few-row matmuls of decode faster than oneDNN does.
+// paying dispatch and an OpenMP fork/join; batched decode attention spent most of a step gathering
+// blocks into a padded, masked SDPA; prefill attention computed (and masked) the whole causal square;
+// and oneDNN's bf16 matrix-vector product reads weights at ~60% of the DRAM bandwidth. These kernels
+// fuse the elementwise work (RMSNorm + residual, RoPE + KV-cache write, SiLU-and-mul), read the paged
+// KV cache in place for decode and prefill attention, and stream bf16 weights for few-row matmuls.
 //
 // Every op has a torch reference in shared/engine (the same maths, unfused) and is tested against it.
-// Built once per machine by kernels/cpu/__init__.py with -O3 -march=native.
+// Built once per machine by kernels/cpu/__init__.py with -O3 -march=native; AVX-512F is required
+// (elsewhere the build stops here and the engine keeps the torch path), AVX512-BF16 for linear_bf16.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#include <immintrin.h>  // AVX-512F: -march=native on a host that has it (kernels/cpu checks the flag)
+#include <immintrin.h>
+
+#if !defined(__AVX512F__) || !defined(__AVX512BW__)
+#error "llmserve CPU kernels need AVX-512F/BW; the engine falls back to its torch path"
+#endif
 
 #include <cmath>
 #include <cstdint>
@@ -35,6 +41,22 @@ template <typename T> inline T from_float(float x) { return static_cast<T>(x); }
 void check_cpu_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// Both dtypes the engine runs on CPU; the body sees scalar_t.
+#define LLMSERVE_DISPATCH(TYPE, NAME, ...) \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+// Every block a sequence reads must exist: checked on the raw values (a torch reduction per layer
+// would cost more than some of the ops).
+void check_block_tables(const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size, int64_t num_blocks) {
+  for (int64_t s = 0; s < seq_lens.numel(); ++s) {
+    const int64_t len = seq_lens.data_ptr<int64_t>()[s];
+    TORCH_CHECK(len >= 1 && len <= block_tables.size(1) * block_size, "sequence ", s, " length ", len, " does not fit its block table");
+    const int64_t* table = block_tables.data_ptr<int64_t>() + s * block_tables.size(1);
+    for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "block id ", table[b], " outside the cache");
+  }
 }
 
 // ---- 16-lane fp32 helpers (AVX-512F) -----------------------------------------------------------------
@@ -131,17 +153,11 @@ at::Tensor rms_norm(at::Tensor x, const at::Tensor& weight, double eps, const c1
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && x.size(1) == weight.size(0), "rms_norm: x [rows, hidden], weight [hidden]");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight dtype must equal x dtype");
   at::Tensor out = at::empty_like(x);
-  AT_DISPATCH_SWITCH(x.scalar_type(), "rms_norm",
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      scalar_t* res = nullptr;
-      if (residual.has_value()) { check_cpu_contiguous(*residual, "residual"); res = residual->data_ptr<scalar_t>(); }
-      rms_norm_rows<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), res, weight.data_ptr<scalar_t>(), x.size(0), x.size(1), eps);
-    })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      scalar_t* res = nullptr;
-      if (residual.has_value()) { check_cpu_contiguous(*residual, "residual"); res = residual->data_ptr<scalar_t>(); }
-      rms_norm_rows<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), res, weight.data_ptr<scalar_t>(), x.size(0), x.size(1), eps);
-    }));
+  LLMSERVE_DISPATCH(x.scalar_type(), "rms_norm", [&] {
+    scalar_t* res = nullptr;
+    if (residual.has_value()) { check_cpu_contiguous(*residual, "residual"); res = residual->data_ptr<scalar_t>(); }
+    rms_norm_rows<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), res, weight.data_ptr<scalar_t>(), x.size(0), x.size(1), eps);
+  });
   return out;
 }
 
@@ -196,17 +212,11 @@ void rope_and_cache(at::Tensor qkv, const at::Tensor& positions, const at::Tenso
     TORCH_CHECK(pos >= 0 && pos < cos.size(0), "position ", pos, " outside the RoPE table");
     TORCH_CHECK(slot >= 0 && slot < num_slots, "slot ", slot, " outside the cache");
   }
-  AT_DISPATCH_SWITCH(qkv.scalar_type(), "rope_and_cache",
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      rope_and_cache_impl<scalar_t>(qkv.data_ptr<scalar_t>(), positions.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                                    k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), slot_mapping.data_ptr<int64_t>(),
-                                    qkv.size(0), heads, kv_heads, head_dim);
-    })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      rope_and_cache_impl<scalar_t>(qkv.data_ptr<scalar_t>(), positions.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                                    k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), slot_mapping.data_ptr<int64_t>(),
-                                    qkv.size(0), heads, kv_heads, head_dim);
-    }));
+  LLMSERVE_DISPATCH(qkv.scalar_type(), "rope_and_cache", [&] {
+    rope_and_cache_impl<scalar_t>(qkv.data_ptr<scalar_t>(), positions.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                                  k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), slot_mapping.data_ptr<int64_t>(),
+                                  qkv.size(0), heads, kv_heads, head_dim);
+  });
 }
 
 // ---- SiLU(gate) * up ---------------------------------------------------------------------------------
@@ -237,9 +247,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [rows, 2 * intermediate]");
   const int64_t inter = gate_up.size(1) / 2;
   at::Tensor out = at::empty({gate_up.size(0), inter}, gate_up.options());
-  AT_DISPATCH_SWITCH(gate_up.scalar_type(), "silu_mul",
-    AT_DISPATCH_CASE(at::kFloat, [&] { silu_mul_impl<scalar_t>(out.data_ptr<scalar_t>(), gate_up.data_ptr<scalar_t>(), gate_up.size(0), inter); })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] { silu_mul_impl<scalar_t>(out.data_ptr<scalar_t>(), gate_up.data_ptr<scalar_t>(), gate_up.size(0), inter); }));
+  LLMSERVE_DISPATCH(gate_up.scalar_type(), "silu_mul", [&] {
+    silu_mul_impl<scalar_t>(out.data_ptr<scalar_t>(), gate_up.data_ptr<scalar_t>(), gate_up.size(0), inter);
+  });
   return out;
 }
 
@@ -362,7 +372,7 @@ void decode_attention_dispatch(int64_t head_dim, int64_t group, T* out, const T*
   TORCH_CHECK(false, "decode_attention supports head_dim 64 or 128, got ", head_dim);
 }
 
-bool decode_attention_supports(int64_t heads, int64_t kv_heads, int64_t head_dim) {
+bool attention_supports(int64_t heads, int64_t kv_heads, int64_t head_dim) {
   return kv_heads > 0 && heads % kv_heads == 0 && heads / kv_heads <= 8 && (head_dim == 64 || head_dim == 128);
 }
 
@@ -372,32 +382,20 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "caches must be [blocks, block_size, kv_heads, head_dim]");
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
   const int64_t num_seqs = seq_lens.numel();
-  TORCH_CHECK(decode_attention_supports(heads, kv_heads, head_dim), "decode_attention: unsupported shape: ", heads,
+  TORCH_CHECK(attention_supports(heads, kv_heads, head_dim), "decode_attention: unsupported shape: ", heads,
               " heads, ", kv_heads, " KV heads, head_dim ", head_dim);
   TORCH_CHECK(q.dim() == 2 && q.size(0) == num_seqs && q.size(1) == heads * head_dim, "q must be [num_seqs, heads * head_dim]");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "block_tables and seq_lens must be int64");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs, "block_tables must be [num_seqs, max_blocks]");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(), "cache dtype must equal q dtype");
-  for (int64_t s = 0; s < num_seqs; ++s) {  // raw checks: every block a sequence reads must exist
-    const int64_t len = seq_lens.data_ptr<int64_t>()[s];
-    TORCH_CHECK(len >= 1 && len <= block_tables.size(1) * block_size, "sequence ", s, " length ", len, " does not fit its block table");
-    const int64_t* table = block_tables.data_ptr<int64_t>() + s * block_tables.size(1);
-    for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b)
-      TORCH_CHECK(table[b] >= 0 && table[b] < k_cache.size(0), "block id ", table[b], " outside the cache");
-  }
+  check_block_tables(block_tables, seq_lens, block_size, k_cache.size(0));
   at::Tensor out = at::empty_like(q);
   const float sc = static_cast<float>(scale);
-  AT_DISPATCH_SWITCH(q.scalar_type(), "decode_attention",
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      decode_attention_dispatch<scalar_t>(head_dim, heads / kv_heads, out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(),
-                                          k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(),
-                                          block_tables.size(1), seq_lens.data_ptr<int64_t>(), num_seqs, kv_heads, block_size, sc);
-    })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      decode_attention_dispatch<scalar_t>(head_dim, heads / kv_heads, out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(),
-                                          k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(),
-                                          block_tables.size(1), seq_lens.data_ptr<int64_t>(), num_seqs, kv_heads, block_size, sc);
-    }));
+  LLMSERVE_DISPATCH(q.scalar_type(), "decode_attention", [&] {
+    decode_attention_dispatch<scalar_t>(head_dim, heads / kv_heads, out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(),
+                                        k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(),
+                                        block_tables.size(1), seq_lens.data_ptr<int64_t>(), num_seqs, kv_heads, block_size, sc);
+  });
   return out;
 }
 
@@ -520,7 +518,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "caches must be [blocks, block_size, kv_heads, head_dim]");
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
   const int64_t num_seqs = seq_lens.numel();
-  TORCH_CHECK(decode_attention_supports(heads, kv_heads, head_dim), "prefill_attention: unsupported shape: ", heads,
+  TORCH_CHECK(attention_supports(heads, kv_heads, head_dim), "prefill_attention: unsupported shape: ", heads,
               " heads, ", kv_heads, " KV heads, head_dim ", head_dim);
   for (auto* t : {&block_tables, &query_start, &seq_lens}) TORCH_CHECK(t->scalar_type() == at::kLong, "index tensors must be int64");
   TORCH_CHECK(query_start.numel() == num_seqs + 1 && block_tables.dim() == 2 && block_tables.size(0) == num_seqs,
@@ -529,27 +527,18 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(), "cache dtype must equal q dtype");
   const int64_t* qs = query_start.data_ptr<int64_t>();
   TORCH_CHECK(num_seqs == 0 || (qs[0] == 0 && qs[num_seqs] == q.size(0)), "query_start must run from 0 to the number of q rows");
-  for (int64_t s = 0; s < num_seqs; ++s) {  // raw checks: every block a sequence reads must exist
+  for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t len = seq_lens.data_ptr<int64_t>()[s], q_len = qs[s + 1] - qs[s];
     TORCH_CHECK(q_len >= 1 && q_len <= len, "sequence ", s, ": ", q_len, " new tokens but length ", len);
-    TORCH_CHECK(len <= block_tables.size(1) * block_size, "sequence ", s, " length ", len, " does not fit its block table");
-    const int64_t* table = block_tables.data_ptr<int64_t>() + s * block_tables.size(1);
-    for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b)
-      TORCH_CHECK(table[b] >= 0 && table[b] < k_cache.size(0), "block id ", table[b], " outside the cache");
   }
+  check_block_tables(block_tables, seq_lens, block_size, k_cache.size(0));
   at::Tensor out = at::empty_like(q);
   const float sc = static_cast<float>(scale);
-  AT_DISPATCH_SWITCH(q.scalar_type(), "prefill_attention",
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      auto fn = head_dim == 64 ? prefill_attention_impl<scalar_t, 4> : prefill_attention_impl<scalar_t, 8>;
-      fn(out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-         block_tables.data_ptr<int64_t>(), block_tables.size(1), qs, seq_lens.data_ptr<int64_t>(), num_seqs, heads, kv_heads, block_size, sc);
-    })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      auto fn = head_dim == 64 ? prefill_attention_impl<scalar_t, 4> : prefill_attention_impl<scalar_t, 8>;
-      fn(out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-         block_tables.data_ptr<int64_t>(), block_tables.size(1), qs, seq_lens.data_ptr<int64_t>(), num_seqs, heads, kv_heads, block_size, sc);
-    }));
+  LLMSERVE_DISPATCH(q.scalar_type(), "prefill_attention", [&] {
+    auto fn = head_dim == 64 ? prefill_attention_impl<scalar_t, 4> : prefill_attention_impl<scalar_t, 8>;
+    fn(out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+       block_tables.data_ptr<int64_t>(), block_tables.size(1), qs, seq_lens.data_ptr<int64_t>(), num_seqs, heads, kv_heads, block_size, sc);
+  });
   return out;
 }
 
@@ -666,7 +655,7 @@ TORCH_LIBRARY(llmserve_cpu, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("has_avx512_bf16() -> bool", has_avx512_bf16);
-  m.def("decode_attention_supports(int heads, int kv_heads, int head_dim) -> bool", decode_attention_supports);
+  m.def("attention_supports(int heads, int kv_heads, int head_dim) -> bool", attention_supports);
   m.def("prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start, Tensor seq_lens, int heads, float scale) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, int heads, float scale) -> Tensor");
 }

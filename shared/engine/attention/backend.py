@@ -50,7 +50,7 @@ class TorchAttentionBackend:
         """With torch.ops.llmserve_cpu (kernels/cpu), CPU attention reads each sequence's blocks in
         place (decodes: instead of gather + padded SDPA; prefill chunks: instead of per-sequence fp32
         matmuls over a masked square), for the head shapes the kernels cover; None: torch only."""
-        supported = ops is not None and ops.decode_attention_supports(self.num_heads, self.num_kv_heads, self.head_dim)
+        supported = ops is not None and ops.attention_supports(self.num_heads, self.num_kv_heads, self.head_dim)
         self.cpu_ops = ops if supported else None
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
