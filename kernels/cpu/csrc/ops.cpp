@@ -258,6 +258,15 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // scores every cached key of the sequence, read block by block in place (fp32 maths), softmax, then
 // the weighted sum of values. The cache is read once per KV head, not once per query head.
 
+// Blocks of a sequence sit anywhere in the pool, so the hardware prefetcher cannot see the next one
+// coming: ask for its rows (one head's slice of each token) while the current block is computed.
+template <typename T>
+inline void prefetch_rows(const T* first, int64_t rows, int64_t row_stride, int64_t row_len) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t off = 0; off < row_len * static_cast<int64_t>(sizeof(T)); off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(first + r * row_stride) + off, _MM_HINT_T0);
+}
+
 // In place: x[i] = exp(x[i] - shift); returns the sum.
 inline float exp_shifted_sum(float* x, int64_t len, float shift) {
   const __m512 vs = _mm512_set1_ps(shift);
@@ -295,6 +304,7 @@ void decode_attention_impl(T* out, const T* q, const T* k_cache, const T* v_cach
       for (int64_t b = 0; b < num_blocks; ++b) {
         const T* kb = k_cache + table[b] * block_size * kv_row + kh * head_dim;
         const int64_t n = std::min(block_size, len - b * block_size), t0 = b * block_size;
+        if (b + 1 < num_blocks) prefetch_rows(k_cache + table[b + 1] * block_size * kv_row + kh * head_dim, block_size, kv_row, head_dim);
         // Four tokens at a time: their 4 x G dot-product vectors are summed by one reduce4 per head
         // (a horizontal sum per score cost more than the products). Missing tokens count as zero keys.
         for (int64_t t = 0; t < n; t += 4) {
@@ -324,9 +334,11 @@ void decode_attention_impl(T* out, const T* q, const T* k_cache, const T* v_cach
       }
       for (int j = 0; j < G; ++j)
         for (int v = 0; v < NV; ++v) acc[j][v] = _mm512_setzero_ps();
+      prefetch_rows(v_cache + table[0] * block_size * kv_row + kh * head_dim, block_size, kv_row, head_dim);
       for (int64_t b = 0; b < num_blocks; ++b) {
         const T* vb = v_cache + table[b] * block_size * kv_row + kh * head_dim;
         const int64_t n = std::min(block_size, len - b * block_size), t0 = b * block_size;
+        if (b + 1 < num_blocks) prefetch_rows(v_cache + table[b + 1] * block_size * kv_row + kh * head_dim, block_size, kv_row, head_dim);
         for (int64_t t = 0; t < n; ++t) {
           for (int v = 0; v < NV; ++v) {
             const __m512 val = load16(vb + t * kv_row + v * 16);
