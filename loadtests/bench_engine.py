@@ -484,15 +484,15 @@ def _breakdown_targets() -> dict[str, Any]:
     from shared.engine.models.llama import MLP, LlamaModel
     from shared.engine.scheduler import Scheduler
 
-    funcs = {
-        "schedule": Scheduler.schedule, "attn_metadata": build_attention_metadata,
-        "model_runner.execute": ModelRunner.execute, "attention(all)": TorchAttentionBackend.forward,
-        "attention_decode": TorchAttentionBackend._decode, "mlp": MLP.forward,
-        "lm_head": LlamaModel.compute_logits, "sample": Engine._sample, "block_commit": BlockManager.commit,
-        "outputs": Engine._collect_outputs,
-    }
-    codes = {label: inspect.unwrap(f).__code__ for label, f in funcs.items()}  # past @inference_mode
-    return {(c.co_filename, c.co_firstlineno, c.co_name): label for label, c in codes.items()}
+    funcs = [
+        ("schedule", Scheduler.schedule), ("attn_metadata", build_attention_metadata),
+        ("model_runner.execute", ModelRunner.execute), ("attention(all)", TorchAttentionBackend.attend),
+        ("attention_decode", TorchAttentionBackend._decode), ("mlp", MLP.forward), ("mlp", MLP.forward_fused),
+        ("lm_head", LlamaModel.compute_logits), ("sample", Engine._sample), ("block_commit", BlockManager.commit),
+        ("outputs", Engine._collect_outputs),
+    ]  # MLP: the plain and the fused-kernel path (only one runs)
+    codes = [(label, inspect.unwrap(f).__code__) for label, f in funcs]  # past @inference_mode
+    return {(c.co_filename, c.co_firstlineno, c.co_name): label for label, c in codes}
 
 
 def profile_engine(args, prompts: list[list[int]], mbt: int) -> dict[str, Any]:

@@ -193,8 +193,7 @@ class LlamaModel(nn.Module):
         """Pre-pack linear weights for the CPU bf16/fp16 fast path (no-op elsewhere). The tied output
         head gets a packed copy; the embedding keeps the original for lookups. Call after
         ``enable_cpu_kernels`` so decode-sized matmuls can use the small-M kernel."""
-        ops = self.cpu_ops
-        small_m = ops.linear_bf16 if ops is not None and ops.has_avx512_bf16() else None
+        small_m = self._small_m_kernel()
         count = prepack_linears(self.layers, small_m)
         if can_prepack(self.lm_head_weight):
             self._packed_head = PackedLinear(self.lm_head_weight, None, small_m)
@@ -229,11 +228,15 @@ class LlamaModel(nn.Module):
         self.cpu_ops = ops
         if isinstance(self.backend, TorchAttentionBackend):
             self.backend.use_cpu_ops(ops)
-        small_m = ops.linear_bf16 if ops is not None and ops.has_avx512_bf16() else None
+        small_m = self._small_m_kernel()
         for module in self.modules():
             if isinstance(module, PackedLinear):
                 module.set_small_m_kernel(small_m)
         return ops is not None
+
+    def _small_m_kernel(self):
+        ops = self.cpu_ops
+        return ops.linear_bf16 if ops is not None and ops.has_avx512_bf16() else None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up. Every parameter row must be set
