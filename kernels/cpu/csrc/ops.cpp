@@ -286,7 +286,7 @@ template <typename T, int G, int NV>
 void decode_attention_impl(T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                            int64_t max_blocks, const int64_t* seq_lens, int64_t num_seqs, int64_t kv_heads,
                            int64_t block_size, float scale) {
-  constexpr int64_t head_dim = NV * 16;
+  constexpr int64_t head_dim = NV * 16, kAheadBlocks = 2;  // blocks prefetched ahead of the one computed
   const int64_t heads = G * kv_heads, kv_row = kv_heads * head_dim;
   at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
@@ -300,11 +300,14 @@ void decode_attention_impl(T* out, const T* q, const T* k_cache, const T* v_cach
         for (int v = 0; v < NV; ++v) qv[j][v] = _mm512_mul_ps(load16(qs + j * head_dim + v * 16), _mm512_set1_ps(scale));
       scores.resize(G * len);
       float* sc = scores.data();
+      for (int64_t b = 0; b < std::min(kAheadBlocks, num_blocks); ++b)
+        prefetch_rows(k_cache + table[b] * block_size * kv_row + kh * head_dim, block_size, kv_row, head_dim);
       // Scores, block by block (tokens of a block are kv_row apart).
       for (int64_t b = 0; b < num_blocks; ++b) {
         const T* kb = k_cache + table[b] * block_size * kv_row + kh * head_dim;
         const int64_t n = std::min(block_size, len - b * block_size), t0 = b * block_size;
-        if (b + 1 < num_blocks) prefetch_rows(k_cache + table[b + 1] * block_size * kv_row + kh * head_dim, block_size, kv_row, head_dim);
+        if (b + kAheadBlocks < num_blocks)
+          prefetch_rows(k_cache + table[b + kAheadBlocks] * block_size * kv_row + kh * head_dim, block_size, kv_row, head_dim);
         // Four tokens at a time: their 4 x G dot-product vectors are summed by one reduce4 per head
         // (a horizontal sum per score cost more than the products). Missing tokens count as zero keys.
         for (int64_t t = 0; t < n; t += 4) {
@@ -334,11 +337,13 @@ void decode_attention_impl(T* out, const T* q, const T* k_cache, const T* v_cach
       }
       for (int j = 0; j < G; ++j)
         for (int v = 0; v < NV; ++v) acc[j][v] = _mm512_setzero_ps();
-      prefetch_rows(v_cache + table[0] * block_size * kv_row + kh * head_dim, block_size, kv_row, head_dim);
+      for (int64_t b = 0; b < std::min(kAheadBlocks, num_blocks); ++b)
+        prefetch_rows(v_cache + table[b] * block_size * kv_row + kh * head_dim, block_size, kv_row, head_dim);
       for (int64_t b = 0; b < num_blocks; ++b) {
         const T* vb = v_cache + table[b] * block_size * kv_row + kh * head_dim;
         const int64_t n = std::min(block_size, len - b * block_size), t0 = b * block_size;
-        if (b + 1 < num_blocks) prefetch_rows(v_cache + table[b + 1] * block_size * kv_row + kh * head_dim, block_size, kv_row, head_dim);
+        if (b + kAheadBlocks < num_blocks)
+          prefetch_rows(v_cache + table[b + kAheadBlocks] * block_size * kv_row + kh * head_dim, block_size, kv_row, head_dim);
         for (int64_t t = 0; t < n; ++t) {
           for (int v = 0; v < NV; ++v) {
             const __m512 val = load16(vb + t * kv_row + v * 16);
