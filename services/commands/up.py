@@ -72,10 +72,13 @@ def run(args: argparse.Namespace) -> int:
     if args.log_dir:
         os.makedirs(args.log_dir, exist_ok=True)
 
-    # SIGTERM takes the same path as Ctrl-C: unwind, drain, stop every child.
-    def on_sigterm(signum: int, frame: Any) -> None:
+    # SIGTERM takes the same path as Ctrl-C: unwind, drain, stop every child. SIGINT is installed
+    # explicitly: a process started in the background by a non-interactive shell (`sh -c '... &'`,
+    # nohup, some CI runners) inherits SIGINT as ignored, and Python then leaves it ignored.
+    def on_stop_signal(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGTERM, on_stop_signal)
+    signal.signal(signal.SIGINT, on_stop_signal)
 
     _note(f"starting {args.executors} executor(s) with {args.model or 'the default model'}; "
           f"the model loads in each executor (progress below)")
