@@ -1,7 +1,7 @@
 """Fused CPU kernels (``csrc/ops.cpp``), compiled once per machine and loaded as ``torch.ops.llmserve_cpu``.
 
 ``cpu_ops()`` returns the op namespace, or None when the kernels are switched off
-(``LLMSERVE_CPU_KERNELS=0``) or cannot be built (no C++ compiler): callers then take the unfused
+(``LLMSERVE_CPU_KERNELS=0``) or cannot be built (no C++ compiler, no AVX-512): callers take the unfused
 torch path, which computes the same thing and is what the kernels are tested against.
 
 The build uses ``-march=native``, so the library is keyed by this CPU's feature flags as well as by
