@@ -83,28 +83,38 @@ def test_silu_mul(dtype):
     torch.testing.assert_close(ops.silu_mul(gu), F.silu(gate) * up, **TOL[dtype])
 
 
+def _scattered_tables(seq_lens, num_blocks, block_size, g, spare_columns=0):
+    """Distinct, shuffled, non-zero block ids per sequence; the padded [num_seqs, width] tensor too."""
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    tables, used = [], 0
+    for n in seq_lens:
+        nb = -(-n // block_size)
+        tables.append(perm[used: used + nb])
+        used += nb
+    width = max(len(t) for t in tables) + spare_columns
+    return tables, torch.tensor([t + [0] * (width - len(t)) for t in tables])
+
+
+# (heads, kv_heads, head_dim): SmolLM2's GQA, Llama-3-8B's (head_dim 128), and plain multi-head.
+SHAPES = [(9, 3, 64), (8, 2, 128), (4, 4, 64)]
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_attention_reads_paged_blocks_in_place(dtype):
-    heads, kv_heads, d, block_size = 9, 3, 64, 16
+def test_decode_attention_reads_paged_blocks_in_place(dtype, heads, kv_heads, d):
+    block_size = 16
     g = torch.Generator().manual_seed(3)
     num_blocks = 40
     k_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=g).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=g).to(dtype)
     seq_lens = [1, 16, 17, 100]
-    perm = torch.randperm(num_blocks - 1, generator=g) + 1  # scattered, non-contiguous blocks
-    tables, used = [], 0
-    for n in seq_lens:
-        nb = -(-n // block_size)
-        tables.append(perm[used: used + nb].tolist())
-        used += nb
-    width = max(len(t) for t in tables) + 2
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    tables, block_tables = _scattered_tables(seq_lens, num_blocks, block_size, g, spare_columns=2)
     q = torch.randn(len(seq_lens), heads * d, generator=g).to(dtype)
     out = ops.decode_attention(q, k_cache, v_cache, block_tables, torch.tensor(seq_lens), heads, 1 / math.sqrt(d))
     for s, n in enumerate(seq_lens):
         ids = torch.tensor(tables[s])
-        keys = k_cache[ids].reshape(-1, kv_heads, d)[:n].float().transpose(0, 1).repeat_interleave(3, 0)
-        values = v_cache[ids].reshape(-1, kv_heads, d)[:n].float().transpose(0, 1).repeat_interleave(3, 0)
+        keys = k_cache[ids].reshape(-1, kv_heads, d)[:n].float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+        values = v_cache[ids].reshape(-1, kv_heads, d)[:n].float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
         expected = F.scaled_dot_product_attention(q[s].float().view(heads, 1, d), keys, values).reshape(-1)
         torch.testing.assert_close(out[s].float(), expected, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-2)
 
@@ -172,31 +182,25 @@ def test_fused_forward_matches_the_torch_path(runtime_fp32, runtime_bf16):
     assert err_fused.mean() <= 1.6 * err_plain.mean() and err_fused.max() <= 1.6 * err_plain.max()
 
 
+@pytest.mark.parametrize("heads,kv_heads,d", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_prefill_attention_is_causal_over_cached_context(dtype):
+def test_prefill_attention_is_causal_over_cached_context(dtype, heads, kv_heads, d):
     """Three prefill chunks in one call: a fresh prompt (longer than one query tile), a chunk that
     continues 37 cached tokens (not block aligned) and a one-token chunk; blocks scattered."""
-    heads, kv_heads, d, block_size = 9, 3, 64, 16
+    block_size = 16
     g = torch.Generator().manual_seed(6)
     num_blocks = 30
     k_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=g).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=g).to(dtype)
     seq_lens, q_lens = [70, 37 + 20, 5], [70, 20, 1]
-    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
-    tables, used = [], 0
-    for n in seq_lens:
-        nb = -(-n // block_size)
-        tables.append(perm[used: used + nb])
-        used += nb
-    width = max(len(t) for t in tables)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    tables, block_tables = _scattered_tables(seq_lens, num_blocks, block_size, g)
     starts = torch.tensor([0, 70, 90, 91])
     q = torch.randn(91, heads * d, generator=g).to(dtype)
     out = ops.prefill_attention(q, k_cache, v_cache, block_tables, starts, torch.tensor(seq_lens), heads, 1 / math.sqrt(d))
     for s, (n, ql) in enumerate(zip(seq_lens, q_lens)):
         ids = torch.tensor(tables[s])
-        keys = k_cache[ids].reshape(-1, kv_heads, d)[:n].float().transpose(0, 1).repeat_interleave(3, 0)
-        values = v_cache[ids].reshape(-1, kv_heads, d)[:n].float().transpose(0, 1).repeat_interleave(3, 0)
+        keys = k_cache[ids].reshape(-1, kv_heads, d)[:n].float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+        values = v_cache[ids].reshape(-1, kv_heads, d)[:n].float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
         qs = q[starts[s]: starts[s + 1]].float().view(ql, heads, d).transpose(0, 1)
         mask = torch.arange(n)[None, :] <= torch.arange(n - ql, n)[:, None]  # query at n-ql+i sees keys 0..n-ql+i
         expected = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask).transpose(0, 1).reshape(ql, -1)
