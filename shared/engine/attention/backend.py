@@ -62,21 +62,20 @@ class TorchAttentionBackend:
 
     def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = q.shape[0]
-        kvh, d = self.num_kv_heads, self.head_dim
-        k = k.view(num_tokens, kvh, d)
-        v = v.view(num_tokens, kvh, d)
         nd = meta.num_decodes
         if nd == num_tokens:
             return self._decode(q, k_cache, v_cache, meta)  # a pure decode step: no scatter needed
+        if self.cpu_ops is not None and q.device.type == "cpu":
+            # Every prefill chunk in one call, reading the cache in place (K/V were written first).
+            prefill = self.cpu_ops.prefill_attention(
+                q[nd:].contiguous(), k_cache, v_cache, meta.block_tables[nd:], meta.prefill_query_start,
+                meta.prefill_seq_lens, self.num_heads, self.scale)
+            return torch.cat([self._decode(q[:nd], k_cache, v_cache, meta), prefill]) if nd else prefill
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
-        if self.cpu_ops is not None and q.device.type == "cpu":
-            # Every prefill chunk in one call, reading the cache in place (K/V were written first).
-            out[nd:] = self.cpu_ops.prefill_attention(
-                q[nd:].contiguous(), k_cache, v_cache, meta.block_tables[nd:], meta.prefill_query_start,
-                meta.prefill_seq_lens, self.num_heads, self.scale)
-            return out
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         for i in range(nd, meta.num_seqs):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             seq_len = meta.seq_lens[i]

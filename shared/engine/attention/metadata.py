@@ -89,6 +89,7 @@ def build_attention_metadata(
         starts.append(starts[-1] + q_len)
     max_blocks = max((len(t) for t in block_tables), default=0)
     padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+    lens = torch.tensor(seq_lens, dtype=torch.int64, device=device)  # sliced below: both halves contiguous
     return AttentionMetadata(
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
@@ -98,8 +99,8 @@ def build_attention_metadata(
         query_start_loc=starts,
         num_decodes=num_decodes,
         block_size=block_size,
-        decode_seq_lens=torch.tensor(seq_lens[:num_decodes], dtype=torch.int64, device=device),
-        prefill_seq_lens=torch.tensor(seq_lens[num_decodes:], dtype=torch.int64, device=device),
+        decode_seq_lens=lens[:num_decodes],
+        prefill_seq_lens=lens[num_decodes:],
         prefill_query_start=torch.tensor([s - starts[num_decodes] for s in starts[num_decodes:]],
                                          dtype=torch.int64, device=device),
         mask_dtype=dtype,

@@ -47,12 +47,13 @@ class RotaryEmbedding(nn.Module):
             inv_freq = inv_freq.to(device)
         pos = torch.arange(self.config.max_position_embeddings, dtype=torch.float32, device=device)
         freqs = torch.outer(pos, inv_freq)
+        cos, sin = freqs.cos(), freqs.sin()
         # fp32 [positions, head_dim/2]: what the fused CPU kernel reads.
-        self.register_buffer("cos_half", freqs.cos(), persistent=False)
-        self.register_buffer("sin_half", freqs.sin(), persistent=False)
-        self.register_buffer("cos", torch.cat([freqs.cos(), freqs.cos()], dim=-1), persistent=False)
+        self.register_buffer("cos_half", cos, persistent=False)
+        self.register_buffer("sin_half", sin, persistent=False)
+        self.register_buffer("cos", torch.cat([cos, cos], dim=-1), persistent=False)
         # Sign folded in: rotate_half(x) * sin == swap_halves(x) * [-sin, sin].
-        self.register_buffer("sin", torch.cat([-freqs.sin(), freqs.sin()], dim=-1), persistent=False)
+        self.register_buffer("sin", torch.cat([-sin, sin], dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin per token, shaped [tokens, 1, head_dim] to broadcast over heads."""
@@ -88,10 +89,10 @@ class Attention(nn.Module):
         out = self.backend.forward(q, k, v, k_cache, v_cache, meta)
         return self.o_proj(out)
 
-    def forward_fused(self, x, rotary: RotaryEmbedding, k_cache, v_cache, meta: AttentionMetadata, ops) -> torch.Tensor:
+    def forward_fused(self, x, cos_half, sin_half, k_cache, v_cache, meta: AttentionMetadata, ops) -> torch.Tensor:
         """The same computation with RoPE and the cache write done by one kernel, in place on qkv."""
         qkv = self.qkv_proj(x)
-        ops.rope_and_cache(qkv, meta.positions, rotary.cos_half.float(), rotary.sin_half.float(), k_cache, v_cache,
+        ops.rope_and_cache(qkv, meta.positions, cos_half, sin_half, k_cache, v_cache,
                            meta.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return self.o_proj(self.backend.attend(q, k, v, k_cache, v_cache, meta))
@@ -124,7 +125,7 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_fused(self, x, residual, rotary, k_cache, v_cache, meta, ops):
+    def forward_fused(self, x, residual, cos_half, sin_half, k_cache, v_cache, meta, ops):
         """Residual stream kept apart, as the fused add+norm kernel wants it: on entry the layer input
         is ``residual + x`` (``residual`` None for the first layer); returns the next (x, residual).
         Every add rounds to the model dtype exactly where ``forward``'s adds do."""
@@ -134,7 +135,7 @@ class DecoderLayer(nn.Module):
             h = ops.rms_norm(x, self.input_layernorm.weight, eps, None)
         else:
             h = ops.rms_norm(x, self.input_layernorm.weight, eps, residual)  # residual += x, in place
-        h = self.self_attn.forward_fused(h, rotary, k_cache, v_cache, meta, ops)
+        h = self.self_attn.forward_fused(h, cos_half, sin_half, k_cache, v_cache, meta, ops)
         h = ops.rms_norm(h, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps, residual)
         return self.mlp.forward_fused(h, ops), residual
 
@@ -173,8 +174,10 @@ class LlamaModel(nn.Module):
         ops = self.cpu_ops
         if ops is not None and x.device.type == "cpu":
             residual = None
+            # The kernel reads fp32 tables (a no-op unless the model was cast after loading).
+            cos_half, sin_half = self.rotary.cos_half.float(), self.rotary.sin_half.float()
             for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-                x, residual = layer.forward_fused(x, residual, self.rotary, k_cache, v_cache, meta, ops)
+                x, residual = layer.forward_fused(x, residual, cos_half, sin_half, k_cache, v_cache, meta, ops)
             return ops.rms_norm(x, self.norm.weight, self.norm.eps, residual)
         cos, sin = self.rotary(meta.positions, x.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
