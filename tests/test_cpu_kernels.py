@@ -140,7 +140,8 @@ def test_decode_attention_rejects_lengths_beyond_the_block_table():
 
 
 @pytest.mark.skipif(ops is None or not ops.has_avx512_bf16(), reason="needs AVX512-BF16")
-@pytest.mark.parametrize("m,n,k,bias", [(1, 960, 576, False), (3, 577, 1536, True), (2, 5, 40, False), (4, 200, 64, True)])
+@pytest.mark.parametrize("m,n,k,bias", [(1, 960, 576, False), (3, 577, 1536, True), (2, 5, 40, False), (4, 200, 64, True),
+                                         (6, 96, 100, False), (8, 131, 576, True)])
 def test_linear_bf16_is_an_fp32_accumulated_matmul(m, n, k, bias):
     g = torch.Generator().manual_seed(4)
     x = torch.randn(m, k, generator=g).bfloat16()
