@@ -7,7 +7,11 @@
     the same GGUF), in our dtype and in fp32, transformers' default for a GGUF (``--hf-dtypes``).
 (b) Continuous vs static batching on a mixed short/long trace: the same engine (max_num_seqs = B),
     either given every request at once (continuous) or given them B at a time, each batch stepped
-    until its longest member finishes before the next is admitted (static).
+    until its longest member finishes before the next is admitted (static). Static batching comes in
+    two forms: "static" lets a finished member leave the forward pass (its slot idles, its compute is
+    saved; the harder baseline on a CPU, where a step's cost grows with its rows), "static-padded"
+    keeps decoding it until the batch's longest is done and discards the surplus tokens, as a
+    fixed-shape batch does (transformers ``generate``, FasterTransformer).
 (c) KV utilization on trace (b): per engine step, live tokens / reserved slots for the paged block
     manager vs contiguous per-request reservations of prompt + max_tokens, prompt + the trace's
     largest max_tokens (a server-wide output cap) and max_model_len.
@@ -44,6 +48,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import msgspec  # noqa: E402
 import torch  # noqa: E402
 
 from loadtests.kv_accounting import KVSample, summarize_kv
@@ -359,11 +364,17 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, Any]:
 
 # ---- (b)/(c) mixed trace --------------------------------------------------------------------------
 
+# continuous first, then the two static baselines (see the module docstring)
+MIX_MODES = ("continuous", "static", "static-padded")
+
 
 def run_trace(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], *, label: str,
-              static_batch: int | None, contiguous_limits: dict[str, list[int]]) -> dict[str, Any]:
+              static_batch: int | None, contiguous_limits: dict[str, list[int]],
+              padded: bool = False) -> dict[str, Any]:
     """Run the trace; static_batch=None submits everything at once (continuous batching), else B at a
-    time, each batch stepped to completion. Records a KVSample before every forward pass."""
+    time, each batch stepped to completion. padded: every member of a static batch decodes as many
+    tokens as its longest and only its own max_tokens are counted. Records a KVSample before every
+    forward pass."""
     engine = llm.engine
     bs = engine.block_manager.block_size
     samples: list[KVSample] = []
@@ -388,16 +399,21 @@ def run_trace(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], 
     try:
         t0, c0 = time.perf_counter(), time.process_time()
         for group in groups:
+            longest = max(params[i].max_tokens for i in group)
             for i in group:
                 rid = f"{label}-{i}"
                 index_of[rid] = i
-                engine.add_request(rid, prompts[i], params[i])
+                engine.add_request(rid, prompts[i], msgspec.structs.replace(params[i], max_tokens=longest)
+                                   if padded else params[i])
             while engine.has_unfinished():
                 for out in engine.step():
                     i = index_of[out.request_id]
                     num_tokens[i] += sum(len(d.token_ids) for d in out.deltas)
                     if out.finished:
                         finish_s[i] = time.perf_counter() - t0
+            if padded:  # the surplus a fixed-shape batch computes and throws away
+                for i in group:
+                    num_tokens[i] = min(num_tokens[i], params[i].max_tokens)
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     finally:
         del engine.runner.execute
@@ -440,21 +456,22 @@ def bench_mix(args, corpus: list[int] | None) -> dict[str, Any]:
         "max_model_len": [llm.engine.max_model_len] * len(prompts),
     }
     best: dict[str, dict[str, Any]] = {}
-    all_tps: dict[str, list[float]] = {"continuous": [], "static": []}
-    for rep in range(args.repeats):  # alternate the modes so drifting load hits both alike
-        for mode, static_batch in (("continuous", None), ("static", args.mix_batch)):
+    all_tps: dict[str, list[float]] = {mode: [] for mode in MIX_MODES}
+    for rep in range(args.repeats):  # alternate the modes so drifting load hits all alike
+        for mode in MIX_MODES:
+            static_batch = None if mode == "continuous" else args.mix_batch
             log(f"(b) {mode} batching" + (f" (batches of {static_batch})" if static_batch else "")
                 + f" (repeat {rep + 1}/{args.repeats})")
             r = run_trace(llm, prompts, params, label=f"{mode}{rep}", static_batch=static_batch,
-                          contiguous_limits=limits)
+                          contiguous_limits=limits, padded=mode == "static-padded")
             r["load_avg"] = load_average()
             log(f"    {r['output_tokens_per_s']:.1f} tok/s, {r['num_steps']} steps")
             all_tps[mode].append(r["output_tokens_per_s"])
             if mode not in best or r["output_tokens_per_s"] > best[mode]["output_tokens_per_s"]:
                 best[mode] = r
-    cont, stat = best["continuous"], best["static"]
-    cont["all_output_tokens_per_s"] = all_tps["continuous"]
-    stat["all_output_tokens_per_s"] = all_tps["static"]
+    for mode in MIX_MODES:
+        best[mode]["all_output_tokens_per_s"] = all_tps[mode]
+    cont, stat, padded = best["continuous"], best["static"], best["static-padded"]
     out = dict(
         trace=dict(num_requests=len(trace), short_tokens=args.mix_short, long_tokens=args.mix_long,
                    num_long=sum(r.max_tokens == args.mix_long for r in trace),
@@ -462,9 +479,11 @@ def bench_mix(args, corpus: list[int] | None) -> dict[str, Any]:
                    max_num_batched_tokens=args.mix_batched_tokens, max_model_len=llm.engine.max_model_len,
                    block_size=llm.engine.block_manager.block_size, prompts_fingerprint=fingerprint(prompts),
                    num_prompt_tokens=sum(map(len, prompts))),
-        continuous=cont, static=stat,
+        continuous=cont, static=stat, static_padded=padded,
         throughput_ratio=cont["output_tokens_per_s"] / stat["output_tokens_per_s"],
-        cpu_throughput_ratio=cont["output_tokens_per_cpu_s"] / stat["output_tokens_per_cpu_s"])
+        cpu_throughput_ratio=cont["output_tokens_per_cpu_s"] / stat["output_tokens_per_cpu_s"],
+        padded_throughput_ratio=cont["output_tokens_per_s"] / padded["output_tokens_per_s"],
+        padded_cpu_throughput_ratio=cont["output_tokens_per_cpu_s"] / padded["output_tokens_per_cpu_s"])
     del llm
     gc.collect()
     return out
@@ -638,19 +657,22 @@ def print_report(res: dict[str, Any]) -> None:
               f"{t['batch_size']}")
         print(f"    {'mode':<14}{'output tok/s':>14}{'elapsed s':>12}{'steps':>8}{'mean E2E s':>12}"
               f"{'short E2E':>11}{'long E2E':>10}{'tok/CPU-s':>11}")
-        for mode in ("continuous", "static"):
-            r = b[mode]
+        for mode in MIX_MODES:
+            r = b[mode.replace("-", "_")]
             print(f"    {mode:<14}{r['output_tokens_per_s']:>14.1f}{r['elapsed_s']:>12.1f}{r['num_steps']:>8}"
                   f"{r['mean_e2e_s']:>12.1f}{r['mean_e2e_short_s']:>11.1f}{r['mean_e2e_long_s']:>10.1f}"
                   f"{r['output_tokens_per_cpu_s']:>11.1f}")
-        print(f"    ratio continuous / static = {b['throughput_ratio']:.2f}x wall, {b['cpu_throughput_ratio']:.2f}x per "
-              "CPU-second   (target >= 2x)"
-              + (f"; all runs tok/s: continuous {[round(x, 1) for x in b['continuous']['all_output_tokens_per_s']]}"
-                 f", static {[round(x, 1) for x in b['static']['all_output_tokens_per_s']]}"
-                 if len(b['continuous']['all_output_tokens_per_s']) > 1 else ""))
-        print(f"    per step: continuous {1000 * b['continuous']['elapsed_s'] / b['continuous']['num_steps']:.0f} ms, "
-              f"static {1000 * b['static']['elapsed_s'] / b['static']['num_steps']:.0f} ms "
-              f"(step ratio {b['static']['num_steps'] / b['continuous']['num_steps']:.2f}x)")
+        for key, name in (("", "static"), ("padded_", "static-padded")):
+            print(f"    ratio continuous / {name} = {b[key + 'throughput_ratio']:.2f}x wall, "
+                  f"{b[key + 'cpu_throughput_ratio']:.2f}x per CPU-second   (target >= 2x)")
+        if len(b["continuous"]["all_output_tokens_per_s"]) > 1:
+            print("    all runs tok/s: " + ", ".join(
+                f"{mode} {[round(x, 1) for x in b[mode.replace('-', '_')]['all_output_tokens_per_s']]}"
+                for mode in MIX_MODES))
+        print("    per step: " + ", ".join(
+            f"{mode} {1000 * r['elapsed_s'] / r['num_steps']:.0f} ms" + (
+                f" ({r['num_steps'] / b['continuous']['num_steps']:.2f}x the steps)" if mode != "continuous" else "")
+            for mode in MIX_MODES for r in [b[mode.replace("-", "_")]]))
         print(line)
         kv = b["continuous"]["kv"]
         print(f"(c) KV utilization, live tokens / reserved slots, continuous run of (b), {kv['num_steps']} steps "

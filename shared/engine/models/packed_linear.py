@@ -26,7 +26,7 @@ def can_prepack(weight: torch.Tensor) -> bool:
 
 
 # Rows up to which the small-M kernel beats oneDNN here (measured over SmolLM2's 30 layers of linears,
-# 212 MB: 1.3-1.4x faster at 1-8 rows, 1.1x at 12, even at 16, slower beyond).
+# 212 MB, by `python -m loadtests.bench_kernels`: 1.2-1.5x faster at 1-8 rows, 1.1x at 12, even at 16).
 SMALL_M = 12
 
 

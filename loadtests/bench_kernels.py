@@ -1,0 +1,158 @@
+"""The CPU kernels on their own, at SmolLM2-135M's shapes over all 30 layers (each layer its own
+weights and cache, so the data comes from DRAM as in a real step, not from a warm L3).
+
+  - decode attention: B sequences x ``--context`` tokens, blocks shuffled through the pool; ms and the
+    K/V bytes read per second;
+  - prefill attention: fresh prompts of 512, 300, 450, 200 and 586 tokens (2,048) in one call; ms and
+    GFLOP/s over the causal half (what has to be computed);
+  - linear: the four layer matmuls (QKV, O, gate-up, down) at M rows, ``linear_bf16`` on the row-major
+    weight vs oneDNN on its pre-packed copy (what ``PackedLinear`` chooses between at ``SMALL_M``).
+
+Each figure is the median of ``--repeats`` timed runs after one warm-up. The numbers quoted in
+``kernels/cpu/csrc/ops.cpp`` and ``packed_linear.py`` come from here.
+
+    python -m loadtests.bench_kernels [--dtype bfloat16] [--out loadtests/results/bench_kernels.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from typing import Callable
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from kernels.cpu import cpu_ops  # noqa: E402
+
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_kernels.json")
+# SmolLM2-135M: 30 layers, 9 query heads sharing 3 KV heads of 64, hidden 576, intermediate 1536.
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER = 30, 9, 3, 64, 576, 1536
+LINEARS = [((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
+BLOCK = 16
+PROMPTS = [512, 300, 450, 200, 586]
+
+
+def median_ms(fn: Callable[[], None], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def paged_caches(num_blocks: int, dtype: torch.dtype, g: torch.Generator):
+    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    return [(torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
+            for _ in range(LAYERS)]
+
+
+def shuffled_tables(lengths: list[int], num_blocks: int) -> torch.Tensor:
+    ids = list(range(num_blocks))
+    random.Random(0).shuffle(ids)
+    tables, used = [], 0
+    for n in lengths:
+        nb = -(-n // BLOCK)
+        tables.append(ids[used: used + nb])
+        used += nb
+    width = max(map(len, tables))
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables])
+
+
+def bench_decode(ops, dtype, batch: int, context: int, repeats: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    num_blocks = batch * -(-context // BLOCK)
+    caches = paged_caches(num_blocks, dtype, g)
+    tables = shuffled_tables([context] * batch, num_blocks)
+    lens = torch.full((batch,), context)
+    q = torch.randn(batch, HEADS * HEAD_DIM, generator=g).to(dtype)
+    scale = 1 / math.sqrt(HEAD_DIM)
+    ms = median_ms(lambda: [ops.decode_attention(q, k, v, tables, lens, HEADS, scale) for k, v in caches], repeats)
+    kv_bytes = LAYERS * batch * context * KV_HEADS * HEAD_DIM * 2 * caches[0][0].element_size()
+    return dict(batch=batch, context=context, ms=ms, kv_mb=kv_bytes / 1e6, gb_per_s=kv_bytes / ms / 1e6)
+
+
+def bench_prefill(ops, dtype, repeats: int) -> dict:
+    g = torch.Generator().manual_seed(1)
+    num_blocks = sum(-(-n // BLOCK) for n in PROMPTS)
+    caches = paged_caches(num_blocks, dtype, g)
+    tables = shuffled_tables(PROMPTS, num_blocks)
+    starts = torch.tensor([0, *itertools.accumulate(PROMPTS)])
+    lens = torch.tensor(PROMPTS)
+    q = torch.randn(sum(PROMPTS), HEADS * HEAD_DIM, generator=g).to(dtype)
+    scale = 1 / math.sqrt(HEAD_DIM)
+    ms = median_ms(lambda: [ops.prefill_attention(q, k, v, tables, starts, lens, HEADS, scale) for k, v in caches],
+                   repeats)
+    # QK^T and PV over each query's keys up to itself: 2 matmuls x 2 FLOPs per multiply-add.
+    flops = LAYERS * HEADS * sum(n * (n + 1) / 2 for n in PROMPTS) * HEAD_DIM * 4
+    return dict(tokens=sum(PROMPTS), ms=ms, gflops=flops / ms / 1e6)
+
+
+def bench_linear(ops, rows: list[int], repeats: int) -> list[dict]:
+    g = torch.Generator().manual_seed(2)
+    weights = [[torch.randn(n, k, generator=g).bfloat16() for n, k in LINEARS] for _ in range(LAYERS)]
+    packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in layer] for layer in weights]
+    out = []
+    for m in rows:
+        xs = [torch.randn(m, k, generator=g).bfloat16() for _, k in LINEARS]
+        ours = median_ms(lambda: [ops.linear_bf16(x, w, None) for layer in weights for x, w in zip(xs, layer)],
+                         repeats)
+        onednn = median_ms(lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+                                    for layer in packed for x, w in zip(xs, layer)], repeats)
+        out.append(dict(rows=m, linear_bf16_ms=ours, onednn_packed_ms=onednn))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="attention data")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--context", type=int, default=400, help="decode: tokens per sequence")
+    p.add_argument("--batches", default="1,8,32", help="decode: sequences per call")
+    p.add_argument("--rows", default="1,4,8,12,16,32", help="linear: input rows")
+    p.add_argument("--out", default=DEFAULT_OUT)
+    args = p.parse_args(argv)
+    ops = cpu_ops()
+    if ops is None:
+        print("CPU kernels unavailable (see `python -m kernels.cpu`)", file=sys.stderr)
+        return 1
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    res: dict = dict(dtype=args.dtype, threads=args.threads, repeats=args.repeats, layers=LAYERS)
+    print(f"bench_kernels  {args.dtype}  threads={args.threads}  SmolLM2-135M shapes x {LAYERS} layers  "
+          f"load avg {os.getloadavg()[0]:.2f}")
+    res["decode_attention"] = []
+    for b in (int(x) for x in args.batches.split(",")):
+        r = bench_decode(ops, dtype, b, args.context, args.repeats)
+        res["decode_attention"].append(r)
+        print(f"  decode attention  B={b:<3} context {args.context}: {r['ms']:7.2f} ms  "
+              f"({r['kv_mb']:.0f} MB of K/V, {r['gb_per_s']:.1f} GB/s)")
+    r = res["prefill_attention"] = bench_prefill(ops, dtype, args.repeats)
+    print(f"  prefill attention {r['tokens']} new tokens in {len(PROMPTS)} prompts: {r['ms']:7.1f} ms  "
+          f"({r['gflops']:.0f} GFLOP/s causal)")
+    if ops.has_avx512_bf16():
+        res["linear"] = bench_linear(ops, [int(x) for x in args.rows.split(",")], args.repeats)
+        for r in res["linear"]:
+            print(f"  linear M={r['rows']:<3} linear_bf16 {r['linear_bf16_ms']:6.2f} ms   oneDNN packed "
+                  f"{r['onednn_packed_ms']:6.2f} ms   ({r['onednn_packed_ms'] / r['linear_bf16_ms']:.2f}x)")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
