@@ -188,7 +188,7 @@ def test_fused_forward_matches_the_torch_path(runtime_fp32, runtime_bf16):
     err_fused, err_plain = (fused - ref).abs(), (plain - ref).abs()
     print(f"bf16 |logit - fp32| mean/max: fused {err_fused.mean():.3g}/{err_fused.max():.3g}, "
           f"torch path {err_plain.mean():.3g}/{err_plain.max():.3g}")
-    # Measured mean/max: fused 0.085/0.41, torch path 0.11/0.60; per row either path may be closer.
+    # Measured mean/max: fused 0.15/0.65, torch path 0.11/0.60; per row either path may be closer.
     assert err_fused.mean() <= 1.6 * err_plain.mean() and err_fused.max() <= 1.6 * err_plain.max()
 
 

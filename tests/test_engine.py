@@ -190,38 +190,3 @@ def test_bad_requests_are_rejected_clearly(llm):
         with pytest.raises(ValueError):
             SamplingParams.from_dict(bad)
     assert_no_leak(engine)
-
-
-def test_decode_weight_copies_give_way_to_a_full_context_pool(caplog):
-    """On an AVX512-BF16 host a bf16 model also keeps row-major weight copies for the decode matmul.
-    Under a budget where they would leave the KV pool short of one max_model_len request, the engine
-    drops them and sizes the pool as if they had never been there."""
-    from kernels.cpu import cpu_ops
-    from shared.engine.memory import activation_bytes, parse_bytes, plan_memory
-
-    ops = cpu_ops()
-    if ops is None or not ops.has_avx512_bf16():
-        pytest.skip("no small-M kernel on this host, so no copies to drop")
-    base = dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=256)
-    roomy = Engine(EngineConfig(memory_budget="2GiB", **base), progress=False)
-    copies = roomy.model.decode_copy_bytes()
-    without = roomy.model.weight_bytes() - copies
-    assert copies > 0 and roomy.model.weight_bytes(decode_copies=False) == without
-    per_block = plan_memory(roomy.model_config, memory_budget_bytes=parse_bytes("2GiB"), weight_dtype="bfloat16",
-                            kv_dtype="bfloat16", context_len=1024, resident_weight_bytes=without).kv_bytes_per_block
-    full_context = 1024 // 16 + 1
-    # Enough for the copies' half plus a full context: with them, the pool would fall short.
-    budget = without + activation_bytes(roomy.model_config, 256, 4, "bfloat16") + (full_context + 4) * per_block + copies // 2
-    del roomy
-    with caplog.at_level("WARNING", logger="shared.engine.engine"):
-        tight_llm = LLM(EngineConfig(memory_budget=str(budget), **base), progress=False)
-    tight = tight_llm.engine
-    assert tight.model.decode_copy_bytes() == 0 and tight.model.weight_bytes() == without
-    expected = plan_memory(tight.model_config, memory_budget_bytes=budget, weight_dtype="bfloat16", kv_dtype="bfloat16",
-                           max_num_batched_tokens=256, max_num_seqs=4, context_len=1024,
-                           resident_weight_bytes=without).num_kv_blocks
-    assert tight.block_manager.num_blocks == expected == full_context + 4 + copies // 2 // per_block
-    assert "dropped the" in caplog.text and "1024-token request" in caplog.text
-    # Decoding still works, every matmul through oneDNN.
-    out = tight_llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, **GREEDY))
-    assert len(out[0].outputs[0].token_ids) == 4

@@ -9,7 +9,6 @@ turns those into deltas. Not thread-safe: one thread owns an Engine.
 from __future__ import annotations
 
 import itertools
-import logging
 import os
 from dataclasses import dataclass
 
@@ -17,7 +16,7 @@ import torch
 
 from shared.engine.block_manager import BlockManager
 from shared.engine.kv_cache import KVCache
-from shared.engine.memory import InsufficientMemoryError, MemoryLedger, format_bytes, parse_bytes, plan_memory
+from shared.engine.memory import parse_bytes, plan_memory
 from shared.engine.model_runner import ModelRunner, ScheduledChunk
 from shared.engine.models.loader import load_model, resolve_dtype, resolve_model_path
 from shared.engine.output_processor import OutputProcessor
@@ -27,9 +26,6 @@ from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import Request, Sequence, SequenceStatus
 from shared.engine.tokenizer import Tokenizer
-
-log = logging.getLogger(__name__)
-
 
 class PromptTooLongError(ValueError):
     """The prompt (plus the requested output) does not fit the context or the KV pool."""
@@ -76,7 +72,15 @@ class Engine:
         self.model_config = self.model.config
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
-        num_blocks = config.num_kv_blocks if config.num_kv_blocks is not None else self._size_kv_pool(config)
+        num_blocks = config.num_kv_blocks
+        if num_blocks is None:
+            # config.dtype is a name the loader accepted; the ledger uses the same names.
+            ledger = plan_memory(
+                self.model_config, memory_budget_bytes=parse_bytes(config.memory_budget),
+                weight_dtype=config.dtype, kv_dtype=config.dtype, block_size=config.block_size,
+                max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+                context_len=self.max_model_len, resident_weight_bytes=self.model.weight_bytes())
+            num_blocks = ledger.num_kv_blocks
         self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, self.model.dtype,
                                 config.device)
         self.runner = ModelRunner(self.model, self.kv_cache)
@@ -89,36 +93,6 @@ class Engine:
         self._arrivals = itertools.count()
         self._counters = dict(num_prompt_tokens=0, num_computed_tokens=0, num_generated_tokens=0,
                               num_steps=0, last_step_num_tokens=0)
-
-    def _size_kv_pool(self, config: EngineConfig) -> int:
-        """KV blocks the memory budget leaves after the weights and activations. The small-M matmul's
-        row-major weight copies only buy speed: when they would leave the pool unable to hold one
-        request of max_model_len tokens, they are dropped (with a warning) and the pool sized again."""
-        def plan(weight_bytes: int) -> MemoryLedger:
-            # config.dtype is a name the loader accepted; the ledger uses the same names.
-            return plan_memory(
-                self.model_config, memory_budget_bytes=parse_bytes(config.memory_budget),
-                weight_dtype=config.dtype, kv_dtype=config.dtype, block_size=config.block_size,
-                max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-                context_len=self.max_model_len, resident_weight_bytes=weight_bytes)
-
-        full_context = -(-self.max_model_len // config.block_size) + 1  # + the padding block
-        copies = self.model.decode_copy_bytes()
-        try:
-            ledger = plan(self.model.weight_bytes())
-            if copies == 0 or ledger.num_kv_blocks >= full_context:
-                return ledger.num_kv_blocks
-        except InsufficientMemoryError:
-            if copies == 0:
-                raise
-        freed = self.model.drop_decode_copies()
-        ledger = plan(self.model.weight_bytes())
-        log.warning("memory budget %s: dropped the %s of row-major weight copies kept for the decode "
-                    "matmul so that the KV pool holds a %d-token request (%d blocks); decode matmuls "
-                    "use oneDNN instead (slower). A budget of %s more keeps them.", config.memory_budget,
-                    format_bytes(freed), self.max_model_len, ledger.num_kv_blocks,
-                    format_bytes(freed + (full_context - ledger.num_kv_blocks) * ledger.kv_bytes_per_block))
-        return ledger.num_kv_blocks
 
     # ---- requests -------------------------------------------------------------------------------
 

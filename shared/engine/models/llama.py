@@ -205,14 +205,13 @@ class LlamaModel(nn.Module):
             count += 1
         return count
 
-    def weight_bytes(self, decode_copies: bool = True) -> int:
+    def weight_bytes(self) -> int:
         """Bytes of every weight tensor held (parameters, packed copies, kept row-major copies), each
-        storage counted once: what the memory ledger must subtract from the budget.
-        ``decode_copies=False``: as if ``drop_decode_copies()`` had run."""
+        storage counted once: what the memory ledger must subtract from the budget."""
         tensors = list(self.parameters())
         for module in self.modules():
             if isinstance(module, PackedLinear):
-                tensors += module.tensors(row_major=decode_copies)
+                tensors += module.tensors()
         seen: dict[object, int] = {}
         for t in tensors:
             if t.is_mkldnn:  # packed: opaque, no shared storage to find
@@ -221,19 +220,6 @@ class LlamaModel(nn.Module):
                 storage = t.untyped_storage()
                 seen[storage.data_ptr()] = storage.nbytes()
         return sum(seen.values())
-
-    def decode_copy_bytes(self) -> int:
-        """Bytes held only for the small-M matmul (row-major copies of pre-packed weights)."""
-        return self.weight_bytes() - self.weight_bytes(decode_copies=False)
-
-    def drop_decode_copies(self) -> int:
-        """Free the row-major weight copies of the small-M matmul (decode matmuls then go through
-        oneDNN, ~1.2-1.5x slower on AVX512-BF16 hosts); returns the bytes freed."""
-        freed = self.decode_copy_bytes()
-        for module in self.modules():
-            if isinstance(module, PackedLinear):
-                module.drop_row_major()
-        return freed
 
     def enable_cpu_kernels(self, enabled: bool = True) -> bool:
         """Route the forward through the fused CPU kernels (kernels/cpu) when the weights live on the

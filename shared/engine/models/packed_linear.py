@@ -46,19 +46,14 @@ class PackedLinear(nn.Module):
         """Switch the small-M path on (only if the row-major weight was kept at construction) or off."""
         self.small_m_kernel = kernel if self.weight is not None else None
 
-    def drop_row_major(self) -> None:
-        """Release the row-major copy for good: every input goes through oneDNN from now on."""
-        self.weight = self.small_m_kernel = None
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.small_m_kernel is not None and x.dim() == 2 and x.shape[0] <= SMALL_M:
             return self.small_m_kernel(x.contiguous(), self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
-    def tensors(self, row_major: bool = True) -> list[torch.Tensor]:
-        """Every tensor this layer holds (for memory accounting); ``row_major=False`` leaves out the
-        copy kept for the small-M kernel."""
-        return [t for t in (self.packed, self.bias, self.weight if row_major else None) if t is not None]
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this layer holds (for memory accounting)."""
+        return [t for t in (self.packed, self.bias, self.weight) if t is not None]
 
 
 def prepack_linears(module: nn.Module, small_m_kernel=None) -> int:
