@@ -5,8 +5,8 @@ weights and cache, so the data comes from DRAM as in a real step, not from a war
     K/V bytes read per second;
   - prefill attention: fresh prompts of 512, 300, 450, 200 and 586 tokens (2,048) in one call; ms and
     GFLOP/s over the causal half (what has to be computed);
-  - linear: the four layer matmuls (QKV, O, gate-up, down) at M rows, ``linear_bf16`` on the row-major
-    weight vs oneDNN on its pre-packed copy (what ``PackedLinear`` chooses between at ``SMALL_M``).
+  - linear: the four layer matmuls (QKV, O, gate-up, down) at M rows, ``linear_bf16`` on its packed
+    weight vs oneDNN on its own (the two layouts ``PackedLinear`` can hold); ms and GFLOP/s.
 
 Each figure is the median of ``--repeats`` timed runs after one warm-up. The numbers quoted in
 ``kernels/cpu/csrc/ops.cpp`` and ``packed_linear.py`` come from here.
@@ -103,14 +103,17 @@ def bench_linear(ops, rows: list[int], repeats: int) -> list[dict]:
     g = torch.Generator().manual_seed(2)
     weights = [[torch.randn(n, k, generator=g).bfloat16() for n, k in LINEARS] for _ in range(LAYERS)]
     packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in layer] for layer in weights]
+    ours_packed = [[ops.pack_linear_bf16(w) for w in layer] for layer in weights]
+    flops_per_row = 2 * LAYERS * sum(n * k for n, k in LINEARS)
     out = []
     for m in rows:
         xs = [torch.randn(m, k, generator=g).bfloat16() for _, k in LINEARS]
-        ours = median_ms(lambda: [ops.linear_bf16(x, w, None) for layer in weights for x, w in zip(xs, layer)],
-                         repeats)
+        ours = median_ms(lambda: [ops.linear_bf16(x, w, n, None) for layer in ours_packed
+                                  for x, w, (n, _) in zip(xs, layer, LINEARS)], repeats)
         onednn = median_ms(lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
                                     for layer in packed for x, w in zip(xs, layer)], repeats)
-        out.append(dict(rows=m, linear_bf16_ms=ours, onednn_packed_ms=onednn))
+        out.append(dict(rows=m, linear_bf16_ms=ours, onednn_packed_ms=onednn,
+                        linear_bf16_gflops=flops_per_row * m / ours / 1e6, onednn_gflops=flops_per_row * m / onednn / 1e6))
     return out
 
 
@@ -121,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--context", type=int, default=400, help="decode: tokens per sequence")
     p.add_argument("--batches", default="1,8,32", help="decode: sequences per call")
-    p.add_argument("--rows", default="1,4,8,12,16,32", help="linear: input rows")
+    p.add_argument("--rows", default="1,4,8,16,32,64,512,2048", help="linear: input rows")
     p.add_argument("--out", default=DEFAULT_OUT)
     args = p.parse_args(argv)
     ops = cpu_ops()
@@ -145,8 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     if ops.has_avx512_bf16():
         res["linear"] = bench_linear(ops, [int(x) for x in args.rows.split(",")], args.repeats)
         for r in res["linear"]:
-            print(f"  linear M={r['rows']:<3} linear_bf16 {r['linear_bf16_ms']:6.2f} ms   oneDNN packed "
-                  f"{r['onednn_packed_ms']:6.2f} ms   ({r['onednn_packed_ms'] / r['linear_bf16_ms']:.2f}x)")
+            print(f"  linear M={r['rows']:<5} linear_bf16 {r['linear_bf16_ms']:8.2f} ms ({r['linear_bf16_gflops']:3.0f} "
+                  f"GFLOP/s)   oneDNN {r['onednn_packed_ms']:8.2f} ms ({r['onednn_gflops']:3.0f} GFLOP/s)   "
+                  f"{r['onednn_packed_ms'] / r['linear_bf16_ms']:.2f}x")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)

@@ -139,9 +139,14 @@ def test_decode_attention_rejects_lengths_beyond_the_block_table():
                              torch.tensor([[1]]), torch.tensor([3]), 1, 1.0)
 
 
-@pytest.mark.skipif(ops is None or not ops.has_avx512_bf16(), reason="needs AVX512-BF16")
+needs_bf16 = pytest.mark.skipif(ops is None or not ops.has_avx512_bf16(), reason="needs AVX512-BF16")
+
+
+# Rows: decode sizes, tile remainders (passes of at most 6), more than one 48-row chunk; columns: a
+# part-filled last panel of 64, fewer than one panel.
+@needs_bf16
 @pytest.mark.parametrize("m,n,k,bias", [(1, 960, 576, False), (3, 577, 1536, True), (2, 5, 40, False), (4, 200, 64, True),
-                                         (6, 96, 100, False), (8, 131, 576, True)])
+                                         (7, 96, 100, False), (32, 131, 576, True), (101, 70, 64, True)])
 def test_linear_bf16_is_an_fp32_accumulated_matmul(m, n, k, bias):
     g = torch.Generator().manual_seed(4)
     x = torch.randn(m, k, generator=g).bfloat16()
@@ -149,14 +154,44 @@ def test_linear_bf16_is_an_fp32_accumulated_matmul(m, n, k, bias):
     b = torch.randn(n, generator=g).bfloat16() if bias else None
     expected = x.float() @ w.float().T + (b.float() if bias else 0)
     # Exact products, fp32 sums in another order: within a bf16 rounding of the fp32 result.
-    torch.testing.assert_close(ops.linear_bf16(x, w, b).float(), expected, atol=1e-2, rtol=8e-3)
+    torch.testing.assert_close(ops.linear_bf16(x, ops.pack_linear_bf16(w), n, b).float(), expected, atol=1e-2, rtol=8e-3)
+
+
+@needs_bf16
+def test_linear_bf16_rejects_mismatched_inputs():
+    w = ops.pack_linear_bf16(torch.ones(70, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="even in_features"):
+        ops.pack_linear_bf16(torch.ones(8, 63, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="x has 32 features, the weight 64"):
+        ops.linear_bf16(torch.ones(2, 32, dtype=torch.bfloat16), w, 70, None)
+    with pytest.raises(RuntimeError, match="must come from pack_linear_bf16 for 200 out_features"):
+        ops.linear_bf16(torch.ones(2, 64, dtype=torch.bfloat16), w, 200, None)
+
+
+@needs_bf16
+def test_packed_linear_switches_layouts_without_loss():
+    """The kernels' pair layout and oneDNN's hold the same weight bit for bit, and give the same
+    results up to summation order."""
+    from shared.engine.models.packed_linear import PackedLinear
+
+    g = torch.Generator().manual_seed(6)
+    w, b = torch.randn(130, 96, generator=g).bfloat16(), torch.randn(130, generator=g).bfloat16()
+    x = torch.randn(3, 5, 96, generator=g).bfloat16()
+    layer = PackedLinear(w, b, ops)
+    assert layer.ops is ops and torch.equal(layer.row_major(), w)
+    ours = layer(x)
+    layer.use_cpu_kernels(None)
+    assert layer.ops is None and torch.equal(layer.row_major(), w)
+    torch.testing.assert_close(layer(x).float(), ours.float(), atol=1e-2, rtol=8e-3)
+    layer.use_cpu_kernels(ops)
+    assert torch.equal(layer(x), ours)
 
 
 # ---- the whole model: fused kernels vs the plain torch path -----------------------------------------
 
 def _mixed_batch_logits(model, fused: bool) -> torch.Tensor:
     """Two sequences decoding over cached context plus a fresh prefill chunk, in one forward; then a
-    decode-only step of all three (few rows: the small-M matmul path)."""
+    decode-only step of all three."""
     from helpers.greedy import make_runner
     from shared.engine.model_runner import ScheduledChunk
 
@@ -178,8 +213,8 @@ def _mixed_batch_logits(model, fused: bool) -> torch.Tensor:
 
 def test_fused_forward_matches_the_torch_path(runtime_fp32, runtime_bf16):
     """fp32: the same numbers up to summation order (measured max |logit diff| 3e-5). bf16: rounding
-    happens in different places (RoPE and norms once in fp32, not per torch op; the small-M matmul
-    sums in another order), so both bf16 paths are held to their distance from fp32 instead: the
+    happens in different places (RoPE and norms once in fp32, not per torch op; the bf16 linear and
+    attention sum in another order), so both bf16 paths are held to their distance from fp32 instead: the
     fused path must stay about as close to it as the torch path (random tokens give flat distributions
     full of near-ties, so token choices are not compared here; test_model_reference does that)."""
     ref = _mixed_batch_logits(runtime_fp32, True)

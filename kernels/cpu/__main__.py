@@ -24,7 +24,7 @@ def main() -> int:
         print("CPU kernels: unavailable, the engine will use the plain torch path (see the warning above)")
     else:
         print(f"CPU kernels: ready in {time.perf_counter() - t0:.1f} s "
-              f"(AVX512-BF16 small-M matmul: {'yes' if ops.has_avx512_bf16() else 'no'})")
+              f"(AVX512-BF16 linear: {'yes' if ops.has_avx512_bf16() else 'no'})")
     return 0
 
 

@@ -5,11 +5,13 @@
 // blocks into a padded, masked SDPA; prefill attention computed (and masked) the whole causal square;
 // and oneDNN's bf16 matrix-vector product reads weights at ~60% of the DRAM bandwidth. These kernels
 // fuse the elementwise work (RMSNorm + residual, RoPE + KV-cache write, SiLU-and-mul), read the paged
-// KV cache in place for decode and prefill attention, and stream bf16 weights for few-row matmuls.
+// KV cache in place for decode and prefill attention, and multiply bf16 weights packed once in pairs
+// (at the DRAM bandwidth for decode, at oneDNN's rate or better for prefill).
 //
 // Every op has a torch reference in shared/engine (the same maths, unfused) and is tested against it.
 // Built once per machine by kernels/cpu/__init__.py with -O3 -march=native; AVX-512F is required
-// (elsewhere the build stops here and the engine keeps the torch path), AVX512-BF16 for linear_bf16.
+// (elsewhere the build stops here and the engine keeps the torch path), AVX512-BF16 for the bf16
+// linear and for bf16 attention dot products.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -713,12 +715,19 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   return out;
 }
 
-// ---- Small-M bf16 linear: y = x W^T (+ b), W row-major [N, K] ---------------------------------------
-// Decode multiplies one or a few rows by every weight, so the cost is streaming W from DRAM once. Four
-// weight rows per pass with their accumulators in registers (AVX512-BF16: 32 products per instruction,
-// fp32 accumulation); the rows kAhead passes ahead are prefetched into L2 line by line. Measured on
-// this 2-core host over SmolLM2's 120 layer matmuls (212 MB): 8 ms at 1-4 rows (~27 GB/s, what a plain
-// streaming sum reaches), 9 ms at 8, vs 10-12 ms for oneDNN's packed bf16 path. Threads split N.
+// ---- bf16 linear on a pair-interleaved weight: y = x W^T (+ b) -----------------------------------------
+// W [N, K] is packed once (pack_linear_bf16) into panels of 64 output columns, [N/64][K/2][64] 32-bit
+// pairs (W[n][2i], W[n][2i+1]), the layout AVX512-BF16 dot products want: one input pair x[m][2i..2i+1]
+// broadcast against a panel row adds 32 exact products into 16 columns' fp32 sums per instruction, so
+// the accumulators hold whole output columns (no horizontal sums) and a tile of up to kMR rows x 64
+// columns stays in 24 registers. Threads take (panel, chunk of kMChunk rows) items; the first rows
+// stream a panel from DRAM (72 KB at K = 576, the next one prefetched into L2 meanwhile) and the rest
+// re-read it from L2.
+//
+// One layout serves every batch size, so a bf16 model holds one copy of each weight. Measured over
+// SmolLM2's 30 layers of linears (`python -m loadtests.bench_kernels`), against oneDNN on its own
+// pre-packed copy: 1 row 7.8 vs 12.9 ms (the DRAM floor: 212 MB at ~27 GB/s), 16 rows 12.7 vs 14.8,
+// 32 rows 20.5 vs 23.0, 2,048 rows (prefill) 1,032 vs 1,125 ms (422 GFLOP/s).
 
 bool has_avx512_bf16() {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -728,95 +737,114 @@ bool has_avx512_bf16() {
 #endif
 }
 
+constexpr int64_t kPanel = 64, kMR = 6, kMChunk = 48;
+
+void check_linear_bf16_ops() { TORCH_CHECK(has_avx512_bf16(), "the bf16 linear kernels need a CPU with AVX512-BF16"); }
+
+at::Tensor pack_linear_bf16(const at::Tensor& w) {
+  check_linear_bf16_ops();
+  check_cpu_contiguous(w, "weight");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.size(1) % 2 == 0,
+              "pack_linear_bf16: weight must be bf16 [out_features, in_features] with even in_features");
+  const int64_t n = w.size(0), pairs = w.size(1) / 2, panels = (n + kPanel - 1) / kPanel;
+  at::Tensor out = at::zeros({panels, pairs, kPanel}, w.options().dtype(at::kInt));  // columns past n stay 0
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(w.data_ptr<c10::BFloat16>());
+  uint32_t* dst = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t c = 0; c < std::min(kPanel, n - p * kPanel); ++c)
+        for (int64_t i = 0; i < pairs; ++i) dst[(p * pairs + i) * kPanel + c] = src[(p * kPanel + c) * pairs + i];
+  });
+  return out;
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-inline __m512bh load_bf16x32(const c10::BFloat16* p, __mmask32 mask) {
-  return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
+// Lanes of the 16 columns starting at c that exist (c < n).
+inline __mmask16 column_mask(int64_t c, int64_t n) {
+  return c >= n ? 0 : (n - c >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - c)) - 1));
 }
 
-// MB input rows (1..4) against one block of four weight rows: 4 x MB accumulators in registers, each
-// weight load used MB times.
-template <int MB>
-inline void dot_block(__m128* out /* [MB]: the four columns of each input row */, const c10::BFloat16* x, int64_t k, const c10::BFloat16* const* wr,
-                      int64_t full, __mmask32 tail, const char* ahead, bool prefetch) {
-  __m512 acc[MB][4];
-  for (int i = 0; i < MB; ++i)
-    for (int r = 0; r < 4; ++r) acc[i][r] = _mm512_setzero_ps();
-  for (int64_t kk = 0; kk < full; kk += 32) {
-    if (prefetch)
-      for (int r = 0; r < 4; ++r) _mm_prefetch(ahead + (r * k + kk) * 2, _MM_HINT_T1);
+// MR rows (x: MR x pairs, row-major) x one panel -> y rows (n apart), columns n0..n0+63 (those < n).
+template <int MR>
+inline void linear_tile(c10::BFloat16* y, int64_t n, int64_t n0, const uint32_t* x, int64_t pairs, const uint32_t* panel,
+                        const uint32_t* prefetch, const __m512 (&bias)[4]) {
+  __m512 acc[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = bias[j];
+  for (int64_t kk = 0; kk < pairs; ++kk) {
+    if (prefetch != nullptr)  // the same row of the next panel: one line per 16 columns
+      for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(prefetch + kk * kPanel + j * 16), _MM_HINT_T1);
     __m512bh wv[4];
-    for (int r = 0; r < 4; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(wr[r] + kk);
-    for (int i = 0; i < MB; ++i) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * k + kk);
-      for (int r = 0; r < 4; ++r) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], wv[r], xv);
+    for (int j = 0; j < 4; ++j) wv[j] = (__m512bh)_mm512_load_si512(panel + kk * kPanel + j * 16);
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[i * pairs + kk]));
+      for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xb);
     }
   }
-  if (tail) {
-    __m512bh wv[4];
-    for (int r = 0; r < 4; ++r) wv[r] = load_bf16x32(wr[r] + full, tail);
-    for (int i = 0; i < MB; ++i) {
-      const __m512bh xv = load_bf16x32(x + i * k + full, tail);
-      for (int r = 0; r < 4; ++r) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], wv[r], xv);
-    }
+  for (int j = 0; j < 4; ++j) {
+    const __mmask16 m = column_mask(n0 + j * 16, n);
+    if (m == 0) break;
+    for (int i = 0; i < MR; ++i) _mm256_mask_storeu_epi16(y + i * n + n0 + j * 16, m, (__m256i)_mm512_cvtneps_pbh(acc[i][j]));
   }
-  for (int i = 0; i < MB; ++i) out[i] = reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
 }
 
-void linear_bf16_impl(c10::BFloat16* y, const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias,
-                      int64_t m, int64_t n, int64_t k) {
-  constexpr int64_t kRows = 4, kAhead = 6;
-  const int64_t full = k / 32 * 32;
-  const __mmask32 tail = (k - full) ? static_cast<__mmask32>((1ull << (k - full)) - 1) : 0;
-  at::parallel_for(0, (n + kRows - 1) / kRows, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t r0 = blk * kRows, rows = std::min(kRows, n - r0);
-      // A short last block repeats its last row (results dropped) so the inner loop has no branches.
-      const c10::BFloat16* wr[kRows];
-      for (int64_t r = 0; r < kRows; ++r) wr[r] = w + (r0 + std::min(r, rows - 1)) * k;
-      const bool prefetch = r0 + (kAhead + 1) * kRows <= n;
-      const char* ahead = reinterpret_cast<const char*>(w + (r0 + kAhead * kRows) * k);
-      // Input rows four at a time; the first pass streams (and prefetches) the weights, later
-      // passes find them in L1.
-      // Bias of the block's columns (zero past the last row and without a bias).
-      const __mmask8 cols = static_cast<__mmask8>((1u << rows) - 1);
-      const __m128 b4 = bias != nullptr
-          ? _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_maskz_loadu_epi16(cols, bias + r0)), 16))
-          : _mm_setzero_ps();
-      for (int64_t m0 = 0; m0 < m; m0 += 4) {
-        __m128 sums[4];
-        const c10::BFloat16* xm = x + m0 * k;
-        const bool pf = prefetch && m0 == 0;
-        const int64_t mb = std::min<int64_t>(4, m - m0);
-        switch (mb) {
-          case 1: dot_block<1>(sums, xm, k, wr, full, tail, ahead, pf); break;
-          case 2: dot_block<2>(sums, xm, k, wr, full, tail, ahead, pf); break;
-          case 3: dot_block<3>(sums, xm, k, wr, full, tail, ahead, pf); break;
-          default: dot_block<4>(sums, xm, k, wr, full, tail, ahead, pf); break;
+void linear_bf16_impl(c10::BFloat16* y, const c10::BFloat16* x, const uint32_t* w, const c10::BFloat16* bias, int64_t m,
+                      int64_t n, int64_t pairs) {
+  const int64_t panels = (n + kPanel - 1) / kPanel, chunks = (m + kMChunk - 1) / kMChunk;
+  const uint32_t* xs = reinterpret_cast<const uint32_t*>(x);
+  at::parallel_for(0, panels * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t p = item / chunks, n0 = p * kPanel, m_begin = item % chunks * kMChunk;
+      const int64_t rows = std::min(kMChunk, m - m_begin);
+      __m512 bv[4];
+      for (int j = 0; j < 4; ++j) {
+        const __mmask16 mk = bias == nullptr ? 0 : column_mask(n0 + j * 16, n);
+        bv[j] = mk ? load16(bias + n0 + j * 16, mk) : _mm512_setzero_ps();
+      }
+      const uint32_t* panel = w + p * pairs * kPanel;
+      // Decode-sized calls (one chunk per panel) walk this thread's panels in order: fetch the next.
+      const uint32_t* next = chunks == 1 && item + 1 < end ? panel + pairs * kPanel : nullptr;
+      // Passes of at most kMR rows, as even as possible (32 rows: 6 6 5 5 5 5, not 6 x 5 + 2).
+      const int64_t passes = (rows + kMR - 1) / kMR;
+      for (int64_t pass = 0, r0 = m_begin; pass < passes; ++pass) {
+        const int64_t mr = rows / passes + (pass < rows % passes ? 1 : 0);
+        const uint32_t* xm = xs + r0 * pairs;
+        c10::BFloat16* ym = y + r0 * n;
+        const uint32_t* pf = pass == 0 ? next : nullptr;
+        switch (mr) {
+          case 1: linear_tile<1>(ym, n, n0, xm, pairs, panel, pf, bv); break;
+          case 2: linear_tile<2>(ym, n, n0, xm, pairs, panel, pf, bv); break;
+          case 3: linear_tile<3>(ym, n, n0, xm, pairs, panel, pf, bv); break;
+          case 4: linear_tile<4>(ym, n, n0, xm, pairs, panel, pf, bv); break;
+          case 5: linear_tile<5>(ym, n, n0, xm, pairs, panel, pf, bv); break;
+          default: linear_tile<6>(ym, n, n0, xm, pairs, panel, pf, bv); break;
         }
-        for (int64_t i = 0; i < mb; ++i)  // four columns of row m0 + i: + bias, rounded to bf16
-          _mm_mask_storeu_epi16(y + (m0 + i) * n + r0, cols, (__m128i)_mm_cvtneps_pbh(_mm_add_ps(sums[i], b4)));
+        r0 += mr;
       }
     }
   });
 }
 #endif
 
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(has_avx512_bf16(), "linear_bf16 needs a CPU with AVX512-BF16");
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, const c10::optional<at::Tensor>& bias) {
+  check_linear_bf16_ops();
   check_cpu_contiguous(x, "x");
-  check_cpu_contiguous(weight, "weight");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "linear_bf16: x and weight must be bf16");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "linear_bf16: x [m, k], weight [n, k]");
-  const int64_t m = x.size(0), n = weight.size(0), k = x.size(1);
+  check_cpu_contiguous(packed, "packed weight");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2, "linear_bf16: x must be bf16 [rows, in_features]");
+  TORCH_CHECK(packed.scalar_type() == at::kInt && packed.dim() == 3 && packed.size(2) == kPanel &&
+                  packed.size(0) == (out_features + kPanel - 1) / kPanel,
+              "linear_bf16: the weight must come from pack_linear_bf16 for ", out_features, " out_features");
+  TORCH_CHECK(x.size(1) == 2 * packed.size(1), "linear_bf16: x has ", x.size(1), " features, the weight ", 2 * packed.size(1));
   const c10::BFloat16* b = nullptr;
   if (bias.has_value()) {
     check_cpu_contiguous(*bias, "bias");
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == n, "bias must be bf16 [n]");
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == out_features, "bias must be bf16 [out_features]");
     b = bias->data_ptr<c10::BFloat16>();
   }
-  at::Tensor y = at::empty({m, n}, x.options());
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  linear_bf16_impl(y.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(), b, m, n, k);
+  linear_bf16_impl(y.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(),
+                   reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()), b, x.size(0), out_features, packed.size(1));
 #endif
   return y;
 }
@@ -828,7 +856,8 @@ TORCH_LIBRARY(llmserve_cpu, m) {
   m.def("rope_and_cache(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
         "Tensor slot_mapping, int heads, int kv_heads, int head_dim) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
-  m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("pack_linear_bf16(Tensor weight) -> Tensor");
+  m.def("linear_bf16(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("has_avx512_bf16() -> bool", has_avx512_bf16);
   m.def("attention_supports(int heads, int kv_heads, int head_dim) -> bool", attention_supports);
   m.def("prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start, Tensor seq_lens, int heads, float scale) -> Tensor");
@@ -839,6 +868,7 @@ TORCH_LIBRARY_IMPL(llmserve_cpu, CPU, m) {
   m.impl("rms_norm", rms_norm);
   m.impl("rope_and_cache", rope_and_cache);
   m.impl("silu_mul", silu_mul);
+  m.impl("pack_linear_bf16", pack_linear_bf16);
   m.impl("linear_bf16", linear_bf16);
   m.impl("decode_attention", decode_attention);
   m.impl("prefill_attention", prefill_attention);

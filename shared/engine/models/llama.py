@@ -195,19 +195,19 @@ class LlamaModel(nn.Module):
     def prepack(self) -> int:
         """Pre-pack linear weights for the CPU bf16/fp16 fast path (no-op elsewhere). The tied output
         head gets a packed copy; the embedding keeps the original for lookups. Call after
-        ``enable_cpu_kernels`` so decode-sized matmuls can use the small-M kernel."""
-        small_m = self._small_m_kernel()
-        count = prepack_linears(self.layers, small_m)
+        ``enable_cpu_kernels`` so the weights are laid out for the kernels' bf16 linear."""
+        ops = self._linear_ops()
+        count = prepack_linears(self.layers, ops)
         if can_prepack(self.lm_head_weight):
-            self._packed_head = PackedLinear(self.lm_head_weight, None, small_m)
+            self._packed_head = PackedLinear(self.lm_head_weight, None, ops)
             if not self.config.tie_word_embeddings:
                 del self.lm_head
             count += 1
         return count
 
     def weight_bytes(self) -> int:
-        """Bytes of every weight tensor held (parameters, packed copies, kept row-major copies), each
-        storage counted once: what the memory ledger must subtract from the budget."""
+        """Bytes of every weight tensor held (parameters and packed weights), each storage counted
+        once: what the memory ledger must subtract from the budget."""
         tensors = list(self.parameters())
         for module in self.modules():
             if isinstance(module, PackedLinear):
@@ -231,15 +231,16 @@ class LlamaModel(nn.Module):
         self.cpu_ops = ops
         if isinstance(self.backend, TorchAttentionBackend):
             self.backend.use_cpu_ops(ops)
-        small_m = self._small_m_kernel()
+        linear_ops = self._linear_ops()
         for module in self.modules():
             if isinstance(module, PackedLinear):
-                module.set_small_m_kernel(small_m)
+                module.use_cpu_kernels(linear_ops)
         return ops is not None
 
-    def _small_m_kernel(self):
+    def _linear_ops(self):
+        """The kernel namespace when its bf16 linear runs on this CPU (AVX512-BF16), else None."""
         ops = self.cpu_ops
-        return ops.linear_bf16 if ops is not None and ops.has_avx512_bf16() else None
+        return ops if ops is not None and ops.has_avx512_bf16() else None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up. Every parameter row must be set

@@ -1,13 +1,13 @@
-"""CPU fast path for reduced-precision linears: weights pre-packed once into oneDNN's blocked layout.
+"""CPU fast path for reduced-precision linears: each weight packed once, in the layout its matmul reads.
 
-A plain ``F.linear`` on a bf16 CPU weight re-lays the weight out on every call; for single-token
-decode that copy costs as much as the matmul itself (measured ~1.9x slower on a 2-core AVX-512 host).
-Packing once at load makes decode bound by reading each weight once, which is the floor.
+- With the CPU kernels on an AVX512-BF16 host (bf16 weights, even ``in_features``): panels of 64
+  output columns of bf16 pairs (``llmserve_cpu::pack_linear_bf16``), read by ``linear_bf16`` at every
+  batch size. Decode streams the weight at the DRAM bandwidth and prefill runs at or above oneDNN's
+  rate (figures in ``kernels/cpu/csrc/ops.cpp``).
+- Otherwise oneDNN's blocked layout. A plain ``F.linear`` on a bf16 CPU weight re-lays the weight out
+  on every call; for single-token decode that copy cost as much as the matmul itself.
 
-With the CPU kernels built on an AVX512-BF16 host, the row-major weight is kept as well: matmuls of at
-most ``SMALL_M`` rows (decode) stream it through ``llmserve_cpu::linear_bf16``, which reaches the DRAM
-bandwidth where oneDNN's matrix-vector path reaches ~60% of it; larger batches stay with oneDNN. The
-price is a second copy of every linear weight, which ``LlamaModel.weight_bytes`` counts.
+Either way a layer holds one copy of its weight; ``row_major()`` recovers the original exactly.
 """
 
 from __future__ import annotations
@@ -25,44 +25,54 @@ def can_prepack(weight: torch.Tensor) -> bool:
     )
 
 
-# Rows up to which the small-M kernel beats oneDNN here (measured over SmolLM2's 30 layers of linears,
-# 212 MB, by `python -m loadtests.bench_kernels`: 1.2-1.5x faster at 1-8 rows, 1.1x at 12, even at 16).
-SMALL_M = 12
-
-
 class PackedLinear(nn.Module):
-    """Drop-in for ``nn.Linear`` in inference. ``small_m_kernel(x, weight, bias)``, when given, serves
-    inputs of at most ``SMALL_M`` rows from the kept row-major weight; otherwise that weight is dropped."""
+    """Drop-in for ``nn.Linear`` in inference. ``ops``: the CPU kernel namespace when its bf16 linear
+    can run here (AVX512-BF16), else None (oneDNN)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, small_m_kernel=None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops=None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
         self.bias = None if bias is None else bias.detach().clone()
-        self.small_m_kernel = small_m_kernel if weight.dtype == torch.bfloat16 else None
-        self.weight = weight.detach().contiguous() if self.small_m_kernel is not None else None
+        self._pack(weight.detach().contiguous(), ops)
 
-    def set_small_m_kernel(self, kernel) -> None:
-        """Switch the small-M path on (only if the row-major weight was kept at construction) or off."""
-        self.small_m_kernel = kernel if self.weight is not None else None
+    def _pack(self, weight: torch.Tensor, ops) -> None:
+        if ops is not None and weight.dtype == torch.bfloat16 and self.in_features % 2 == 0:
+            self.ops, self.packed = ops, ops.pack_linear_bf16(weight)
+        else:
+            self.ops, self.packed = None, torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+
+    def use_cpu_kernels(self, ops) -> None:
+        """Re-lay the weight out for the kernels' bf16 linear (``ops``) or for oneDNN (None)."""
+        if (ops is None) != (self.ops is None):
+            self._pack(self.row_major(), ops)
+
+    def row_major(self) -> torch.Tensor:
+        """The [out_features, in_features] weight, bit for bit."""
+        if self.ops is None:
+            return self.packed.to_dense()
+        panels, pairs, width = self.packed.shape  # int32 pairs: low half = even input feature
+        pairs_bf16 = self.packed.view(torch.bfloat16).view(panels, pairs, width, 2)
+        return pairs_bf16.permute(0, 2, 1, 3).reshape(panels * width, 2 * pairs)[: self.out_features].contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small_m_kernel is not None and x.dim() == 2 and x.shape[0] <= SMALL_M:
-            return self.small_m_kernel(x.contiguous(), self.weight, self.bias)
+        if self.ops is not None:
+            rows = x.reshape(-1, self.in_features).contiguous()
+            y = self.ops.linear_bf16(rows, self.packed, self.out_features, self.bias)
+            return y.view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this layer holds (for memory accounting)."""
-        return [t for t in (self.packed, self.bias, self.weight) if t is not None]
+        return [t for t in (self.packed, self.bias) if t is not None]
 
 
-def prepack_linears(module: nn.Module, small_m_kernel=None) -> int:
+def prepack_linears(module: nn.Module, ops=None) -> int:
     """Replace every eligible ``nn.Linear`` under ``module`` by a ``PackedLinear``; returns how many."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear) and can_prepack(child.weight):
-            setattr(module, name, PackedLinear(child.weight, child.bias, small_m_kernel))
+            setattr(module, name, PackedLinear(child.weight, child.bias, ops))
             count += 1
         else:
-            count += prepack_linears(child, small_m_kernel)
+            count += prepack_linears(child, ops)
     return count
