@@ -9,7 +9,7 @@
     either given every request at once (continuous) or given them B at a time, each batch stepped
     until its longest member finishes before the next is admitted (static). Static batching comes in
     two forms: "static" lets a finished member leave the forward pass (its slot idles, its compute is
-    saved; the harder baseline on a CPU, where a step's cost grows with its rows), "static-padded"
+    saved; the harder baseline on a CPU, where a step's cost grows with its rows), "static_padded"
     keeps decoding it until the batch's longest is done and discards the surplus tokens, as a
     fixed-shape batch does (transformers ``generate``, FasterTransformer).
 (c) KV utilization on trace (b): per engine step, live tokens / reserved slots for the paged block
@@ -365,7 +365,7 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, Any]:
 # ---- (b)/(c) mixed trace --------------------------------------------------------------------------
 
 # continuous first, then the two static baselines (see the module docstring)
-MIX_MODES = ("continuous", "static", "static-padded")
+MIX_MODES = ("continuous", "static", "static_padded")
 
 
 def run_trace(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], *, label: str,
@@ -463,7 +463,7 @@ def bench_mix(args, corpus: list[int] | None) -> dict[str, Any]:
             log(f"(b) {mode} batching" + (f" (batches of {static_batch})" if static_batch else "")
                 + f" (repeat {rep + 1}/{args.repeats})")
             r = run_trace(llm, prompts, params, label=f"{mode}{rep}", static_batch=static_batch,
-                          contiguous_limits=limits, padded=mode == "static-padded")
+                          contiguous_limits=limits, padded=mode == "static_padded")
             r["load_avg"] = load_average()
             log(f"    {r['output_tokens_per_s']:.1f} tok/s, {r['num_steps']} steps")
             all_tps[mode].append(r["output_tokens_per_s"])
@@ -471,7 +471,7 @@ def bench_mix(args, corpus: list[int] | None) -> dict[str, Any]:
                 best[mode] = r
     for mode in MIX_MODES:
         best[mode]["all_output_tokens_per_s"] = all_tps[mode]
-    cont, stat, padded = best["continuous"], best["static"], best["static-padded"]
+    cont, stat, padded = best["continuous"], best["static"], best["static_padded"]
     out = dict(
         trace=dict(num_requests=len(trace), short_tokens=args.mix_short, long_tokens=args.mix_long,
                    num_long=sum(r.max_tokens == args.mix_long for r in trace),
@@ -658,21 +658,21 @@ def print_report(res: dict[str, Any]) -> None:
         print(f"    {'mode':<14}{'output tok/s':>14}{'elapsed s':>12}{'steps':>8}{'mean E2E s':>12}"
               f"{'short E2E':>11}{'long E2E':>10}{'tok/CPU-s':>11}")
         for mode in MIX_MODES:
-            r = b[mode.replace("-", "_")]
+            r = b[mode]
             print(f"    {mode:<14}{r['output_tokens_per_s']:>14.1f}{r['elapsed_s']:>12.1f}{r['num_steps']:>8}"
                   f"{r['mean_e2e_s']:>12.1f}{r['mean_e2e_short_s']:>11.1f}{r['mean_e2e_long_s']:>10.1f}"
                   f"{r['output_tokens_per_cpu_s']:>11.1f}")
-        for key, name in (("", "static"), ("padded_", "static-padded")):
+        for key, name in (("", "static"), ("padded_", "static_padded")):
             print(f"    ratio continuous / {name} = {b[key + 'throughput_ratio']:.2f}x wall, "
                   f"{b[key + 'cpu_throughput_ratio']:.2f}x per CPU-second   (target >= 2x)")
         if len(b["continuous"]["all_output_tokens_per_s"]) > 1:
             print("    all runs tok/s: " + ", ".join(
-                f"{mode} {[round(x, 1) for x in b[mode.replace('-', '_')]['all_output_tokens_per_s']]}"
+                f"{mode} {[round(x, 1) for x in b[mode]['all_output_tokens_per_s']]}"
                 for mode in MIX_MODES))
         print("    per step: " + ", ".join(
             f"{mode} {1000 * r['elapsed_s'] / r['num_steps']:.0f} ms" + (
                 f" ({r['num_steps'] / b['continuous']['num_steps']:.2f}x the steps)" if mode != "continuous" else "")
-            for mode in MIX_MODES for r in [b[mode.replace("-", "_")]]))
+            for mode in MIX_MODES for r in [b[mode]]))
         print(line)
         kv = b["continuous"]["kv"]
         print(f"(c) KV utilization, live tokens / reserved slots, continuous run of (b), {kv['num_steps']} steps "

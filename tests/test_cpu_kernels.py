@@ -185,6 +185,9 @@ def test_packed_linear_switches_layouts_without_loss():
     torch.testing.assert_close(layer(x).float(), ours.float(), atol=1e-2, rtol=8e-3)
     layer.use_cpu_kernels(ops)
     assert torch.equal(layer(x), ours)
+    # Pairs need an even number of input features: otherwise the layer stays with oneDNN.
+    odd = PackedLinear(w[:, :95].contiguous(), None, ops)
+    assert odd.ops is None and torch.equal(odd.row_major(), w[:, :95])
 
 
 # ---- the whole model: fused kernels vs the plain torch path -----------------------------------------
