@@ -264,9 +264,11 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // blocks shuffled through the pool): 34 ms as first written (one KV head per item, fp32 products,
 // prefetch into L1) -> 27 ms with a whole sequence per item -> 15.5 ms prefetching into L2 instead
 // (a burst of L1 prefetches stalls on the fill buffers) -> 13 ms with bf16 dot products for the scores.
+// One sequence of 4,096 tokens: 6.4 ms with its three KV heads as items (two threads: 2 + 1) -> 4.0 ms
+// with its keys split in four parts (`python -m loadtests.bench_kernels --batches 1 --context 4096`).
 
 // Blocks of a sequence sit anywhere in the pool, so the hardware prefetcher cannot see the next one
-// coming: ask for its rows (the item's slice of each token) into L2 while the current block is computed.
+// coming: ask for its rows into L2 while the current block is computed.
 template <typename T>
 inline void prefetch_rows(const T* first, int64_t rows, int64_t row_stride, int64_t row_len) {
   for (int64_t r = 0; r < rows; ++r)
@@ -326,73 +328,73 @@ inline void dot4(__m512 (&dot)[G][4], const c10::BFloat16* q, const c10::BFloat1
 #endif
 
 // G query heads share a KV head; NV = head_dim / 16 vectors per row. Both are compile-time so the
-// query and accumulator vectors (G * NV zmm) stay in registers. A work item is one sequence and a run
-// of kv_per_item consecutive KV heads: with many sequences, all of a sequence's heads (each block's
-// rows are then read whole and in address order; 25% faster than a head per item at 8 and 32
-// sequences); with few, one head per item so every thread has work. Scores and accumulators go
-// through per-thread buffers.
+// query and accumulator vectors (G * NV zmm) stay in registers. A work item is one part of a
+// sequence's keys for all its heads: each block's rows are read whole and in address order (25%
+// faster than one head per item at 8 and 32 sequences). With few sequences the keys are split into
+// `parts` runs of blocks so that every thread has work (flash-decoding): each part writes its
+// unnormalized sums with its max and normalizer, and a second pass merges the parts.
 template <typename T, int G, int NV>
 void decode_attention_impl(T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                            int64_t max_blocks, const int64_t* seq_lens, int64_t num_seqs, int64_t kv_heads,
-                           int64_t kv_per_item, int64_t block_size, float scale) {
+                           int64_t parts, int64_t block_size, float scale) {
   constexpr int64_t head_dim = NV * 16, kAheadBlocks = 2;  // blocks prefetched ahead of the one computed
-  const int64_t heads = G * kv_heads, kv_row = kv_heads * head_dim, splits = kv_heads / kv_per_item;
-  const int64_t slice = kv_per_item * head_dim;  // elements of one token's row an item reads
-  at::parallel_for(0, num_seqs * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, accs;
+  const int64_t heads = G * kv_heads, kv_row = kv_heads * head_dim;
+  // Per (sequence, part, head): head_dim sums, then max and normalizer (only when parts > 1).
+  const int64_t partial_row = head_dim + 2;
+  std::vector<float> partials(parts > 1 ? num_seqs * parts * heads * partial_row : 0);
+  at::parallel_for(0, num_seqs * parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, accs(heads * head_dim);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / splits, kh0 = item % splits * kv_per_item, len = seq_lens[s];
+      const int64_t s = item / parts, part = item % parts, len = seq_lens[s];
       const int64_t* table = block_tables + s * max_blocks;
-      const int64_t num_blocks = (len + block_size - 1) / block_size;
-      const T* qs = q + s * heads * head_dim + kh0 * G * head_dim;  // this item's G * kv_per_item heads
-      const T* k_item = k_cache + kh0 * head_dim;
-      const T* v_item = v_cache + kh0 * head_dim;
-      scores.resize(kv_per_item * G * len);
-      accs.assign(kv_per_item * G * head_dim, 0.f);
-      float* sc = scores.data();  // [kv head][G][len]
+      const int64_t seq_blocks = (len + block_size - 1) / block_size;
+      const int64_t b_lo = seq_blocks * part / parts, b_hi = seq_blocks * (part + 1) / parts;
+      const int64_t t_lo = b_lo * block_size, span = std::min(len, b_hi * block_size) - t_lo;  // keys of this part
+      const T* qs = q + s * heads * head_dim;
+      scores.resize(heads * std::max<int64_t>(span, 1));
+      std::fill(accs.begin(), accs.end(), 0.f);
+      float* sc = scores.data();  // [head][span]
       auto block_rows = [&](const T* base, int64_t b) { return base + table[b] * block_size * kv_row; };
-      for (int64_t b = 0; b < std::min(kAheadBlocks, num_blocks); ++b) prefetch_rows(block_rows(k_item, b), block_size, kv_row, slice);
-      // Scores, four tokens at a time and all of the item's heads for those tokens before the next
-      // four, so the rows are read in address order; the same four rows of the block kAheadBlocks on
-      // are prefetched as we go (one burst per block stalled on the fill buffers instead).
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const int64_t n = std::min(block_size, len - b * block_size), t0 = b * block_size;
-        const T* kb = block_rows(k_item, b);
-        const T* ahead = b + kAheadBlocks < num_blocks ? block_rows(k_item, b + kAheadBlocks) : nullptr;
+      for (int64_t b = b_lo; b < std::min(b_lo + kAheadBlocks, b_hi); ++b) prefetch_rows(block_rows(k_cache, b), block_size, kv_row, kv_row);
+      // Scores, four tokens at a time and every head for those tokens before the next four, so the
+      // rows are read in address order; the same four rows of the block kAheadBlocks on are
+      // prefetched as we go (one burst per block stalled on the fill buffers instead).
+      for (int64_t b = b_lo; b < b_hi; ++b) {
+        const int64_t n = std::min(block_size, len - b * block_size), t0 = b * block_size - t_lo;
+        const T* kb = block_rows(k_cache, b);
+        const T* ahead = b + kAheadBlocks < b_hi ? block_rows(k_cache, b + kAheadBlocks) : nullptr;
         for (int64_t t = 0; t < n; t += 4) {
-          if (ahead != nullptr) prefetch_rows(ahead + t * kv_row, std::min<int64_t>(4, block_size - t), kv_row, slice);
-          for (int64_t kh = 0; kh < kv_per_item; ++kh) {
+          if (ahead != nullptr) prefetch_rows(ahead + t * kv_row, std::min<int64_t>(4, block_size - t), kv_row, kv_row);
+          for (int64_t kh = 0; kh < kv_heads; ++kh) {
             __m512 dot[G][4];
             dot4<G, NV>(dot, qs + kh * G * head_dim, kb + t * kv_row + kh * head_dim, kv_row, std::min<int64_t>(4, n - t));
-            float* sk = sc + kh * G * len;
+            float* sk = sc + kh * G * span;
             for (int j = 0; j < G; ++j) {
               alignas(16) float four[4];
               _mm_store_ps(four, _mm_mul_ps(reduce4(dot[j][0], dot[j][1], dot[j][2], dot[j][3]), _mm_set1_ps(scale)));
-              for (int64_t u = 0; u < std::min<int64_t>(4, n - t); ++u) sk[j * len + t0 + t + u] = four[u];
+              for (int64_t u = 0; u < std::min<int64_t>(4, n - t); ++u) sk[j * span + t0 + t + u] = four[u];
             }
           }
         }
       }
-      const int64_t rows = kv_per_item * G;
-      std::vector<float> inv_sum(rows);
-      for (int64_t r = 0; r < rows; ++r) {
-        float* sr = sc + r * len;
-        float mx = -INFINITY;
-        for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sr[t]);
-        inv_sum[r] = 1.f / exp_shifted_sum(sr, len, mx);
+      std::vector<float> row_max(heads, -INFINITY), row_sum(heads, 0.f);
+      for (int64_t r = 0; r < heads && span > 0; ++r) {
+        float* sr = sc + r * span;
+        for (int64_t t = 0; t < span; ++t) row_max[r] = std::max(row_max[r], sr[t]);
+        row_sum[r] = exp_shifted_sum(sr, span, row_max[r]);
       }
       // Weighted sum of values in the same order: four tokens, then each head's accumulators (kept
       // in registers for those four tokens, in the per-thread buffer between them).
-      for (int64_t b = 0; b < std::min(kAheadBlocks, num_blocks); ++b) prefetch_rows(block_rows(v_item, b), block_size, kv_row, slice);
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const int64_t n = std::min(block_size, len - b * block_size), t0 = b * block_size;
-        const T* vb = block_rows(v_item, b);
-        const T* ahead = b + kAheadBlocks < num_blocks ? block_rows(v_item, b + kAheadBlocks) : nullptr;
+      for (int64_t b = b_lo; b < std::min(b_lo + kAheadBlocks, b_hi); ++b) prefetch_rows(block_rows(v_cache, b), block_size, kv_row, kv_row);
+      for (int64_t b = b_lo; b < b_hi; ++b) {
+        const int64_t n = std::min(block_size, len - b * block_size), t0 = b * block_size - t_lo;
+        const T* vb = block_rows(v_cache, b);
+        const T* ahead = b + kAheadBlocks < b_hi ? block_rows(v_cache, b + kAheadBlocks) : nullptr;
         for (int64_t t = 0; t < n; t += 4) {
-          if (ahead != nullptr) prefetch_rows(ahead + t * kv_row, std::min<int64_t>(4, block_size - t), kv_row, slice);
+          if (ahead != nullptr) prefetch_rows(ahead + t * kv_row, std::min<int64_t>(4, block_size - t), kv_row, kv_row);
           const int64_t nt = std::min<int64_t>(4, n - t);
-          for (int64_t kh = 0; kh < kv_per_item; ++kh) {
-            const float* sk = sc + kh * G * len + t0 + t;
+          for (int64_t kh = 0; kh < kv_heads; ++kh) {
+            const float* sk = sc + kh * G * span + t0 + t;
             float* ak = accs.data() + kh * G * head_dim;
             __m512 acc[G][NV];
             for (int j = 0; j < G; ++j)
@@ -400,17 +402,49 @@ void decode_attention_impl(T* out, const T* q, const T* k_cache, const T* v_cach
             for (int64_t u = 0; u < nt; ++u)
               for (int v = 0; v < NV; ++v) {
                 const __m512 val = load16(vb + (t + u) * kv_row + kh * head_dim + v * 16);
-                for (int j = 0; j < G; ++j) acc[j][v] = _mm512_fmadd_ps(_mm512_set1_ps(sk[j * len + u]), val, acc[j][v]);
+                for (int j = 0; j < G; ++j) acc[j][v] = _mm512_fmadd_ps(_mm512_set1_ps(sk[j * span + u]), val, acc[j][v]);
               }
             for (int j = 0; j < G; ++j)
               for (int v = 0; v < NV; ++v) _mm512_storeu_ps(ak + j * head_dim + v * 16, acc[j][v]);
           }
         }
       }
-      T* os = out + s * heads * head_dim + kh0 * G * head_dim;
-      for (int64_t r = 0; r < rows; ++r)
-        for (int v = 0; v < NV; ++v)
-          store16(os + r * head_dim + v * 16, _mm512_mul_ps(_mm512_loadu_ps(accs.data() + r * head_dim + v * 16), _mm512_set1_ps(inv_sum[r])));
+      if (parts == 1) {
+        T* os = out + s * heads * head_dim;
+        for (int64_t r = 0; r < heads; ++r)
+          for (int v = 0; v < NV; ++v)
+            store16(os + r * head_dim + v * 16,
+                    _mm512_mul_ps(_mm512_loadu_ps(accs.data() + r * head_dim + v * 16), _mm512_set1_ps(1.f / row_sum[r])));
+      } else {
+        float* pr = partials.data() + item * heads * partial_row;
+        for (int64_t r = 0; r < heads; ++r) {
+          std::memcpy(pr + r * partial_row, accs.data() + r * head_dim, head_dim * sizeof(float));
+          pr[r * partial_row + head_dim] = row_max[r];
+          pr[r * partial_row + head_dim + 1] = row_sum[r];
+        }
+      }
+    }
+  });
+  if (parts == 1) return;
+  // Merge: out = sum_p e^(m_p - M) acc_p / sum_p e^(m_p - M) l_p, M the largest part max (an empty
+  // part has max -inf and weighs nothing).
+  at::parallel_for(0, num_seqs * heads, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t sr = begin; sr < end; ++sr) {
+      const int64_t s = sr / heads, r = sr % heads;
+      const float* first = partials.data() + (s * parts * heads + r) * partial_row;
+      const int64_t stride = heads * partial_row;  // next part, same head
+      float m = -INFINITY, l = 0.f;
+      for (int64_t p = 0; p < parts; ++p) m = std::max(m, first[p * stride + head_dim]);
+      __m512 acc[NV];
+      for (int v = 0; v < NV; ++v) acc[v] = _mm512_setzero_ps();
+      for (int64_t p = 0; p < parts; ++p) {
+        const float* pp = first + p * stride;
+        const float w = std::exp(pp[head_dim] - m);
+        l += w * pp[head_dim + 1];
+        for (int v = 0; v < NV; ++v) acc[v] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(pp + v * 16), acc[v]);
+      }
+      T* os = out + s * heads * head_dim + r * head_dim;
+      for (int v = 0; v < NV; ++v) store16(os + v * 16, _mm512_mul_ps(acc[v], _mm512_set1_ps(1.f / l)));
     }
   });
 }
@@ -461,12 +495,19 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   check_block_tables(block_tables, seq_lens, block_size, k_cache.size(0));
   at::Tensor out = at::empty_like(q);
   const float sc = static_cast<float>(scale);
-  // Whole sequences per item once there are enough of them to keep every thread busy.
-  const int64_t kv_per_item = num_seqs >= 2 * at::get_num_threads() ? kv_heads : 1;
+  // Split the keys when there are fewer sequences than two per thread, into parts of at least
+  // kMinPartBlocks blocks (shorter ones cost more to merge than they save).
+  constexpr int64_t kMinPartBlocks = 8;
+  int64_t max_len = 1;
+  for (int64_t s = 0; s < num_seqs; ++s) max_len = std::max(max_len, seq_lens.data_ptr<int64_t>()[s]);
+  const int64_t threads = at::get_num_threads();
+  const int64_t wanted = (2 * threads + num_seqs - 1) / std::max<int64_t>(num_seqs, 1);
+  int64_t parts = std::max<int64_t>(1, std::min(wanted, (max_len + block_size - 1) / block_size / kMinPartBlocks));
+  while (parts > 1 && num_seqs * parts > threads && num_seqs * parts % threads != 0) --parts;  // even shares
   LLMSERVE_DISPATCH(q.scalar_type(), "decode_attention", [&] {
     decode_attention_dispatch<scalar_t>(head_dim, heads / kv_heads, out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(),
                                         k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(),
-                                        block_tables.size(1), seq_lens.data_ptr<int64_t>(), num_seqs, kv_heads, kv_per_item,
+                                        block_tables.size(1), seq_lens.data_ptr<int64_t>(), num_seqs, kv_heads, parts,
                                         block_size, sc);
   });
   return out;
