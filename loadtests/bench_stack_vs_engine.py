@@ -19,8 +19,10 @@ import random
 import sys
 import time
 
-# Same OpenMP policy as the stack's executor (see services/launcher.py); must precede torch's import.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from services.launcher import set_executor_openmp_policy  # noqa: E402 (imports no torch)
+
+# Same OpenMP policy as the stack's executor; must precede torch's import.
+set_executor_openmp_policy(os.environ)
 
 from loadtests.bench_serving import RequestResult, make_prompts, parse_args as serving_args, print_report
 from loadtests.bench_serving import run as run_serving

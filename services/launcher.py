@@ -22,11 +22,26 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 
 from shared.servers import (LOOPBACK, ServerProcess, detach_child, free_port, read_log_tail, start_nats,
                             start_redis)
+
+# How an executor's OpenMP threads wait between parallel regions (~10 per layer per step). Every
+# service shares the machine's cores with the executors, so libgomp's default (spin 300k iterations,
+# then sleep) starves them: a 16-sequence decode step went from ~100 ms to 0.6-1 s. PASSIVE (sleep at
+# once) pays a futex wake per region instead. A short bounded spin is the best of the three on this
+# 2-core host with the whole stack on it (bench_stack_vs_engine, 2026-11-29): 16 in flight 421 vs 350
+# output tok/s with PASSIVE, one stream TPOT 13.9 vs 17.6 ms.
+EXECUTOR_OPENMP_ENV = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "3000"}
+
+
+def set_executor_openmp_policy(env: MutableMapping[str, str]) -> None:
+    """Give ``env`` the executors' OpenMP wait policy unless it already chooses one."""
+    if not any(name in env for name in EXECUTOR_OPENMP_ENV):
+        env.update(EXECUTOR_OPENMP_ENV)
+
 
 __all__ = ["StackConfig", "Stack", "ServiceProcess", "StackStartError", "launch", "gateway_available",
            "served_model_name"]
@@ -303,13 +318,7 @@ def launch(config: StackConfig, progress: Callable[[str], None] | None = None,
                       f"http://{config.host}:{port}" if has_gateway else None, servers=servers)
         env = {**os.environ, "NATS_URL": nats_url, "REDIS_URL": redis_url, **dict(config.extra_env)}
         env.setdefault("PYTHONUNBUFFERED", "1")
-        # Every service shares the machine's cores with the executors: OpenMP threads that spin while
-        # waiting starve them (measured: a 16-sequence decode step went from ~100 ms to 0.6–1 s with
-        # libgomp's default 300k-iteration spin). PASSIVE keeps the stack within ~5% of the engine in
-        # process. On a host given to one executor, a short bounded spin is faster in absolute terms:
-        # OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=3000 measured 276-313 output tok/s vs 248 with PASSIVE
-        # (bench_stack_vs_engine, 64 requests, 16 in flight, 2 cores), the engine in process gaining more.
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        set_executor_openmp_policy(env)
         model = ["--model", config.model] if config.model else []
         common = ["--nats-url", nats_url]
 

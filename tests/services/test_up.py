@@ -23,7 +23,7 @@ import time
 import httpx
 import pytest
 
-from services.launcher import gateway_available
+from services.launcher import EXECUTOR_OPENMP_ENV, gateway_available, set_executor_openmp_policy
 from shared.servers import ServerStartError, detach_child, start_nats, start_redis
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -209,3 +209,13 @@ def test_killed_launcher_leaves_no_orphans(tmp_path, pid_alive):
         up.kill()
         up.wait()
     assert wait_all_dead(children, pid_alive, 20.0) == []
+
+
+def test_executor_openmp_policy_is_a_default_not_an_override():
+    env: dict[str, str] = {}
+    set_executor_openmp_policy(env)
+    assert env == {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "3000"} == EXECUTOR_OPENMP_ENV
+    for chosen in ({"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "0"}):
+        env = dict(chosen)
+        set_executor_openmp_policy(env)
+        assert env == chosen  # either variable set by the user: theirs alone
