@@ -145,8 +145,8 @@ def test_decode_attention_rejects_lengths_beyond_the_block_table():
 needs_bf16 = pytest.mark.skipif(ops is None or not ops.has_avx512_bf16(), reason="needs AVX512-BF16")
 
 
-# Rows: decode sizes, tile remainders (passes of at most 6), more than one 48-row chunk; columns: a
-# part-filled last panel of 64, fewer than one panel.
+# Rows: decode sizes, tile remainders (passes of at most 8), more than one 48-row chunk; columns: a
+# part-filled last panel of 48, fewer than one panel.
 @needs_bf16
 @pytest.mark.parametrize("m,n,k,bias", [(1, 960, 576, False), (3, 577, 1536, True), (2, 5, 40, False), (4, 200, 64, True),
                                          (7, 96, 100, False), (32, 131, 576, True), (101, 70, 64, True)])

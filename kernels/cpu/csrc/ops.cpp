@@ -6,7 +6,7 @@
 // and oneDNN's bf16 matrix-vector product reads weights at ~60% of the DRAM bandwidth. These kernels
 // fuse the elementwise work (RMSNorm + residual, RoPE + KV-cache write, SiLU-and-mul), read the paged
 // KV cache in place for decode and prefill attention, and multiply bf16 weights packed once in pairs
-// (at the DRAM bandwidth for decode, at oneDNN's rate or better for prefill).
+// (at the DRAM bandwidth for decode, within ~5% of oneDNN for prefill).
 //
 // Every op has a torch reference in shared/engine (the same maths, unfused) and is tested against it.
 // Built once per machine by kernels/cpu/__init__.py with -O3 -march=native; AVX-512F is required
@@ -757,18 +757,19 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
 }
 
 // ---- bf16 linear on a pair-interleaved weight: y = x W^T (+ b) -----------------------------------------
-// W [N, K] is packed once (pack_linear_bf16) into panels of 64 output columns, [N/64][K/2][64] 32-bit
+// W [N, K] is packed once (pack_linear_bf16) into panels of 48 output columns, [N/48][K/2][48] 32-bit
 // pairs (W[n][2i], W[n][2i+1]), the layout AVX512-BF16 dot products want: one input pair x[m][2i..2i+1]
 // broadcast against a panel row adds 32 exact products into 16 columns' fp32 sums per instruction, so
-// the accumulators hold whole output columns (no horizontal sums) and a tile of up to kMR rows x 64
-// columns stays in 24 registers. Threads take (panel, chunk of kMChunk rows) items; the first rows
-// stream a panel from DRAM (72 KB at K = 576, the next one prefetched into L2 meanwhile) and the rest
-// re-read it from L2.
+// the accumulators hold whole output columns (no horizontal sums) and a tile of up to kMR = 8 rows x
+// 48 columns stays in 24 registers (8 rows: a decode batch of 8 reads each panel once). Threads take
+// (panel, chunk of kMChunk rows) items; the first rows stream a panel from DRAM (54 KB at K = 576, the
+// next one prefetched into L2 meanwhile) and the rest re-read it from L2.
 //
 // One layout serves every batch size, so a bf16 model holds one copy of each weight. Measured over
 // SmolLM2's 30 layers of linears (`python -m loadtests.bench_kernels`), against oneDNN on its own
-// pre-packed copy: 1 row 7.8 vs 12.9 ms (the DRAM floor: 212 MB at ~27 GB/s), 16 rows 12.7 vs 14.8,
-// 32 rows 20.5 vs 23.0, 2,048 rows (prefill) 1,032 vs 1,125 ms (422 GFLOP/s).
+// pre-packed copy: 1 row 6.5 vs 10.5 ms (212 MB at ~33 GB/s), 8 rows 6.9-7.4 vs 10.9, 32 rows 18 vs 22,
+// 2,048 rows (prefill) 1,198-1,243 vs 1,142-1,149 ms (~5% behind; 64-column panels with 6-row tiles
+// were level with oneDNN there but 25% slower at 8 rows).
 
 bool has_avx512_bf16() {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -778,7 +779,7 @@ bool has_avx512_bf16() {
 #endif
 }
 
-constexpr int64_t kPanel = 64, kMR = 6, kMChunk = 48;
+constexpr int64_t kPanel = 48, kNR = kPanel / 16, kMR = 8, kMChunk = 48;
 
 void check_linear_bf16_ops() { TORCH_CHECK(has_avx512_bf16(), "the bf16 linear kernels need a CPU with AVX512-BF16"); }
 
@@ -808,21 +809,21 @@ inline __mmask16 column_mask(int64_t c, int64_t n) {
 // MR rows (x: MR x pairs, row-major) x one panel -> y rows (n apart), columns n0..n0+63 (those < n).
 template <int MR>
 inline void linear_tile(c10::BFloat16* y, int64_t n, int64_t n0, const uint32_t* x, int64_t pairs, const uint32_t* panel,
-                        const uint32_t* prefetch, const __m512 (&bias)[4]) {
-  __m512 acc[MR][4];
+                        const uint32_t* prefetch, const __m512 (&bias)[kNR]) {
+  __m512 acc[MR][kNR];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < 4; ++j) acc[i][j] = bias[j];
+    for (int j = 0; j < kNR; ++j) acc[i][j] = bias[j];
   for (int64_t kk = 0; kk < pairs; ++kk) {
     if (prefetch != nullptr)  // the same row of the next panel: one line per 16 columns
-      for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(prefetch + kk * kPanel + j * 16), _MM_HINT_T1);
-    __m512bh wv[4];
-    for (int j = 0; j < 4; ++j) wv[j] = (__m512bh)_mm512_load_si512(panel + kk * kPanel + j * 16);
+      for (int j = 0; j < kNR; ++j) _mm_prefetch(reinterpret_cast<const char*>(prefetch + kk * kPanel + j * 16), _MM_HINT_T1);
+    __m512bh wv[kNR];
+    for (int j = 0; j < kNR; ++j) wv[j] = (__m512bh)_mm512_load_si512(panel + kk * kPanel + j * 16);
     for (int i = 0; i < MR; ++i) {
       const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[i * pairs + kk]));
-      for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xb);
+      for (int j = 0; j < kNR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xb);
     }
   }
-  for (int j = 0; j < 4; ++j) {
+  for (int j = 0; j < kNR; ++j) {
     const __mmask16 m = column_mask(n0 + j * 16, n);
     if (m == 0) break;
     for (int i = 0; i < MR; ++i) _mm256_mask_storeu_epi16(y + i * n + n0 + j * 16, m, (__m256i)_mm512_cvtneps_pbh(acc[i][j]));
@@ -837,8 +838,8 @@ void linear_bf16_impl(c10::BFloat16* y, const c10::BFloat16* x, const uint32_t* 
     for (int64_t item = begin; item < end; ++item) {
       const int64_t p = item / chunks, n0 = p * kPanel, m_begin = item % chunks * kMChunk;
       const int64_t rows = std::min(kMChunk, m - m_begin);
-      __m512 bv[4];
-      for (int j = 0; j < 4; ++j) {
+      __m512 bv[kNR];
+      for (int j = 0; j < kNR; ++j) {
         const __mmask16 mk = bias == nullptr ? 0 : column_mask(n0 + j * 16, n);
         bv[j] = mk ? load16(bias + n0 + j * 16, mk) : _mm512_setzero_ps();
       }
@@ -858,7 +859,9 @@ void linear_bf16_impl(c10::BFloat16* y, const c10::BFloat16* x, const uint32_t* 
           case 3: linear_tile<3>(ym, n, n0, xm, pairs, panel, pf, bv); break;
           case 4: linear_tile<4>(ym, n, n0, xm, pairs, panel, pf, bv); break;
           case 5: linear_tile<5>(ym, n, n0, xm, pairs, panel, pf, bv); break;
-          default: linear_tile<6>(ym, n, n0, xm, pairs, panel, pf, bv); break;
+          case 6: linear_tile<6>(ym, n, n0, xm, pairs, panel, pf, bv); break;
+          case 7: linear_tile<7>(ym, n, n0, xm, pairs, panel, pf, bv); break;
+          default: linear_tile<8>(ym, n, n0, xm, pairs, panel, pf, bv); break;
         }
         r0 += mr;
       }
