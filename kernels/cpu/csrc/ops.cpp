@@ -806,7 +806,7 @@ inline __mmask16 column_mask(int64_t c, int64_t n) {
   return c >= n ? 0 : (n - c >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - c)) - 1));
 }
 
-// MR rows (x: MR x pairs, row-major) x one panel -> y rows (n apart), columns n0..n0+63 (those < n).
+// MR rows (x: MR x pairs, row-major) x one panel -> y rows (n apart), columns n0..n0+47 (those < n).
 template <int MR>
 inline void linear_tile(c10::BFloat16* y, int64_t n, int64_t n0, const uint32_t* x, int64_t pairs, const uint32_t* panel,
                         const uint32_t* prefetch, const __m512 (&bias)[kNR]) {
@@ -846,7 +846,7 @@ void linear_bf16_impl(c10::BFloat16* y, const c10::BFloat16* x, const uint32_t* 
       const uint32_t* panel = w + p * pairs * kPanel;
       // Decode-sized calls (one chunk per panel) walk this thread's panels in order: fetch the next.
       const uint32_t* next = chunks == 1 && item + 1 < end ? panel + pairs * kPanel : nullptr;
-      // Passes of at most kMR rows, as even as possible (32 rows: 6 6 5 5 5 5, not 6 x 5 + 2).
+      // Passes of at most kMR rows, as even as possible (20 rows: 7 7 6, not 8 8 4).
       const int64_t passes = (rows + kMR - 1) / kMR;
       for (int64_t pass = 0, r0 = m_begin; pass < passes; ++pass) {
         const int64_t mr = rows / passes + (pass < rows % passes ? 1 : 0);
