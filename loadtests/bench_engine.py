@@ -198,7 +198,7 @@ def make_llm(args, *, max_num_seqs: int, max_num_batched_tokens: int) -> LLM:
 
 
 def warm_up(llm: LLM) -> None:
-    """A short generate to prime oneDNN kernels; then forget its blocks so nothing hits the prefix cache."""
+    """A short generate to warm the kernels and allocator; then forget its blocks so nothing hits the prefix cache."""
     rng = random.Random(12345)
     tok = llm.tokenizer
     prompts = random_prompts(tok.vocab_size, tok.all_special_ids, [48, 80], rng)

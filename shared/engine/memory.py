@@ -162,8 +162,8 @@ def plan_memory(config: ModelConfig, *, memory_budget_bytes: int, weight_dtype: 
                 context_len: int | None = None, num_params: int | None = None,
                 resident_weight_bytes: int | None = None) -> MemoryLedger:
     """Size the KV pool from the budget: floor((budget - weights - activations) / bytes per block).
-    ``resident_weight_bytes``: what a loaded model really holds (packed and kept copies included),
-    used instead of params x dtype bytes when given."""
+    ``resident_weight_bytes``: what a loaded model really holds (packed weights, and the tied head's
+    packed copy next to the embedding), used instead of params x dtype bytes when given."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     if memory_budget_bytes < 0:

@@ -281,7 +281,7 @@ inline float exp_shifted_sum(float* x, int64_t len, float shift) {
   const __m512 vs = _mm512_set1_ps(shift);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t t = 0; t < len; t += 16) {
-    const __mmask16 m = len - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - t)) - 1);
+    const __mmask16 m = tail_mask(len - t);
     const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + t), vs));
     _mm512_mask_storeu_ps(x + t, m, e);
     sum = _mm512_mask_add_ps(sum, m, sum, e);
@@ -803,7 +803,7 @@ at::Tensor pack_linear_bf16(const at::Tensor& w) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 // Lanes of the 16 columns starting at c that exist (c < n).
 inline __mmask16 column_mask(int64_t c, int64_t n) {
-  return c >= n ? 0 : (n - c >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - c)) - 1));
+  return c >= n ? 0 : tail_mask(n - c);
 }
 
 // MR rows (x: MR x pairs, row-major) x one panel -> y rows (n apart), columns n0..n0+47 (those < n).
