@@ -6,7 +6,8 @@ weights and cache, so the data comes from DRAM as in a real step, not from a war
   - prefill attention: fresh prompts of 512, 300, 450, 200 and 586 tokens (2,048) in one call; ms and
     GFLOP/s over the causal half (what has to be computed);
   - linear: the four layer matmuls (QKV, O, gate-up, down) at M rows, ``linear_bf16`` on its packed
-    weight vs oneDNN on its own (the two layouts ``PackedLinear`` can hold); ms and GFLOP/s.
+    weight vs oneDNN on its own (the two layouts ``PackedLinear`` can hold), and ``linear_int8`` (W8A8,
+    input quantized in the call, as ``Int8Linear`` runs it; AVX512-VNNI only); ms and GFLOP/s.
 
 Each figure is the median of ``--repeats`` timed runs after one warm-up. The numbers quoted in
 ``kernels/cpu/csrc/ops.cpp`` and ``packed_linear.py`` come from here.
@@ -33,6 +34,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 import torch  # noqa: E402
 
 from kernels.cpu import cpu_ops  # noqa: E402
+from shared.engine.models.int8_linear import quantize_rows  # noqa: E402
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_kernels.json")
 # SmolLM2-135M: 30 layers, 9 query heads sharing 3 KV heads of 64, hidden 576, intermediate 1536.
@@ -104,6 +106,14 @@ def bench_linear(ops, rows: list[int], repeats: int) -> list[dict]:
     weights = [[torch.randn(n, k, generator=g).bfloat16() for n, k in LINEARS] for _ in range(LAYERS)]
     packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in layer] for layer in weights]
     ours_packed = [[ops.pack_linear_bf16(w) for w in layer] for layer in weights]
+    int8 = None
+    if ops.has_avx512_vnni():
+        int8 = []
+        for layer in weights:
+            int8.append([])
+            for w in layer:
+                q, scale = quantize_rows(w.float())
+                int8[-1].append((ops.pack_linear_int8(q), scale, q.sum(1, dtype=torch.int32), torch.ones(w.shape[1])))
     flops_per_row = 2 * LAYERS * sum(n * k for n, k in LINEARS)
     out = []
     for m in rows:
@@ -112,8 +122,12 @@ def bench_linear(ops, rows: list[int], repeats: int) -> list[dict]:
                                   for x, w, (n, _) in zip(xs, layer, LINEARS)], repeats)
         onednn = median_ms(lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
                                     for layer in packed for x, w in zip(xs, layer)], repeats)
-        out.append(dict(rows=m, linear_bf16_ms=ours, onednn_packed_ms=onednn,
-                        linear_bf16_gflops=flops_per_row * m / ours / 1e6, onednn_gflops=flops_per_row * m / onednn / 1e6))
+        row = dict(rows=m, linear_bf16_ms=ours, onednn_packed_ms=onednn,
+                   linear_bf16_gflops=flops_per_row * m / ours / 1e6, onednn_gflops=flops_per_row * m / onednn / 1e6)
+        if int8 is not None:
+            ms = median_ms(lambda: [ops.linear_int8(x, *w, None) for layer in int8 for x, w in zip(xs, layer)], repeats)
+            row.update(linear_int8_ms=ms, linear_int8_gops=flops_per_row * m / ms / 1e6)
+        out.append(row)
     return out
 
 
@@ -150,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         for r in res["linear"]:
             print(f"  linear M={r['rows']:<5} linear_bf16 {r['linear_bf16_ms']:8.2f} ms ({r['linear_bf16_gflops']:3.0f} "
                   f"GFLOP/s)   oneDNN {r['onednn_packed_ms']:8.2f} ms ({r['onednn_gflops']:3.0f} GFLOP/s)   "
-                  f"{r['onednn_packed_ms'] / r['linear_bf16_ms']:.2f}x")
+                  f"{r['onednn_packed_ms'] / r['linear_bf16_ms']:.2f}x" + (
+                      f"   linear_int8 {r['linear_int8_ms']:8.2f} ms ({r['linear_int8_gops']:3.0f} GOP/s, "
+                      f"{r['linear_bf16_ms'] / r['linear_int8_ms']:.2f}x bf16)" if "linear_int8_ms" in r else ""))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)

@@ -61,6 +61,7 @@ class StackConfig:
     num_tokenizers: int = 1
     num_schedulers: int = 1
     dtype: str = "bfloat16"
+    quantization: str | None = None       # "int8": W8A8 decoder linears in every executor
     memory_budget: str = "2GiB"
     num_kv_blocks: int | None = None
     max_num_seqs: int = 64
@@ -333,6 +334,8 @@ def launch(config: StackConfig, progress: Callable[[str], None] | None = None,
                 args += ["--num-kv-blocks", str(config.num_kv_blocks)]
             if config.max_model_len is not None:
                 args += ["--max-model-len", str(config.max_model_len)]
+            if config.quantization is not None:
+                args += ["--quantization", config.quantization]
             stack.start_service(f"executor-{i}", "services.executor", args, env)
         for i in range(config.num_schedulers):
             stack.start_service(f"scheduler-{i}", "services.scheduler",

@@ -17,6 +17,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     parser.add_argument("--model", default=None, help=".gguf file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
+    parser.add_argument("--quantization", choices=("int8",), default=None,
+                        help="int8: W8A8 decoder linears (CPU with AVX512-VNNI; faster, slightly less exact)")
     parser.add_argument("--memory-budget", default="1GiB", help="weights + activations + KV cache")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -45,8 +47,8 @@ def run(args: argparse.Namespace) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, n=args.n, stop=args.stop)
-    llm = LLM(EngineConfig(model=args.model, dtype=args.dtype, memory_budget=args.memory_budget,
-                           num_threads=args.num_threads))
+    llm = LLM(EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
+                           memory_budget=args.memory_budget, num_threads=args.num_threads))
     if args.chat:
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     results = llm.generate(prompts, params, progress=True)

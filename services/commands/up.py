@@ -27,6 +27,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--executors", type=int, default=1, help="executor processes (each loads the model)")
     p.add_argument("--tokenizers", type=int, default=1, help="tokenizer processes")
     p.add_argument("--dtype", choices=WEIGHT_DTYPES, default="bfloat16")
+    p.add_argument("--quantization", choices=("int8",), default=None,
+                   help="int8: W8A8 decoder linears (CPU with AVX512-VNNI; faster, slightly less exact)")
     p.add_argument("--memory-budget", default="2GiB", help="per executor: weights + activations + KV cache")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per executor (overrides the budget)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences one executor batches at once")
@@ -62,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = StackConfig(
         model=args.model, model_name=args.model_name, host=args.host, port=args.port,
-        num_executors=args.executors, num_tokenizers=args.tokenizers, dtype=args.dtype,
+        num_executors=args.executors, num_tokenizers=args.tokenizers, dtype=args.dtype, quantization=args.quantization,
         memory_budget=args.memory_budget, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         num_threads=args.num_threads, max_queue_len=args.max_queue_len, api_key=args.api_key,

@@ -21,6 +21,7 @@ class ExecutorProcessConfig:
     model: str | None
     model_name: str | None
     dtype: str
+    quantization: str | None
     device: str
     memory_budget: str
     num_kv_blocks: int | None
@@ -54,6 +55,8 @@ def parse_config(argv: list[str] | None = None) -> ExecutorProcessConfig:
     p.add_argument("--model-name", default=env_str("LLMSERVE_MODEL_NAME", None),
                    help="the model name advertised to the gateway (default: the model file's name)")
     p.add_argument("--dtype", default=env_str("LLMSERVE_DTYPE", "bfloat16"))
+    p.add_argument("--quantization", choices=("int8",), default=env_str("LLMSERVE_QUANTIZATION", None),
+                   help="int8: W8A8 decoder linears (CPU with AVX512-VNNI)")
     p.add_argument("--device", default=env_str("LLMSERVE_DEVICE", "cpu"))
     p.add_argument("--memory-budget", default=env_str("LLMSERVE_MEMORY_BUDGET", "2GiB"),
                    help="weights + activations + KV cache, e.g. 2GiB")
@@ -73,7 +76,7 @@ def parse_config(argv: list[str] | None = None) -> ExecutorProcessConfig:
     try:
         return ExecutorProcessConfig(
             nats_url=a.nats_url, executor_id=a.executor_id or f"executor-{uuid.uuid4().hex[:8]}",
-            model=a.model, model_name=a.model_name, dtype=a.dtype, device=a.device, memory_budget=a.memory_budget,
+            model=a.model, model_name=a.model_name, dtype=a.dtype, quantization=a.quantization, device=a.device, memory_budget=a.memory_budget,
             num_kv_blocks=a.num_kv_blocks, max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
             num_threads=a.num_threads, block_size=a.block_size, seed=a.seed,
@@ -97,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
 
     log.info("%s: loading the model...", config.executor_id)
     engine = Engine(EngineConfig(
-        model=config.model, dtype=config.dtype, device=config.device, block_size=config.block_size,
+        model=config.model, dtype=config.dtype, quantization=config.quantization, device=config.device,
+        block_size=config.block_size,
         memory_budget=config.memory_budget, num_kv_blocks=config.num_kv_blocks,
         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
         max_model_len=config.max_model_len, num_threads=config.num_threads, seed=config.seed))

@@ -18,6 +18,7 @@ from shared.engine.block_manager import BlockManager
 from shared.engine.kv_cache import KVCache
 from shared.engine.memory import parse_bytes, plan_memory
 from shared.engine.model_runner import ModelRunner, ScheduledChunk
+from shared.engine.models.int8_linear import calibration_text, int8_supported, quantize_model_int8
 from shared.engine.models.loader import load_model, resolve_dtype, resolve_model_path
 from shared.engine.output_processor import OutputProcessor
 from shared.engine.outputs import EngineStats, RequestOutput
@@ -26,6 +27,9 @@ from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import Request, Sequence, SequenceStatus
 from shared.engine.tokenizer import Tokenizer
+
+QUANTIZATIONS = (None, "int8")
+
 
 class PromptTooLongError(ValueError):
     """The prompt (plus the requested output) does not fit the context or the KV pool."""
@@ -45,6 +49,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None    # torch intra-op threads; None leaves torch's default
     seed: int = 0
+    quantization: str | None = None   # "int8": W8A8 decoder linears (CPU, AVX512-VNNI); see int8_linear
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
@@ -56,6 +61,8 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         parse_bytes(self.memory_budget)
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
 
 
 class Engine:
@@ -69,6 +76,11 @@ class Engine:
         self.tokenizer = (Tokenizer.from_pretrained_dir(path) if os.path.isdir(path)
                           else Tokenizer.from_gguf(path))
         self.model = load_model(path, dtype=config.dtype, device=config.device, progress=progress)
+        if config.quantization == "int8":
+            if not int8_supported(self.model.cpu_ops):
+                raise ValueError("quantization='int8' needs the CPU kernels (kernels/cpu) on a CPU with "
+                                 "AVX512-VNNI; they are switched off or unavailable here")
+            quantize_model_int8(self.model, self.tokenizer.encode(calibration_text()))
         self.model_config = self.model.config
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)

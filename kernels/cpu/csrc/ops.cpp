@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -783,29 +784,68 @@ constexpr int64_t kPanel = 48, kNR = kPanel / 16, kMR = 8, kMChunk = 48;
 
 void check_linear_bf16_ops() { TORCH_CHECK(has_avx512_bf16(), "the bf16 linear kernels need a CPU with AVX512-BF16"); }
 
+// Rows of `units` 32-bit units (bf16 pairs or int8 quads) -> panels [ceil(n/48)][units][48]; columns past
+// n stay 0.
+at::Tensor pack_panels(const at::Tensor& w, int64_t units) {
+  const int64_t n = w.size(0), panels = (n + kPanel - 1) / kPanel;
+  at::Tensor out = at::zeros({panels, units, kPanel}, w.options().dtype(at::kInt));
+  const uint32_t* src = static_cast<const uint32_t*>(w.data_ptr());
+  uint32_t* dst = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t c = 0; c < std::min(kPanel, n - p * kPanel); ++c)
+        for (int64_t i = 0; i < units; ++i) dst[(p * units + i) * kPanel + c] = src[(p * kPanel + c) * units + i];
+  });
+  return out;
+}
+
 at::Tensor pack_linear_bf16(const at::Tensor& w) {
   check_linear_bf16_ops();
   check_cpu_contiguous(w, "weight");
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.size(1) % 2 == 0,
               "pack_linear_bf16: weight must be bf16 [out_features, in_features] with even in_features");
-  const int64_t n = w.size(0), pairs = w.size(1) / 2, panels = (n + kPanel - 1) / kPanel;
-  at::Tensor out = at::zeros({panels, pairs, kPanel}, w.options().dtype(at::kInt));  // columns past n stay 0
-  const uint32_t* src = reinterpret_cast<const uint32_t*>(w.data_ptr<c10::BFloat16>());
-  uint32_t* dst = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      for (int64_t c = 0; c < std::min(kPanel, n - p * kPanel); ++c)
-        for (int64_t i = 0; i < pairs; ++i) dst[(p * pairs + i) * kPanel + c] = src[(p * kPanel + c) * pairs + i];
-  });
-  return out;
+  return pack_panels(w, w.size(1) / 2);
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 // Lanes of the 16 columns starting at c that exist (c < n).
 inline __mmask16 column_mask(int64_t c, int64_t n) {
   return c >= n ? 0 : tail_mask(n - c);
 }
 
+// Runs tile(std::integral_constant<int, MR>, r0, n0, panel, prefetch) over y[m, n] = x[m, :] W^T for a
+// weight packed in panels of `units` 32-bit units: threads take (panel, chunk of kMChunk rows) items; a
+// chunk goes in passes of at most kMR rows, as even as possible (20 rows: 7 7 6, not 8 8 4).
+template <typename Tile>
+void for_each_linear_tile(int64_t m, int64_t n, int64_t units, const uint32_t* w, const Tile& tile) {
+  const int64_t panels = (n + kPanel - 1) / kPanel, chunks = (m + kMChunk - 1) / kMChunk;
+  at::parallel_for(0, panels * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t p = item / chunks, n0 = p * kPanel, m_begin = item % chunks * kMChunk;
+      const int64_t rows = std::min(kMChunk, m - m_begin);
+      const uint32_t* panel = w + p * units * kPanel;
+      // Decode-sized calls (one chunk per panel) walk this thread's panels in order: fetch the next.
+      const uint32_t* next = chunks == 1 && item + 1 < end ? panel + units * kPanel : nullptr;
+      const int64_t passes = (rows + kMR - 1) / kMR;
+      for (int64_t pass = 0, r0 = m_begin; pass < passes; ++pass) {
+        const int64_t mr = rows / passes + (pass < rows % passes ? 1 : 0);
+        const uint32_t* pf = pass == 0 ? next : nullptr;
+        switch (mr) {
+          case 1: tile(std::integral_constant<int, 1>{}, r0, n0, panel, pf); break;
+          case 2: tile(std::integral_constant<int, 2>{}, r0, n0, panel, pf); break;
+          case 3: tile(std::integral_constant<int, 3>{}, r0, n0, panel, pf); break;
+          case 4: tile(std::integral_constant<int, 4>{}, r0, n0, panel, pf); break;
+          case 5: tile(std::integral_constant<int, 5>{}, r0, n0, panel, pf); break;
+          case 6: tile(std::integral_constant<int, 6>{}, r0, n0, panel, pf); break;
+          case 7: tile(std::integral_constant<int, 7>{}, r0, n0, panel, pf); break;
+          default: tile(std::integral_constant<int, 8>{}, r0, n0, panel, pf); break;
+        }
+        r0 += mr;
+      }
+    }
+  });
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 // MR rows (x: MR x pairs, row-major) x one panel -> y rows (n apart), columns n0..n0+47 (those < n).
 template <int MR>
 inline void linear_tile(c10::BFloat16* y, int64_t n, int64_t n0, const uint32_t* x, int64_t pairs, const uint32_t* panel,
@@ -832,40 +872,14 @@ inline void linear_tile(c10::BFloat16* y, int64_t n, int64_t n0, const uint32_t*
 
 void linear_bf16_impl(c10::BFloat16* y, const c10::BFloat16* x, const uint32_t* w, const c10::BFloat16* bias, int64_t m,
                       int64_t n, int64_t pairs) {
-  const int64_t panels = (n + kPanel - 1) / kPanel, chunks = (m + kMChunk - 1) / kMChunk;
   const uint32_t* xs = reinterpret_cast<const uint32_t*>(x);
-  at::parallel_for(0, panels * chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t p = item / chunks, n0 = p * kPanel, m_begin = item % chunks * kMChunk;
-      const int64_t rows = std::min(kMChunk, m - m_begin);
-      __m512 bv[kNR];
-      for (int j = 0; j < kNR; ++j) {
-        const __mmask16 mk = bias == nullptr ? 0 : column_mask(n0 + j * 16, n);
-        bv[j] = mk ? load16(bias + n0 + j * 16, mk) : _mm512_setzero_ps();
-      }
-      const uint32_t* panel = w + p * pairs * kPanel;
-      // Decode-sized calls (one chunk per panel) walk this thread's panels in order: fetch the next.
-      const uint32_t* next = chunks == 1 && item + 1 < end ? panel + pairs * kPanel : nullptr;
-      // Passes of at most kMR rows, as even as possible (20 rows: 7 7 6, not 8 8 4).
-      const int64_t passes = (rows + kMR - 1) / kMR;
-      for (int64_t pass = 0, r0 = m_begin; pass < passes; ++pass) {
-        const int64_t mr = rows / passes + (pass < rows % passes ? 1 : 0);
-        const uint32_t* xm = xs + r0 * pairs;
-        c10::BFloat16* ym = y + r0 * n;
-        const uint32_t* pf = pass == 0 ? next : nullptr;
-        switch (mr) {
-          case 1: linear_tile<1>(ym, n, n0, xm, pairs, panel, pf, bv); break;
-          case 2: linear_tile<2>(ym, n, n0, xm, pairs, panel, pf, bv); break;
-          case 3: linear_tile<3>(ym, n, n0, xm, pairs, panel, pf, bv); break;
-          case 4: linear_tile<4>(ym, n, n0, xm, pairs, panel, pf, bv); break;
-          case 5: linear_tile<5>(ym, n, n0, xm, pairs, panel, pf, bv); break;
-          case 6: linear_tile<6>(ym, n, n0, xm, pairs, panel, pf, bv); break;
-          case 7: linear_tile<7>(ym, n, n0, xm, pairs, panel, pf, bv); break;
-          default: linear_tile<8>(ym, n, n0, xm, pairs, panel, pf, bv); break;
-        }
-        r0 += mr;
-      }
+  for_each_linear_tile(m, n, pairs, w, [&](auto mr, int64_t r0, int64_t n0, const uint32_t* panel, const uint32_t* pf) {
+    __m512 bv[kNR];
+    for (int j = 0; j < kNR; ++j) {
+      const __mmask16 mk = bias == nullptr ? 0 : column_mask(n0 + j * 16, n);
+      bv[j] = mk ? load16(bias + n0 + j * 16, mk) : _mm512_setzero_ps();
     }
+    linear_tile<decltype(mr)::value>(y + r0 * n, n, n0, xs + r0 * pairs, pairs, panel, pf, bv);
   });
 }
 #endif
@@ -893,6 +907,144 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   return y;
 }
 
+// ---- int8 linear (W8A8): y = sx[m] * sw[n] * (q_x q_W^T) (+ b) ---------------------------------------
+// The weight is quantized once per output column (sw = max|w| / 127, q in [-127, 127]; see
+// shared/engine/models/quantize.py) and packed like the bf16 one, in quads: [N/48][K/4][48] 32-bit units
+// of (q[n][4i..4i+3]). Each call quantizes its input rows the same way (sx = max|x| / 127, round half to
+// even) and stores them offset by 128 as unsigned bytes, because AVX512-VNNI multiplies unsigned by
+// signed bytes: one broadcast quad against a panel row adds 64 exact products into 16 columns' int32
+// sums. The offset is taken back by starting each column's sum at -128 * sum_k q[n][k] (`colsum`).
+// Sums are exact (|sum| < 2^31 for K < 133,000); only the epilogue rounds (fp32, then the output dtype).
+
+bool has_avx512_vnni() {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+void check_linear_int8_ops() { TORCH_CHECK(has_avx512_vnni(), "the int8 linear kernels need a CPU with AVX512-VNNI"); }
+
+at::Tensor pack_linear_int8(const at::Tensor& q) {
+  check_linear_int8_ops();
+  check_cpu_contiguous(q, "weight");
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.size(1) % 4 == 0,
+              "pack_linear_int8: weight must be int8 [out_features, in_features] with in_features a multiple of 4");
+  return pack_panels(q, q.size(1) / 4);
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Row r of x (times smooth[k] per input feature, if given) -> q[r] (k bytes: round(v * 127 / max|v|) + 128,
+// half to even) and scale[r] = max|v| / 127; a zero row gives q = 128, scale 0.
+template <typename T>
+void quantize_rows_u8(uint8_t* q, float* scale, const T* x, const float* smooth, int64_t m, int64_t k) {
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * k;
+      auto value = [&](int64_t j, __mmask16 mk) {
+        const __m512 v = load16(xr + j, mk);
+        return smooth == nullptr ? v : _mm512_mul_ps(v, load16(smooth + j, mk));
+      };
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t j = 0; j < k; j += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(value(j, tail_mask(k - j))));
+      const float a = _mm512_reduce_max_ps(amax);
+      scale[r] = a / 127.f;
+      const __m512 inv = _mm512_set1_ps(a > 0.f ? 127.f / a : 0.f);
+      const __m512i offset = _mm512_set1_epi32(128);
+      for (int64_t j = 0; j < k; j += 16) {
+        const __mmask16 mk = tail_mask(k - j);
+        const __m512i v = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(value(j, mk), inv)), offset);
+        _mm_mask_storeu_epi8(q + r * k + j, mk, _mm512_cvtusepi32_epi8(v));
+      }
+    }
+  });
+}
+
+// MR quantized rows (xq: MR x quads) x one panel -> y rows (n apart), columns n0..n0+47 (those < n).
+template <int MR, typename T>
+inline void linear_int8_tile(T* y, int64_t n, int64_t n0, const uint32_t* xq, const float* xscale, int64_t quads,
+                             const uint32_t* panel, const uint32_t* prefetch, const float* wscale,
+                             const int32_t* colsum, const T* bias) {
+  __m512i acc[MR][kNR];
+  _Pragma("GCC unroll 4") for (int j = 0; j < kNR; ++j) {
+    const __mmask16 mk = column_mask(n0 + j * 16, n);
+    const __m512i start = _mm512_mullo_epi32(_mm512_maskz_loadu_epi32(mk, colsum + n0 + j * 16), _mm512_set1_epi32(-128));
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) acc[i][j] = start;
+  }
+  for (int64_t kk = 0; kk < quads; ++kk) {
+    if (prefetch != nullptr)
+      for (int j = 0; j < kNR; ++j) _mm_prefetch(reinterpret_cast<const char*>(prefetch + kk * kPanel + j * 16), _MM_HINT_T1);
+    __m512i wv[kNR];
+    _Pragma("GCC unroll 4") for (int j = 0; j < kNR; ++j) wv[j] = _mm512_load_si512(panel + kk * kPanel + j * 16);
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {
+      const __m512i xb = _mm512_set1_epi32(static_cast<int>(xq[i * quads + kk]));
+      _Pragma("GCC unroll 4") for (int j = 0; j < kNR; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], xb, wv[j]);
+    }
+  }
+  _Pragma("GCC unroll 4") for (int j = 0; j < kNR; ++j) {
+    const __mmask16 mk = column_mask(n0 + j * 16, n);
+    if (mk == 0) break;
+    const __m512 sw = _mm512_maskz_loadu_ps(mk, wscale + n0 + j * 16);
+    const __m512 b = bias == nullptr ? _mm512_setzero_ps() : load16(bias + n0 + j * 16, mk);
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {
+      const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][j]), _mm512_mul_ps(sw, _mm512_set1_ps(xscale[i])), b);
+      store16(y + i * n + n0 + j * 16, v, mk);
+    }
+  }
+}
+
+template <typename T>
+void linear_int8_impl(T* y, const T* x, const uint32_t* w, const float* wscale, const int32_t* colsum, const float* smooth,
+                      const T* bias, int64_t m, int64_t n, int64_t k) {
+  const int64_t quads = k / 4;
+  at::Tensor xq = at::empty({m, quads}, at::kInt), xscale = at::empty({m}, at::kFloat);
+  uint32_t* xqs = reinterpret_cast<uint32_t*>(xq.data_ptr<int32_t>());
+  float* xs = xscale.data_ptr<float>();
+  quantize_rows_u8(reinterpret_cast<uint8_t*>(xqs), xs, x, smooth, m, k);
+  for_each_linear_tile(m, n, quads, w, [&](auto mr, int64_t r0, int64_t n0, const uint32_t* panel, const uint32_t* pf) {
+    linear_int8_tile<decltype(mr)::value>(y + r0 * n, n, n0, xqs + r0 * quads, xs + r0, quads, panel, pf, wscale, colsum,
+                                          bias);
+  });
+}
+#endif
+
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& colsum,
+                       const c10::optional<at::Tensor>& smooth, const c10::optional<at::Tensor>& bias) {
+  check_linear_int8_ops();
+  check_cpu_contiguous(x, "x");
+  check_cpu_contiguous(packed, "packed weight");
+  check_cpu_contiguous(scale, "weight scale");
+  check_cpu_contiguous(colsum, "weight column sums");
+  const int64_t n = scale.numel();
+  TORCH_CHECK((x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && x.dim() == 2,
+              "linear_int8: x must be bf16 or fp32 [rows, in_features]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && colsum.scalar_type() == at::kInt &&
+                  colsum.numel() == n, "linear_int8: scale must be fp32 [out_features] and colsum int32 [out_features]");
+  TORCH_CHECK(packed.scalar_type() == at::kInt && packed.dim() == 3 && packed.size(2) == kPanel &&
+                  packed.size(0) == (n + kPanel - 1) / kPanel,
+              "linear_int8: the weight must come from pack_linear_int8 for ", n, " out_features");
+  TORCH_CHECK(x.size(1) == 4 * packed.size(1), "linear_int8: x has ", x.size(1), " features, the weight ", 4 * packed.size(1));
+  if (smooth.has_value()) {
+    check_cpu_contiguous(*smooth, "smooth");
+    TORCH_CHECK(smooth->scalar_type() == at::kFloat && smooth->numel() == x.size(1), "smooth must be fp32 [in_features]");
+  }
+  if (bias.has_value()) {
+    check_cpu_contiguous(*bias, "bias");
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == n, "bias must be [out_features] in x's dtype");
+  }
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>());
+  LLMSERVE_DISPATCH(x.scalar_type(), "linear_int8", [&] {
+    linear_int8_impl<scalar_t>(y.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), w, scale.data_ptr<float>(),
+                               colsum.data_ptr<int32_t>(), smooth.has_value() ? smooth->data_ptr<float>() : nullptr,
+                               bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr, x.size(0), n, x.size(1));
+  });
+#endif
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(llmserve_cpu, m) {
@@ -903,6 +1055,9 @@ TORCH_LIBRARY(llmserve_cpu, m) {
   m.def("pack_linear_bf16(Tensor weight) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("has_avx512_bf16() -> bool", has_avx512_bf16);
+  m.def("pack_linear_int8(Tensor weight) -> Tensor");
+  m.def("linear_int8(Tensor x, Tensor packed, Tensor scale, Tensor colsum, Tensor? smooth, Tensor? bias) -> Tensor");
+  m.def("has_avx512_vnni() -> bool", has_avx512_vnni);
   m.def("attention_supports(int heads, int kv_heads, int head_dim) -> bool", attention_supports);
   m.def("prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start, Tensor seq_lens, int heads, float scale) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, int heads, float scale) -> Tensor");
@@ -914,6 +1069,8 @@ TORCH_LIBRARY_IMPL(llmserve_cpu, CPU, m) {
   m.impl("silu_mul", silu_mul);
   m.impl("pack_linear_bf16", pack_linear_bf16);
   m.impl("linear_bf16", linear_bf16);
+  m.impl("pack_linear_int8", pack_linear_int8);
+  m.impl("linear_int8", linear_int8);
   m.impl("decode_attention", decode_attention);
   m.impl("prefill_attention", prefill_attention);
 }

@@ -16,6 +16,7 @@ from torch import nn
 from kernels.cpu import cpu_ops as load_cpu_ops
 from shared.engine.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from shared.engine.models.config import ModelConfig, rope_inv_freq
+from shared.engine.models.int8_linear import Int8Linear
 from shared.engine.models.packed_linear import PackedLinear, can_prepack, prepack_linears
 
 
@@ -210,7 +211,7 @@ class LlamaModel(nn.Module):
         once: what the memory ledger must subtract from the budget."""
         tensors = list(self.parameters())
         for module in self.modules():
-            if isinstance(module, PackedLinear):
+            if isinstance(module, (PackedLinear, Int8Linear)):
                 tensors += module.tensors()
         seen: dict[object, int] = {}
         for t in tensors:
@@ -235,6 +236,8 @@ class LlamaModel(nn.Module):
         for module in self.modules():
             if isinstance(module, PackedLinear):
                 module.use_cpu_kernels(linear_ops)
+            elif isinstance(module, Int8Linear):
+                module.use_cpu_kernels(ops)
         return ops is not None
 
     def _linear_ops(self):

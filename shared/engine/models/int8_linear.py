@@ -1,0 +1,182 @@
+"""Int8 weights and activations (W8A8) for a model's linear layers on the CPU: ``quantization="int8"``.
+
+Why: on a CPU, bf16 prefill linears run at ~90% of the bf16 dot-product peak and decode streams the
+weights at the DRAM bandwidth. AVX512-VNNI multiplies int8 at twice the bf16 rate and the weights are
+half the bytes (``llmserve_cpu::linear_int8``, figures in ``kernels/cpu/csrc/ops.cpp``).
+
+The scheme, chosen by measurement on SmolLM2-135M (``python -m loadtests.bench_quality``):
+
+- Weights: symmetric int8 per output row, ``scale = max|w| / 127``, quantized once at load.
+- Activations: symmetric int8 per row (token), quantized by the kernel on every call.
+- SmoothQuant (Xiao et al., 2023), because per-token activations alone lose too much: a few input
+  features carry outliers (after RMSNorm) that flatten every other feature of their row to a few
+  levels. Per input feature j, ``s_j = max|x_j|^0.5 / max|W[:, j]|^0.5`` moves half of that range
+  into the weight: the layer holds ``W diag(s)`` and multiplies its input by ``1 / s`` while
+  quantizing it, so ``(x / s)(W diag(s))^T = x W^T``. ``max|x_j|`` comes from one forward pass over
+  a fixed calibration text (``calibration.txt``) in the model dtype, before any layer is quantized.
+- The output head stays in the model dtype: its logits are sampled directly.
+
+``int8_linear_reference`` is the same maths in torch (exact integer sums in fp64), what the kernel is
+tested against and what runs when the kernels are switched off.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+from torch import nn
+
+from shared.engine.models.packed_linear import PackedLinear
+
+log = logging.getLogger(__name__)
+
+SMOOTHING_ALPHA = 0.5  # share of each input feature's range moved into the weight (0.3-0.8 measured)
+_CALIBRATION_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration.txt")
+
+
+def int8_supported(ops) -> bool:
+    """Whether ``ops`` (the CPU kernel namespace, or None) can run the int8 linear here."""
+    return ops is not None and bool(ops.has_avx512_vnni())
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row: (q, scale) with ``q = round(x / scale)`` (half to even) in [-127, 127]
+    and ``scale = max|row| / 127``; a zero row gets scale 0 and q 0. ``x`` is fp32."""
+    amax = x.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return torch.round(x * inv.unsqueeze(-1)).to(torch.int8), amax / 127.0
+
+
+def int8_linear_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, smooth: torch.Tensor | None,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+    """``linear_int8`` in torch: x [rows, in] (bf16/fp32), q int8 [out, in] per-row scales ``scale``,
+    ``smooth`` fp32 [in] multiplied into x before it is quantized. Integer sums are exact (fp64);
+    the output rounds once, to x's dtype (the kernel fuses the last multiply-add, so the two can differ
+    by one rounding of the fp32 result)."""
+    v = x.float() if smooth is None else x.float() * smooth
+    xq, xs = quantize_rows(v)
+    sums = xq.double() @ q.double().T
+    y = sums.float() * (scale.unsqueeze(0) * xs.unsqueeze(1))
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+class Int8Linear(nn.Module):
+    """A linear layer holding int8 weights (``W diag(smooth⁻¹)`` quantized per output row) that
+    quantizes its input per row. ``ops``: the CPU kernel namespace (AVX512-VNNI), else None (torch
+    reference: exact, slow). ``input_maxima``: max|x| per input feature from calibration (None: no
+    smoothing)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops=None,
+                 input_maxima: torch.Tensor | None = None, alpha: float = SMOOTHING_ALPHA) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        if self.in_features % 4:
+            raise ValueError(f"int8 linears need in_features divisible by 4, got {self.in_features}")
+        w = weight.detach().float()
+        self.smooth: torch.Tensor | None = None  # 1 / s per input feature
+        if input_maxima is not None:
+            s = smoothing_factors(input_maxima, w, alpha)
+            w = w * s
+            self.smooth = (1.0 / s).contiguous()
+        q, self.scale = quantize_rows(w)
+        self.colsum = q.sum(dim=1, dtype=torch.int32)  # the kernel's unsigned-input correction
+        self.bias = None if bias is None else bias.detach().clone()
+        self.ops = None
+        self.weight = q  # int8 [out, in] row-major (torch path) or packed (kernels); one copy either way
+        self.use_cpu_kernels(ops)
+
+    def use_cpu_kernels(self, ops) -> None:
+        """Run on the kernels' int8 linear (``ops`` with AVX512-VNNI) or on the torch reference."""
+        ops = ops if int8_supported(ops) else None
+        if (ops is None) != (self.ops is None):
+            q = self.row_major()
+            self.ops = ops
+            self.weight = q if ops is None else ops.pack_linear_int8(q)
+
+    def row_major(self) -> torch.Tensor:
+        """The int8 weight [out_features, in_features]."""
+        if self.ops is None:
+            return self.weight
+        panels, quads, width = self.weight.shape  # int32 units: 4 consecutive input features each
+        q = self.weight.view(torch.int8).view(panels, quads, width, 4)
+        return q.permute(0, 2, 1, 3).reshape(panels * width, 4 * quads)[: self.out_features].contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).contiguous()
+        if self.ops is not None:
+            y = self.ops.linear_int8(rows, self.weight, self.scale, self.colsum, self.smooth, self.bias)
+        else:
+            y = int8_linear_reference(rows, self.weight, self.scale, self.smooth, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this layer holds (for memory accounting)."""
+        return [t for t in (self.weight, self.scale, self.colsum, self.smooth, self.bias) if t is not None]
+
+
+def smoothing_factors(input_maxima: torch.Tensor, weight: torch.Tensor, alpha: float = SMOOTHING_ALPHA) -> torch.Tensor:
+    """SmoothQuant's per-input-feature factor ``max|x_j|^alpha / max|W[:, j]|^(1 - alpha)``; features
+    never seen active (or with an all-zero weight column) keep 1."""
+    w_max = weight.abs().amax(dim=0).float()
+    x_max = input_maxima.float()
+    s = x_max.clamp_min(1e-5).pow(alpha) / w_max.clamp_min(1e-5).pow(1 - alpha)
+    return torch.where((x_max > 0) & (w_max > 0), s, torch.ones_like(s))
+
+
+@functools.lru_cache(maxsize=1)
+def calibration_text() -> str:
+    with open(_CALIBRATION_FILE, encoding="utf-8") as f:
+        return f.read()
+
+
+@torch.inference_mode()
+def input_maxima(model, token_ids: list[int], block_size: int = 16) -> dict[str, torch.Tensor]:
+    """max|x| per input feature of every linear under ``model.layers`` (keyed by module name),
+    over one prefill of ``token_ids`` through a scratch paged KV cache."""
+    from shared.engine.attention.metadata import build_attention_metadata
+    from shared.engine.kv_cache import KVCache
+
+    if not token_ids:
+        raise ValueError("calibration needs at least one token")
+    maxima: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name, module in model.layers.named_modules():
+        if isinstance(module, (PackedLinear, nn.Linear)):
+            def record(_module, inputs, _output, name=name):
+                x = inputs[0].detach().float().reshape(-1, inputs[0].shape[-1]).abs().amax(dim=0)
+                maxima[name] = x if name not in maxima else torch.maximum(maxima[name], x)
+            hooks.append(module.register_forward_hook(record))
+    num_blocks = -(-len(token_ids) // block_size)
+    try:
+        kv = KVCache(model.config, num_blocks + 1, block_size, model.dtype, model.embed_tokens.weight.device)
+        meta = build_attention_metadata(query_lens=[len(token_ids)], num_computed=[0],
+                                        block_tables=[list(range(1, num_blocks + 1))], block_size=block_size)
+        model(torch.tensor(token_ids, dtype=torch.int64), kv.layers, meta)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return maxima
+
+
+def quantize_model_int8(model, calibration_ids: list[int], alpha: float = SMOOTHING_ALPHA) -> int:
+    """Replace every linear of ``model.layers`` by an ``Int8Linear`` smoothed with input maxima measured
+    over ``calibration_ids`` (all measured first, on the unquantized model); returns how many. The
+    output head and the embedding are left as they are."""
+    ops = model.cpu_ops
+    maxima = input_maxima(model, calibration_ids)
+    count = 0
+    for parent_name, parent in list(model.layers.named_modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, (PackedLinear, nn.Linear)):
+                key = f"{parent_name}.{name}" if parent_name else name
+                weight = child.row_major() if isinstance(child, PackedLinear) else child.weight
+                setattr(parent, name, Int8Linear(weight, child.bias, ops, maxima[key], alpha))
+                count += 1
+    log.info("quantized %d linears to int8 (W8A8, SmoothQuant alpha %.2f, %d calibration tokens, %s)",
+             count, alpha, len(calibration_ids), "VNNI kernels" if int8_supported(ops) else "torch reference")
+    return count
