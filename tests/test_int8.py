@@ -3,8 +3,6 @@ against fp32 (teacher-forced agreement and perplexity), batch invariance and the
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -18,6 +16,7 @@ from shared.engine.models.int8_linear import (
     quantize_model_int8,
     quantize_rows,
 )
+from shared.engine.models.teacher_forcing import perplexity
 
 ops = cpu_ops()
 needs_vnni = pytest.mark.skipif(not int8_supported(ops), reason="needs the CPU kernels with AVX512-VNNI")
@@ -163,10 +162,7 @@ def eval_ids(smollm2_tokenizer) -> list[int]:
 def _teacher_forced(model, ids, ref_logits) -> tuple[float, float]:
     """(top-1 agreement with the reference logits, perplexity of the text) over every position."""
     logits = all_position_logits(model, ids)
-    agree = (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
-    logp = torch.log_softmax(logits[:-1].double(), -1)
-    nll = -logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].mean().item()
-    return agree, math.exp(nll)
+    return (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item(), perplexity(logits, ids)
 
 
 def test_int8_model_stays_close_to_fp32(runtime_fp32, runtime_bf16, runtime_int8, eval_ids):

@@ -11,6 +11,7 @@ import torch
 
 from shared.engine.kv_cache import KVCache
 from shared.engine.model_runner import ModelRunner, ScheduledChunk
+from shared.engine.models import teacher_forcing
 from shared.engine.models.llama import LlamaModel
 
 BLOCK_SIZE = 16
@@ -82,14 +83,9 @@ def greedy_generate(model: LlamaModel, prompt_ids: list[int], max_new_tokens: in
 
 def all_position_logits(model: LlamaModel, token_ids: list[int], block_size: int = BLOCK_SIZE,
                         seed: int = 0) -> torch.Tensor:
-    """fp32 logits [len(token_ids), vocab] at every position of one paged prefill (teacher forcing):
-    row i is the distribution of the token after ``token_ids[:i + 1]``."""
-    from shared.engine.attention.metadata import build_attention_metadata
-
+    """fp32 logits [len(token_ids), vocab] at every position of one paged prefill (teacher forcing),
+    over a scattered block table: row i is the distribution of the token after ``token_ids[:i + 1]``."""
     needed = blocks_needed(len(token_ids), block_size)
-    kv = KVCache(model.config, 2 * needed + 3, block_size, model.dtype)
-    table = shuffled_block_table(needed, kv.num_blocks, random.Random(seed))
-    meta = build_attention_metadata(query_lens=[len(token_ids)], num_computed=[0], block_tables=[table],
-                                    block_size=block_size)
-    hidden = model(torch.tensor(token_ids, dtype=torch.int64), kv.layers, meta)
-    return model.compute_logits(hidden)
+    table = shuffled_block_table(needed, 2 * needed + 3, random.Random(seed))
+    return teacher_forcing.all_position_logits(model, token_ids, table, block_size=block_size,
+                                               num_blocks=2 * needed + 3)

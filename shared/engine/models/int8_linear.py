@@ -134,15 +134,11 @@ def calibration_text() -> str:
         return f.read()
 
 
-@torch.inference_mode()
-def input_maxima(model, token_ids: list[int], block_size: int = 16) -> dict[str, torch.Tensor]:
-    """max|x| per input feature of every linear under ``model.layers`` (keyed by module name),
-    over one prefill of ``token_ids`` through a scratch paged KV cache."""
-    from shared.engine.attention.metadata import build_attention_metadata
-    from shared.engine.kv_cache import KVCache
+def input_maxima(model, token_ids: list[int]) -> dict[str, torch.Tensor]:
+    """max|x| per input feature of every linear under ``model.layers`` (keyed by module name), over
+    one prefill of ``token_ids``."""
+    from shared.engine.models.teacher_forcing import prefill_hidden
 
-    if not token_ids:
-        raise ValueError("calibration needs at least one token")
     maxima: dict[str, torch.Tensor] = {}
     hooks = []
     for name, module in model.layers.named_modules():
@@ -151,32 +147,32 @@ def input_maxima(model, token_ids: list[int], block_size: int = 16) -> dict[str,
                 x = inputs[0].detach().float().reshape(-1, inputs[0].shape[-1]).abs().amax(dim=0)
                 maxima[name] = x if name not in maxima else torch.maximum(maxima[name], x)
             hooks.append(module.register_forward_hook(record))
-    num_blocks = -(-len(token_ids) // block_size)
     try:
-        kv = KVCache(model.config, num_blocks + 1, block_size, model.dtype, model.embed_tokens.weight.device)
-        meta = build_attention_metadata(query_lens=[len(token_ids)], num_computed=[0],
-                                        block_tables=[list(range(1, num_blocks + 1))], block_size=block_size)
-        model(torch.tensor(token_ids, dtype=torch.int64), kv.layers, meta)
+        prefill_hidden(model, token_ids)
     finally:
         for hook in hooks:
             hook.remove()
     return maxima
 
 
-def quantize_model_int8(model, calibration_ids: list[int], alpha: float = SMOOTHING_ALPHA) -> int:
+def quantize_model_int8(model, calibration_ids: list[int], alpha: float | None = SMOOTHING_ALPHA) -> int:
     """Replace every linear of ``model.layers`` by an ``Int8Linear`` smoothed with input maxima measured
-    over ``calibration_ids`` (all measured first, on the unquantized model); returns how many. The
-    output head and the embedding are left as they are."""
+    over ``calibration_ids`` (all measured first, on the unquantized model; ``alpha=None``: no
+    smoothing, no calibration); returns how many. The output head and the embedding stay as they are."""
     ops = model.cpu_ops
-    maxima = input_maxima(model, calibration_ids)
+    maxima = input_maxima(model, calibration_ids) if alpha is not None else {}
     count = 0
     for parent_name, parent in list(model.layers.named_modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, (PackedLinear, nn.Linear)):
                 key = f"{parent_name}.{name}" if parent_name else name
                 weight = child.row_major() if isinstance(child, PackedLinear) else child.weight
-                setattr(parent, name, Int8Linear(weight, child.bias, ops, maxima[key], alpha))
+                if alpha is None:
+                    layer = Int8Linear(weight, child.bias, ops)
+                else:
+                    layer = Int8Linear(weight, child.bias, ops, maxima[key], alpha)
+                setattr(parent, name, layer)
                 count += 1
-    log.info("quantized %d linears to int8 (W8A8, SmoothQuant alpha %.2f, %d calibration tokens, %s)",
+    log.info("quantized %d linears to int8 (W8A8, SmoothQuant alpha %s, %d calibration tokens, %s)",
              count, alpha, len(calibration_ids), "VNNI kernels" if int8_supported(ops) else "torch reference")
     return count

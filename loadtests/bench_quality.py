@@ -1,0 +1,80 @@
+"""What quantization costs in quality: SmolLM2 in bf16 and int8 (W8A8, per SmoothQuant alpha, and
+without smoothing) against fp32, teacher-forced over the same text (the engine's own docstrings, none
+of it in the int8 calibration text).
+
+Per configuration: perplexity of the text, top-1 agreement with fp32 at every position, and the mean
+and max |logit - fp32 logit|; plus the bytes the model holds.
+
+    python -m loadtests.bench_quality [--tokens 1500] [--alphas 0.5] [--out loadtests/results/bench_quality.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from loadtests.workloads import corpus_text  # noqa: E402
+from shared.engine.default_model import default_model_path  # noqa: E402
+from shared.engine.models import int8_linear  # noqa: E402
+from shared.engine.models.loader import load_model  # noqa: E402
+from shared.engine.models.teacher_forcing import all_position_logits, perplexity  # noqa: E402
+from shared.engine.tokenizer import Tokenizer  # noqa: E402
+
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_quality.json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--tokens", type=int, default=1500, help="tokens of text scored")
+    p.add_argument("--alphas", default="0.5", help="SmoothQuant alphas to try (comma-separated)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=DEFAULT_OUT)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    path = args.model or default_model_path()
+    tokenizer = Tokenizer.from_gguf(path)
+    ids = tokenizer.encode(corpus_text())[: args.tokens]
+    calibration = tokenizer.encode(int8_linear.calibration_text())
+    print(f"bench_quality  {os.path.basename(path)}  {len(ids)} tokens scored, {len(calibration)} calibration tokens")
+
+    ref = all_position_logits(load_model(path, dtype="float32", progress=False), ids)
+    configs = [("fp32", "float32", None, False), ("bf16", "bfloat16", None, False)]
+    configs += [(f"int8 alpha={a}", "bfloat16", float(a), True) for a in args.alphas.split(",")]
+    configs.append(("int8 no smoothing", "bfloat16", None, True))
+    rows = []
+    for name, dtype, alpha, int8 in configs:
+        model = load_model(path, dtype=dtype, progress=False)
+        t0 = time.perf_counter()
+        if int8:
+            int8_linear.quantize_model_int8(model, calibration, alpha)
+        quantize_s = time.perf_counter() - t0
+        logits = all_position_logits(model, ids)
+        diff = (logits - ref).abs()
+        row = dict(config=name, dtype=dtype, alpha=alpha, perplexity=perplexity(logits, ids),
+                   top1_agreement=(logits.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+                   mean_abs_logit_diff=diff.mean().item(), max_abs_logit_diff=diff.max().item(),
+                   weight_bytes=model.weight_bytes(), quantize_s=quantize_s)
+        rows.append(row)
+        print(f"  {name:<20} perplexity {row['perplexity']:7.3f}   top-1 = fp32 {100 * row['top1_agreement']:5.1f}%   "
+              f"|logit diff| mean {row['mean_abs_logit_diff']:.3f} max {row['max_abs_logit_diff']:.2f}   "
+              f"weights {row['weight_bytes'] / 2**20:.0f} MiB", flush=True)
+        del model
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(model=os.path.basename(path), tokens=len(ids), calibration_tokens=len(calibration), rows=rows), f,
+                  indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
