@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from shared.engine import huge_pages
 from shared.engine.models.config import ModelConfig
 
 
@@ -21,7 +22,7 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.storage = torch.zeros(shape, dtype=dtype, device=device)
+        self.storage = huge_pages.zeros(shape, dtype, device)  # blocks are read scattered: see huge_pages
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (self.storage[i, 0], self.storage[i, 1]) for i in range(config.num_layers)
         ]

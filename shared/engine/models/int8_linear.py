@@ -173,6 +173,7 @@ def quantize_model_int8(model, calibration_ids: list[int], alpha: float | None =
                     layer = Int8Linear(weight, child.bias, ops, maxima[key], alpha)
                 setattr(parent, name, layer)
                 count += 1
+    model.relocate_packed_weights()
     log.info("quantized %d linears to int8 (W8A8, SmoothQuant alpha %s, %d calibration tokens, %s)",
              count, alpha, len(calibration_ids), "VNNI kernels" if int8_supported(ops) else "torch reference")
     return count

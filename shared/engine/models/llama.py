@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.cpu import cpu_ops as load_cpu_ops
+from shared.engine import huge_pages
 from shared.engine.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from shared.engine.models.config import ModelConfig, rope_inv_freq
 from shared.engine.models.int8_linear import Int8Linear
@@ -204,7 +205,17 @@ class LlamaModel(nn.Module):
             if not self.config.tie_word_embeddings:
                 del self.lm_head
             count += 1
+        self.relocate_packed_weights()
         return count
+
+    def relocate_packed_weights(self) -> int:
+        """Move every weight in a kernel layout into one buffer on huge pages (``shared/engine/huge_pages``:
+        decode streams them all each step); returns how many. Call after the layouts change."""
+        slots = [(m, "packed") for m in self.modules() if isinstance(m, PackedLinear) and m.ops is not None]
+        slots += [(m, "weight") for m in self.modules() if isinstance(m, Int8Linear) and m.ops is not None]
+        for (module, attr), moved in zip(slots, huge_pages.relocate([getattr(m, a) for m, a in slots])):
+            setattr(module, attr, moved)
+        return len(slots)
 
     def weight_bytes(self) -> int:
         """Bytes of every weight tensor held (parameters and packed weights), each storage counted
@@ -238,6 +249,7 @@ class LlamaModel(nn.Module):
                 module.use_cpu_kernels(linear_ops)
             elif isinstance(module, Int8Linear):
                 module.use_cpu_kernels(ops)
+        self.relocate_packed_weights()
         return ops is not None
 
     def _linear_ops(self):
