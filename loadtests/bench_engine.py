@@ -63,6 +63,7 @@ from loadtests.workloads import (
 from shared.engine.default_model import default_model_path
 from shared.engine.engine import EngineConfig
 from shared.engine.llm import LLM
+from shared.engine.quantization import QUANTIZATION_HELP, QUANTIZATIONS
 from shared.engine.sampling_params import SamplingParams
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_engine.json")
@@ -119,8 +120,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--quantization", choices=("int8",), default=None,
-                   help="engine weight/activation quantization (int8: W8A8, see shared/engine/models/int8_linear.py)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help=QUANTIZATION_HELP)
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (engine and HF)")
     p.add_argument("--memory-budget", default="1GiB", help="engine memory budget (weights+act+KV)")
     p.add_argument("--seed", type=int, default=0)

@@ -7,6 +7,8 @@ import json
 import sys
 from typing import Any
 
+from shared.engine.quantization import QUANTIZATION_HELP, QUANTIZATIONS
+
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
@@ -17,8 +19,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     parser.add_argument("--model", default=None, help=".gguf file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
-    parser.add_argument("--quantization", choices=("int8",), default=None,
-                        help="int8: W8A8 decoder linears (CPU with AVX512-VNNI; faster, slightly less exact)")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help=QUANTIZATION_HELP)
     parser.add_argument("--memory-budget", default="1GiB", help="weights + activations + KV cache")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)

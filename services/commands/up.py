@@ -10,6 +10,8 @@ import sys
 import time
 from typing import Any
 
+from shared.engine.quantization import QUANTIZATION_HELP, QUANTIZATIONS
+
 WEIGHT_DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -27,8 +29,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--executors", type=int, default=1, help="executor processes (each loads the model)")
     p.add_argument("--tokenizers", type=int, default=1, help="tokenizer processes")
     p.add_argument("--dtype", choices=WEIGHT_DTYPES, default="bfloat16")
-    p.add_argument("--quantization", choices=("int8",), default=None,
-                   help="int8: W8A8 decoder linears (CPU with AVX512-VNNI; faster, slightly less exact)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help=QUANTIZATION_HELP)
     p.add_argument("--memory-budget", default="2GiB", help="per executor: weights + activations + KV cache")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per executor (overrides the budget)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences one executor batches at once")

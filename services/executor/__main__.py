@@ -10,6 +10,7 @@ import uuid
 from dataclasses import dataclass
 
 from services.runtime import env_int, env_str, run_service, setup_logging
+from shared.engine.quantization import QUANTIZATION_HELP, QUANTIZATIONS
 
 log = logging.getLogger("llmserve.executor")
 
@@ -55,8 +56,8 @@ def parse_config(argv: list[str] | None = None) -> ExecutorProcessConfig:
     p.add_argument("--model-name", default=env_str("LLMSERVE_MODEL_NAME", None),
                    help="the model name advertised to the gateway (default: the model file's name)")
     p.add_argument("--dtype", default=env_str("LLMSERVE_DTYPE", "bfloat16"))
-    p.add_argument("--quantization", choices=("int8",), default=env_str("LLMSERVE_QUANTIZATION", None),
-                   help="int8: W8A8 decoder linears (CPU with AVX512-VNNI)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=env_str("LLMSERVE_QUANTIZATION", None),
+                   help=QUANTIZATION_HELP)
     p.add_argument("--device", default=env_str("LLMSERVE_DEVICE", "cpu"))
     p.add_argument("--memory-budget", default=env_str("LLMSERVE_MEMORY_BUDGET", "2GiB"),
                    help="weights + activations + KV cache, e.g. 2GiB")
@@ -76,7 +77,8 @@ def parse_config(argv: list[str] | None = None) -> ExecutorProcessConfig:
     try:
         return ExecutorProcessConfig(
             nats_url=a.nats_url, executor_id=a.executor_id or f"executor-{uuid.uuid4().hex[:8]}",
-            model=a.model, model_name=a.model_name, dtype=a.dtype, quantization=a.quantization, device=a.device, memory_budget=a.memory_budget,
+            model=a.model, model_name=a.model_name, dtype=a.dtype, quantization=a.quantization, device=a.device,
+            memory_budget=a.memory_budget,
             num_kv_blocks=a.num_kv_blocks, max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
             num_threads=a.num_threads, block_size=a.block_size, seed=a.seed,

@@ -21,15 +21,13 @@ from shared.engine.model_runner import ModelRunner, ScheduledChunk
 from shared.engine.models.int8_linear import calibration_text, int8_supported, quantize_model_int8
 from shared.engine.models.loader import load_model, resolve_dtype, resolve_model_path
 from shared.engine.output_processor import OutputProcessor
+from shared.engine.quantization import QUANTIZATIONS
 from shared.engine.outputs import EngineStats, RequestOutput
 from shared.engine.sampler import SamplingBatch, make_generator, sample
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import Request, Sequence, SequenceStatus
 from shared.engine.tokenizer import Tokenizer
-
-QUANTIZATIONS = (None, "int8")
-
 
 class PromptTooLongError(ValueError):
     """The prompt (plus the requested output) does not fit the context or the KV pool."""
@@ -61,8 +59,8 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         parse_bytes(self.memory_budget)
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {self.quantization!r}")
 
 
 class Engine:

@@ -16,8 +16,14 @@ The scheme, chosen by measurement on SmolLM2-135M (``python -m loadtests.bench_q
   a fixed calibration text (``calibration.txt``) in the model dtype, before any layer is quantized.
 - The output head stays in the model dtype: its logits are sampled directly.
 
-``int8_linear_reference`` is the same maths in torch (exact integer sums in fp64), what the kernel is
-tested against and what runs when the kernels are switched off.
+Measured over 1,500 tokens of text (``bench_quality``), against fp32: perplexity fp32 11.53, bf16
+11.54, int8 11.68 (11.79 without smoothing); the top-1 token agrees with fp32's at 98.1% of positions
+in bf16, 94.2% in int8 (91.8% without smoothing). Offline throughput (``bench_engine`` (a)): figures
+in the README.
+
+``int8_linear_reference`` is the same maths in torch (exact integer sums in fp64): what the kernel is
+tested against, and what a layer runs with the kernels switched off (the engine refuses int8 without
+them: the reference is far too slow to serve with).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from shared.engine.models.packed_linear import PackedLinear
 
 log = logging.getLogger(__name__)
 
-SMOOTHING_ALPHA = 0.5  # share of each input feature's range moved into the weight (0.3-0.8 measured)
+SMOOTHING_ALPHA = 0.5  # share of each input feature's range moved into the weight (0.3-0.8 tried: 0.4-0.6 alike)
 _CALIBRATION_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration.txt")
 
 
