@@ -88,14 +88,34 @@ def run_engine(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     return summarize(serving_namespace(args, None), "in-process", results, time.perf_counter() - start)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a live process (Linux /proc), 0.0 where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def run_stack(args: argparse.Namespace) -> dict:
+    """The serving run's summary, plus ``cpu_s``: CPU seconds each process spent during the run (the
+    services, nats-server, redis-server, and this client); on a host with few cores, what the others
+    take is what the executor does not get."""
     from services.launcher import StackConfig, launch
 
     stack = launch(StackConfig(port=0, dtype=args.dtype, max_num_seqs=max(64, args.concurrency),
                                max_num_batched_tokens=args.max_num_batched_tokens,
                                num_threads=args.num_threads, max_queue_len=1024))
     try:
-        return asyncio.run(run_serving(serving_namespace(args, stack.base_url)))
+        procs = {name: svc.pid for name, svc in stack.services.items()}
+        procs.update({server.name: server.pid for server in stack.servers})
+        before = {name: cpu_seconds(pid) for name, pid in procs.items()}
+        client_before = time.process_time()
+        summary = asyncio.run(run_serving(serving_namespace(args, stack.base_url)))
+        summary["cpu_s"] = {name: cpu_seconds(pid) - before[name] for name, pid in procs.items()}
+        summary["cpu_s"]["client (this process)"] = time.process_time() - client_before
+        return summary
     finally:
         stack.stop()
 
@@ -111,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, s in (("stack over HTTP", stack), ("in-process engine", engine)):
         print(f"\n### {name}")
         print_report(s)
+    print(f"\nCPU seconds during the stack run ({stack['duration_s']:.1f} s on {os.cpu_count()} cores): " + ", ".join(
+        f"{name} {sec:.1f}" for name, sec in sorted(stack["cpu_s"].items(), key=lambda kv: -kv[1])))
     ratio = stack["output_throughput_tps"] / engine["output_throughput_tps"]
     print(f"\nstack / in-process output throughput: {ratio:.3f} (target >= 0.90)")
     result = {"stack": stack, "engine": engine, "throughput_ratio": ratio,
