@@ -909,13 +909,14 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
 }
 
 // ---- int8 linear (W8A8): y = sx[m] * sw[n] * (q_x q_W^T) (+ b) ---------------------------------------
-// The weight is quantized once per output column (sw = max|w| / 127, q in [-127, 127]; see
-// shared/engine/models/quantize.py) and packed like the bf16 one, in quads: [N/48][K/4][48] 32-bit units
+// The weight is quantized once per output feature (sw = max|w| / 127, q in [-127, 127]; see
+// shared/engine/models/int8_linear.py) and packed like the bf16 one, in quads: [N/48][K/4][48] 32-bit units
 // of (q[n][4i..4i+3]). Each call quantizes its input rows the same way (sx = max|x| / 127, round half to
 // even) and stores them offset by 128 as unsigned bytes, because AVX512-VNNI multiplies unsigned by
 // signed bytes: one broadcast quad against a panel row adds 64 exact products into 16 columns' int32
 // sums. The offset is taken back by starting each column's sum at -128 * sum_k q[n][k] (`colsum`).
-// Sums are exact (|sum| < 2^31 for K < 133,000); only the epilogue rounds (fp32, then the output dtype).
+// Sums are exact: int32 arithmetic wraps, and the final |sum| <= 127 * 127 * K fits for K < 133,000. Only
+// the epilogue rounds (fp32, then the output dtype).
 
 bool has_avx512_vnni() {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
