@@ -49,6 +49,28 @@ def serving_namespace(args: argparse.Namespace, base_url: str | None) -> argpars
         "--output-len", str(args.output_len), "--prompt-mode", "ids", "--warmup", "1"])
 
 
+def step_counts(before, after) -> dict:
+    """Engine steps between two ``EngineStats`` and what each step carried on average."""
+    steps = after.num_steps - before.num_steps
+    return dict(num_steps=steps,
+                generated_tokens_per_step=(after.num_generated_tokens - before.num_generated_tokens) / max(steps, 1),
+                computed_tokens_per_step=(after.num_computed_tokens - before.num_computed_tokens) / max(steps, 1))
+
+
+async def next_heartbeat_stats(nats_url: str):
+    """The executor's counters from its next heartbeat (sent after this call starts)."""
+    import nats
+
+    from shared import messages, subjects
+
+    nc = await nats.connect(nats_url)
+    try:
+        sub = await nc.subscribe(subjects.EXECUTOR_STATS_ALL)
+        return messages.EXECUTOR_HEARTBEAT.decode((await sub.next_msg(timeout=10)).data).stats
+    finally:
+        await nc.close()
+
+
 def run_engine(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     from shared.engine.engine import Engine, EngineConfig
     from shared.engine.sampling_params import SamplingParams
@@ -62,6 +84,7 @@ def run_engine(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     while engine.has_unfinished():
         engine.step()
     results = [RequestResult() for _ in prompts]
+    stats0 = engine.stats()
     started: dict[str, float] = {}
     last: dict[str, float] = {}
     pending = list(range(len(prompts)))
@@ -85,7 +108,9 @@ def run_engine(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
                 r.output_tokens += n
             if out.finished:
                 r.ok, r.status, r.e2e_s = True, 200, now - started[out.request_id]
-    return summarize(serving_namespace(args, None), "in-process", results, time.perf_counter() - start)
+    summary = summarize(serving_namespace(args, None), "in-process", results, time.perf_counter() - start)
+    summary["steps"] = step_counts(stats0, engine.stats())
+    return summary
 
 
 def cpu_seconds(pid: int) -> float:
@@ -100,8 +125,9 @@ def cpu_seconds(pid: int) -> float:
 
 def run_stack(args: argparse.Namespace) -> dict:
     """The serving run's summary, plus ``cpu_s``: CPU seconds each process spent during the run (the
-    services, nats-server, redis-server, and this client); on a host with few cores, what the others
-    take is what the executor does not get."""
+    services, nats-server, redis-server, and this client; on a host with few cores, what the others
+    take is what the executor does not get), and ``steps``: the executor's steps over the run, from its
+    heartbeats (the warm-up request included)."""
     from services.launcher import StackConfig, launch
 
     stack = launch(StackConfig(port=0, dtype=args.dtype, max_num_seqs=max(64, args.concurrency),
@@ -112,7 +138,14 @@ def run_stack(args: argparse.Namespace) -> dict:
         procs.update({server.name: server.pid for server in stack.servers})
         before = {name: cpu_seconds(pid) for name, pid in procs.items()}
         client_before = time.process_time()
-        summary = asyncio.run(run_serving(serving_namespace(args, stack.base_url)))
+
+        async def serve() -> dict:
+            stats0 = await next_heartbeat_stats(stack.nats_url)
+            result = await run_serving(serving_namespace(args, stack.base_url))
+            result["steps"] = step_counts(stats0, await next_heartbeat_stats(stack.nats_url))
+            return result
+
+        summary = asyncio.run(serve())
         summary["cpu_s"] = {name: cpu_seconds(pid) - before[name] for name, pid in procs.items()}
         summary["cpu_s"]["client (this process)"] = time.process_time() - client_before
         return summary
@@ -133,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
         print_report(s)
     print(f"\nCPU seconds during the stack run ({stack['duration_s']:.1f} s on {os.cpu_count()} cores): " + ", ".join(
         f"{name} {sec:.1f}" for name, sec in sorted(stack["cpu_s"].items(), key=lambda kv: -kv[1])))
+    for name, s in (("stack", stack), ("in process", engine)):
+        st = s["steps"]
+        print(f"engine steps, {name}: {st['num_steps']}, {st['generated_tokens_per_step']:.1f} tokens generated and "
+              f"{st['computed_tokens_per_step']:.1f} computed per step, {1000 * s['duration_s'] / st['num_steps']:.1f} ms per step")
     ratio = stack["output_throughput_tps"] / engine["output_throughput_tps"]
     print(f"\nstack / in-process output throughput: {ratio:.3f} (target >= 0.90)")
     result = {"stack": stack, "engine": engine, "throughput_ratio": ratio,
