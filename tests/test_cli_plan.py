@@ -35,6 +35,19 @@ def test_plan_json(capsys):
     assert 0 <= data["headroom_bytes"] < data["kv_bytes_per_block"]
 
 
+def test_plan_with_int8_decoder_linears(capsys):
+    argv = ["plan", "--model", "llama-2-7b", "--memory", "80GiB", "--context", "2048"]
+    assert main([*argv, "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--quantization", "int8", "--json"]) == 0
+    int8 = json.loads(capsys.readouterr().out)
+    assert int8["quantization"] == "int8" and plain["quantization"] is None
+    assert int8["weight_bytes"] == 7014686720  # see test_memory: 6.5 GiB, not 12.55
+    assert int8["num_kv_blocks"] > plain["num_kv_blocks"]
+    assert main([*argv, "--quantization", "int8"]) == 0
+    assert "float16, int8 decoder linears]" in capsys.readouterr().out
+
+
 def test_kv_dtype_auto_follows_dtype(capsys):
     assert main(["plan", "--model", "llama-3-70b", "--memory", "640GiB", "--dtype", "bfloat16", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

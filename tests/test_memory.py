@@ -68,6 +68,22 @@ def test_weight_bytes_and_override():
         weight_bytes(LLAMA2_7B, "float64")
 
 
+def test_int8_weight_and_activation_bytes_by_hand():
+    """Llama-2-7B with int8 decoder linears: per layer QKV 12288x4096, O 4096x4096, gate-up 22016x4096,
+    down 4096x11008 take a byte per weight, plus 8 bytes per output feature (scale, column sum) and 4
+    per input feature (smoothing); the other 262,410,240 parameters stay fp16."""
+    linear = 32 * (12288 * 4096 + 4096 * 4096 + 22016 * 4096 + 4096 * 11008)
+    extras = 32 * (8 * (12288 + 4096 + 22016 + 4096) + 4 * (4096 + 4096 + 4096 + 11008))
+    assert (linear, extras) == (6476005376, 13860864)
+    assert weight_bytes(LLAMA2_7B, "float16", quantization="int8") == 2 * (6738415616 - linear) + linear + extras
+    # Activations: the bf16/fp16 buffers as before, plus each token's quantized input (at most the
+    # intermediate size, 11,008 bytes) and its fp32 scale.
+    assert (activation_bytes(LLAMA2_7B, 2048, 256, "float16", "int8")
+            == activation_bytes(LLAMA2_7B, 2048, 256, "float16") + 2048 * (11008 + 4))
+    with pytest.raises(ValueError, match="unknown quantization"):
+        weight_bytes(LLAMA2_7B, "float16", quantization="int4")
+
+
 def test_activation_bytes_by_hand():
     # Llama-2-7B, T = 2048 tokens, fp16: 2h + (q + 2kv) + q + 2i + i = 57600 elements per token
     per_token = 2 * 4096 + (4096 + 2 * 4096) + 4096 + 2 * 11008 + 11008

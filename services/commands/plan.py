@@ -7,6 +7,8 @@ import dataclasses
 import json
 from typing import Any
 
+from shared.engine.quantization import QUANTIZATION_HELP, QUANTIZATIONS
+
 WEIGHT_DTYPES = ("float16", "bfloat16", "float32")
 KV_DTYPES = ("auto", "float16", "bfloat16", "float32", "int8", "fp8")
 
@@ -23,6 +25,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="context length per request (default: the model's maximum)")
     parser.add_argument("--dtype", choices=WEIGHT_DTYPES, default="float16", help="weight and activation dtype")
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto", help="KV cache dtype (auto: --dtype)")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help=QUANTIZATION_HELP)
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one step")
@@ -47,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         context_len=args.context,
         num_params=model.num_params,
+        quantization=args.quantization,
     )
     if args.json:
         payload = {

@@ -89,7 +89,8 @@ class Engine:
                 self.model_config, memory_budget_bytes=parse_bytes(config.memory_budget),
                 weight_dtype=config.dtype, kv_dtype=config.dtype, block_size=config.block_size,
                 max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-                context_len=self.max_model_len, resident_weight_bytes=self.model.weight_bytes())
+                context_len=self.max_model_len, resident_weight_bytes=self.model.weight_bytes(),
+                quantization=config.quantization)
             num_blocks = ledger.num_kv_blocks
         self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, self.model.dtype,
                                 config.device)

@@ -89,15 +89,33 @@ def kv_bytes_per_token(config: ModelConfig, kv_dtype: str) -> int:
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype_bytes(kv_dtype)
 
 
-def weight_bytes(config: ModelConfig, weight_dtype: str, num_params: int | None = None) -> int:
+def decoder_linear_shapes(config: ModelConfig) -> list[tuple[int, int]]:
+    """(out_features, in_features) of one decoder layer's linears as the engine holds them: fused
+    QKV, O, fused gate-up, down."""
+    h, i = config.hidden_size, config.intermediate_size
+    return [(config.q_size + 2 * config.kv_size, h), (h, config.q_size), (2 * i, h), (h, i)]
+
+
+def weight_bytes(config: ModelConfig, weight_dtype: str, num_params: int | None = None,
+                 quantization: str | None = None) -> int:
     """Parameters x bytes. ``num_params`` overrides the count from shapes when the real tensors of a
-    model on disk were counted."""
+    model on disk were counted. ``quantization="int8"``: the decoder linears' weights take one byte
+    each, plus, per linear, an fp32 scale and an int32 column sum per output feature and an fp32
+    smoothing factor per input feature (``shared/engine/models/int8_linear.py``); the embedding,
+    norms, biases and output head stay in ``weight_dtype``."""
     count = config.num_params() if num_params is None else num_params
-    return count * dtype_bytes(weight_dtype)
+    if quantization is None:
+        return count * dtype_bytes(weight_dtype)
+    if quantization != "int8":
+        raise ValueError(f"unknown quantization {quantization!r}")
+    shapes = decoder_linear_shapes(config)
+    linear = config.num_layers * sum(n * k for n, k in shapes)
+    extras = config.num_layers * sum(8 * n + 4 * k for n, k in shapes)
+    return (count - linear) * dtype_bytes(weight_dtype) + linear + extras
 
 
 def activation_bytes(config: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int,
-                     dtype: str) -> int:
+                     dtype: str, quantization: str | None = None) -> int:
     """Conservative peak transient memory of one forward pass over a full token budget.
 
     With T = max_num_batched_tokens, h = hidden, q = num_heads x head_dim, kv = num_kv_heads x head_dim,
@@ -109,6 +127,7 @@ def activation_bytes(config: ModelConfig, max_num_batched_tokens: int, max_num_s
              + 2i         fused gate/up projection output
              + i) x b     SwiGLU product silu(gate) * up
         + R x V x 4 x 2   fp32 logits of the sampled rows, and the sampler's working copy
+        + T x (i + 4)     int8 only: a linear's input quantized (at most i bytes) and its row scale
 
     Every buffer is counted as if alive at once (an upper bound: layers run one at a time, so only one
     layer's buffers exist). R <= T because every scheduled sequence puts at least one token in the step.
@@ -120,7 +139,9 @@ def activation_bytes(config: ModelConfig, max_num_batched_tokens: int, max_num_s
     h, i = config.hidden_size, config.intermediate_size
     per_token = 2 * h + (config.q_size + 2 * config.kv_size) + config.q_size + 2 * i + i
     rows = min(max_num_seqs, max_num_batched_tokens)
-    return max_num_batched_tokens * per_token * dtype_bytes(dtype) + rows * config.vocab_size * 4 * 2
+    quantized = max(k for _, k in decoder_linear_shapes(config)) + 4 if quantization == "int8" else 0
+    return (max_num_batched_tokens * (per_token * dtype_bytes(dtype) + quantized)
+            + rows * config.vocab_size * 4 * 2)
 
 
 @dataclass(frozen=True)
@@ -142,6 +163,7 @@ class MemoryLedger:
     num_kv_tokens: int  # usable blocks x block_size: tokens that requests can actually hold
     context_len: int
     max_concurrent_requests: int  # full-context requests that fit at once in the usable blocks
+    quantization: str | None = None
 
     @property
     def num_usable_kv_blocks(self) -> int:
@@ -160,7 +182,7 @@ class MemoryLedger:
 def plan_memory(config: ModelConfig, *, memory_budget_bytes: int, weight_dtype: str, kv_dtype: str,
                 block_size: int = 16, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
                 context_len: int | None = None, num_params: int | None = None,
-                resident_weight_bytes: int | None = None) -> MemoryLedger:
+                resident_weight_bytes: int | None = None, quantization: str | None = None) -> MemoryLedger:
     """Size the KV pool from the budget: floor((budget - weights - activations) / bytes per block).
     ``resident_weight_bytes``: what a loaded model really holds (packed weights, and the tied head's
     packed copy next to the embedding), used instead of params x dtype bytes when given."""
@@ -172,8 +194,9 @@ def plan_memory(config: ModelConfig, *, memory_budget_bytes: int, weight_dtype: 
     if context <= 0:
         raise ValueError(f"context_len must be positive, got {context}")
     params = config.num_params() if num_params is None else num_params
-    weights = weight_bytes(config, weight_dtype, params) if resident_weight_bytes is None else resident_weight_bytes
-    activations = activation_bytes(config, max_num_batched_tokens, max_num_seqs, weight_dtype)
+    weights = (weight_bytes(config, weight_dtype, params, quantization) if resident_weight_bytes is None
+               else resident_weight_bytes)
+    activations = activation_bytes(config, max_num_batched_tokens, max_num_seqs, weight_dtype, quantization)
     per_token = kv_bytes_per_token(config, kv_dtype)
     per_block = per_token * block_size
     # The padding block plus one usable block is the smallest pool that can run anything.
@@ -201,6 +224,7 @@ def plan_memory(config: ModelConfig, *, memory_budget_bytes: int, weight_dtype: 
         num_kv_tokens=usable * block_size,
         context_len=context,
         max_concurrent_requests=usable // math.ceil(context / block_size),
+        quantization=quantization,
     )
 
 
@@ -216,7 +240,8 @@ def format_ledger(ledger: MemoryLedger, config: ModelConfig) -> str:
         ("shape", f"{config.num_layers} layers, hidden {config.hidden_size}, {config.num_heads} heads, "
                   f"{config.num_kv_heads} kv heads x {config.head_dim}"),
         ("budget", f"{format_bytes(budget)}  ({budget} B)"),
-        ("weights", f"{share(ledger.weight_bytes)}  [{ledger.num_params:,} params, {ledger.weight_dtype}]"),
+        ("weights", f"{share(ledger.weight_bytes)}  [{ledger.num_params:,} params, {ledger.weight_dtype}"
+                    + (f", {ledger.quantization} decoder linears]" if ledger.quantization else "]")),
         ("activations", f"{share(ledger.activation_bytes)}  [{ledger.max_num_batched_tokens} batched "
                         f"tokens, {ledger.max_num_seqs} seqs]"),
         ("kv cache", f"{share(ledger.kv_cache_bytes)}  [{ledger.kv_dtype}]"),
