@@ -577,9 +577,11 @@ def profile_engine(args, prompts: list[list[int]], mbt: int) -> dict[str, Any]:
 
 def decode_scaling(llm: LLM, prompts: list[list[int]], max_seqs: int, *, context: int = 256,
                    num_steps: int = 5) -> list[dict[str, float]]:
-    """Decode-only step time vs batch size at a fixed context: how much batching buys per token."""
+    """Decode-only step time vs batch size at a fixed context: how much batching buys per token.
+    Requests get room for every token they may decode while the later ones still prefill; they are
+    aborted once timed."""
     engine = llm.engine
-    params = SamplingParams(max_tokens=num_steps + 4, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=context, temperature=0.0, ignore_eos=True)
     rows = []
     for batch in sorted({1, 4, 8, 16, 32, max_seqs}):
         if batch > max_seqs:
@@ -590,6 +592,8 @@ def decode_scaling(llm: LLM, prompts: list[list[int]], max_seqs: int, *, context
         while engine.scheduler.waiting or any(s.num_uncomputed > 1 for s in engine.scheduler.running):
             engine.step()
         engine.step()  # first decode-only step, untimed
+        if engine.scheduler.num_running != batch:
+            raise RuntimeError(f"decode scaling: {engine.scheduler.num_running} running, expected {batch}")
         t0 = time.perf_counter()
         for _ in range(num_steps):
             engine.step()
