@@ -36,7 +36,6 @@ import cProfile
 import gc
 import inspect
 import io
-import json
 import os
 import platform
 import pstats
@@ -53,6 +52,7 @@ import msgspec  # noqa: E402
 import torch  # noqa: E402
 
 from loadtests.kv_accounting import KVSample, summarize_kv
+from loadtests.results import write_json
 from loadtests.workloads import (
     corpus_token_ids,
     fingerprint,
@@ -766,10 +766,7 @@ def main(argv: list[str] | None = None) -> int:
     res["env"]["total_s"] = time.perf_counter() - t_start
 
     print_report(res)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=2)
-    log(f"wrote {args.out}")
+    log(f"wrote {write_json(args.out, res)}")
     return 0
 
 

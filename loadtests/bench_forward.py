@@ -18,7 +18,6 @@ numbers on a shared 2-core CPU mean little: the ratios are the result.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -26,11 +25,15 @@ import statistics
 import sys
 import time
 
-import torch
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from shared.engine.kv_cache import KVCache
-from shared.engine.model_runner import ModelRunner, ScheduledChunk
-from shared.engine.models.loader import load_model, resolve_model_path
+import torch  # noqa: E402
+
+from loadtests.results import write_json  # noqa: E402
+from shared.engine.kv_cache import KVCache  # noqa: E402
+from shared.engine.model_runner import ModelRunner, ScheduledChunk  # noqa: E402
+from shared.engine.models.loader import load_model, resolve_model_path  # noqa: E402
 
 BLOCK_SIZE = 16
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_forward.json")
@@ -223,10 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
         "results": results,
         "speedups": speedups,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.out}")
+    print(f"wrote {write_json(args.out, report)}")
     return report
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import os
 import random
@@ -34,12 +33,15 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 import torch  # noqa: E402
 
 from kernels.cpu import cpu_ops  # noqa: E402
+from loadtests.results import write_json  # noqa: E402
+from shared.engine.memory import decoder_linear_shapes  # noqa: E402
 from shared.engine.models.int8_linear import quantize_rows  # noqa: E402
+from shared.engine.models.known_configs import KNOWN_CONFIGS  # noqa: E402
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_kernels.json")
-# SmolLM2-135M: 30 layers, 9 query heads sharing 3 KV heads of 64, hidden 576, intermediate 1536.
-LAYERS, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER = 30, 9, 3, 64, 576, 1536
-LINEARS = [((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
+SMOLLM2 = KNOWN_CONFIGS["smollm2-135m"]  # 30 layers, 9 query heads sharing 3 KV heads of 64, hidden 576
+LAYERS, HEADS, KV_HEADS, HEAD_DIM = SMOLLM2.num_layers, SMOLLM2.num_heads, SMOLLM2.num_kv_heads, SMOLLM2.head_dim
+LINEARS = decoder_linear_shapes(SMOLLM2)  # (out, in): QKV, O, gate-up, down
 BLOCK = 16
 PROMPTS = [512, 300, 450, 200, 586]
 
@@ -167,10 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['onednn_packed_ms'] / r['linear_bf16_ms']:.2f}x" + (
                       f"   linear_int8 {r['linear_int8_ms']:8.2f} ms ({r['linear_int8_gops']:3.0f} GOP/s, "
                       f"{r['linear_bf16_ms'] / r['linear_int8_ms']:.2f}x bf16)" if "linear_int8_ms" in r else ""))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"wrote {args.out}")
+    print(f"wrote {write_json(args.out, res)}")
     return 0
 
 

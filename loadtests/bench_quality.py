@@ -11,7 +11,6 @@ and max |logit - fp32 logit|; plus the bytes the model holds.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -21,6 +20,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 
 import torch  # noqa: E402
 
+from loadtests.results import write_json  # noqa: E402
 from loadtests.workloads import corpus_text  # noqa: E402
 from shared.engine.default_model import default_model_path  # noqa: E402
 from shared.engine.models import int8_linear  # noqa: E402
@@ -68,11 +68,8 @@ def main(argv: list[str] | None = None) -> int:
               f"|logit diff| mean {row['mean_abs_logit_diff']:.3f} max {row['max_abs_logit_diff']:.2f}   "
               f"weights {row['weight_bytes'] / 2**20:.0f} MiB", flush=True)
         del model
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(model=os.path.basename(path), tokens=len(ids), calibration_tokens=len(calibration), rows=rows), f,
-                  indent=1)
-    print(f"wrote {args.out}")
+    result = dict(model=os.path.basename(path), tokens=len(ids), calibration_tokens=len(calibration), rows=rows)
+    print(f"wrote {write_json(args.out, result)}")
     return 0
 
 

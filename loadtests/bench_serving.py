@@ -31,7 +31,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import httpx
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import httpx  # noqa: E402
+
+from loadtests.results import write_json  # noqa: E402
 
 # Common English words: with a BPE vocabulary nearly all are one token after a space, so N words
 # approximate N tokens without a tokenizer (--tokenizer makes it exact).
@@ -319,10 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = asyncio.run(run(args))
     print_report(summary)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(summary, f, indent=2)
-        print(f"wrote {args.out}")
+        print(f"wrote {write_json(args.out, summary)}")
     return 0 if summary["num_failed"] == 0 else 1
 
 

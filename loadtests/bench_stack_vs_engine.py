@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import sys
@@ -27,6 +26,7 @@ set_executor_openmp_policy(os.environ)
 from loadtests.bench_serving import RequestResult, make_prompts, parse_args as serving_args, print_report
 from loadtests.bench_serving import run as run_serving
 from loadtests.bench_serving import summarize
+from loadtests.results import write_json
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -174,10 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nstack / in-process output throughput: {ratio:.3f} (target >= 0.90)")
     result = {"stack": stack, "engine": engine, "throughput_ratio": ratio,
               "load_avg": os.getloadavg()}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
+    print(f"wrote {write_json(args.out, result)}")
     return 0
 
 

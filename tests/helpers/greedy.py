@@ -86,6 +86,7 @@ def all_position_logits(model: LlamaModel, token_ids: list[int], block_size: int
     """fp32 logits [len(token_ids), vocab] at every position of one paged prefill (teacher forcing),
     over a scattered block table: row i is the distribution of the token after ``token_ids[:i + 1]``."""
     needed = blocks_needed(len(token_ids), block_size)
-    table = shuffled_block_table(needed, 2 * needed + 3, random.Random(seed))
+    num_blocks = 2 * needed + 3
+    table = shuffled_block_table(needed, num_blocks, random.Random(seed))
     return teacher_forcing.all_position_logits(model, token_ids, table, block_size=block_size,
-                                               num_blocks=2 * needed + 3)
+                                               num_blocks=num_blocks)

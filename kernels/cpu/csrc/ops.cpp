@@ -800,6 +800,18 @@ at::Tensor pack_panels(const at::Tensor& w, int64_t units) {
   return out;
 }
 
+// `packed` must be what pack_<kind> made for `out_features`, with `per_unit` input features per 32-bit
+// unit (bf16: 2, int8: 4) matching x's features.
+void check_panels(const at::Tensor& packed, int64_t out_features, const at::Tensor& x, int64_t per_unit,
+                  const char* kind) {
+  check_cpu_contiguous(packed, "packed weight");
+  TORCH_CHECK(packed.scalar_type() == at::kInt && packed.dim() == 3 && packed.size(2) == kPanel &&
+                  packed.size(0) == (out_features + kPanel - 1) / kPanel,
+              kind, ": the weight must come from pack_", kind, " for ", out_features, " out_features");
+  TORCH_CHECK(x.size(1) == per_unit * packed.size(1), kind, ": x has ", x.size(1), " features, the weight ",
+              per_unit * packed.size(1));
+}
+
 at::Tensor pack_linear_bf16(const at::Tensor& w) {
   check_linear_bf16_ops();
   check_cpu_contiguous(w, "weight");
@@ -888,12 +900,8 @@ void linear_bf16_impl(c10::BFloat16* y, const c10::BFloat16* x, const uint32_t* 
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, const c10::optional<at::Tensor>& bias) {
   check_linear_bf16_ops();
   check_cpu_contiguous(x, "x");
-  check_cpu_contiguous(packed, "packed weight");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2, "linear_bf16: x must be bf16 [rows, in_features]");
-  TORCH_CHECK(packed.scalar_type() == at::kInt && packed.dim() == 3 && packed.size(2) == kPanel &&
-                  packed.size(0) == (out_features + kPanel - 1) / kPanel,
-              "linear_bf16: the weight must come from pack_linear_bf16 for ", out_features, " out_features");
-  TORCH_CHECK(x.size(1) == 2 * packed.size(1), "linear_bf16: x has ", x.size(1), " features, the weight ", 2 * packed.size(1));
+  check_panels(packed, out_features, x, 2, "linear_bf16");
   const c10::BFloat16* b = nullptr;
   if (bias.has_value()) {
     check_cpu_contiguous(*bias, "bias");
@@ -1024,7 +1032,6 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::
                        const c10::optional<at::Tensor>& smooth, const c10::optional<at::Tensor>& bias) {
   check_linear_int8_ops();
   check_cpu_contiguous(x, "x");
-  check_cpu_contiguous(packed, "packed weight");
   check_cpu_contiguous(scale, "weight scale");
   check_cpu_contiguous(colsum, "weight column sums");
   const int64_t n = scale.numel();
@@ -1032,10 +1039,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::
               "linear_int8: x must be bf16 or fp32 [rows, in_features]");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && colsum.scalar_type() == at::kInt &&
                   colsum.numel() == n, "linear_int8: scale must be fp32 [out_features] and colsum int32 [out_features]");
-  TORCH_CHECK(packed.scalar_type() == at::kInt && packed.dim() == 3 && packed.size(2) == kPanel &&
-                  packed.size(0) == (n + kPanel - 1) / kPanel,
-              "linear_int8: the weight must come from pack_linear_int8 for ", n, " out_features");
-  TORCH_CHECK(x.size(1) == 4 * packed.size(1), "linear_int8: x has ", x.size(1), " features, the weight ", 4 * packed.size(1));
+  check_panels(packed, n, x, 4, "linear_int8");
   if (smooth.has_value()) {
     check_cpu_contiguous(*smooth, "smooth");
     TORCH_CHECK(smooth->scalar_type() == at::kFloat && smooth->numel() == x.size(1), "smooth must be fp32 [in_features]");

@@ -198,10 +198,9 @@ class LlamaModel(nn.Module):
         """Pre-pack linear weights for the CPU bf16/fp16 fast path (no-op elsewhere). The tied output
         head gets a packed copy; the embedding keeps the original for lookups. Call after
         ``enable_cpu_kernels`` so the weights are laid out for the kernels' bf16 linear."""
-        ops = self._linear_ops()
-        count = prepack_linears(self.layers, ops)
+        count = prepack_linears(self.layers, self.cpu_ops)
         if can_prepack(self.lm_head_weight):
-            self._packed_head = PackedLinear(self.lm_head_weight, None, ops)
+            self._packed_head = PackedLinear(self.lm_head_weight, None, self.cpu_ops)
             if not self.config.tie_word_embeddings:
                 del self.lm_head
             count += 1
@@ -243,19 +242,11 @@ class LlamaModel(nn.Module):
         self.cpu_ops = ops
         if isinstance(self.backend, TorchAttentionBackend):
             self.backend.use_cpu_ops(ops)
-        linear_ops = self._linear_ops()
         for module in self.modules():
-            if isinstance(module, PackedLinear):
-                module.use_cpu_kernels(linear_ops)
-            elif isinstance(module, Int8Linear):
-                module.use_cpu_kernels(ops)
+            if isinstance(module, (PackedLinear, Int8Linear)):
+                module.use_cpu_kernels(ops)  # each takes the kernels where they fit its weight
         self.relocate_packed_weights()
         return ops is not None
-
-    def _linear_ops(self):
-        """The kernel namespace when its bf16 linear runs on this CPU (AVX512-BF16), else None."""
-        ops = self.cpu_ops
-        return ops if ops is not None and ops.has_avx512_bf16() else None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up. Every parameter row must be set

@@ -26,8 +26,8 @@ def can_prepack(weight: torch.Tensor) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """Drop-in for ``nn.Linear`` in inference. ``ops``: the CPU kernel namespace when its bf16 linear
-    can run here (AVX512-BF16), else None (oneDNN)."""
+    """Drop-in for ``nn.Linear`` in inference. ``ops``: the CPU kernel namespace, or None; the kernels'
+    layout is used when their bf16 linear runs here (AVX512-BF16) and fits the weight, else oneDNN's."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops=None) -> None:
         super().__init__()
@@ -35,16 +35,23 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().clone()
         self._pack(weight.detach().contiguous(), ops)
 
+    def _usable(self, ops, dtype: torch.dtype):
+        """``ops`` if its bf16 linear can take this weight here, else None."""
+        fits = ops is not None and ops.has_avx512_bf16() and dtype == torch.bfloat16 and self.in_features % 2 == 0
+        return ops if fits else None
+
     def _pack(self, weight: torch.Tensor, ops) -> None:
-        if ops is not None and weight.dtype == torch.bfloat16 and self.in_features % 2 == 0:
-            self.ops, self.packed = ops, ops.pack_linear_bf16(weight)
+        self.ops = self._usable(ops, weight.dtype)
+        if self.ops is not None:
+            self.packed = self.ops.pack_linear_bf16(weight)
         else:
-            self.ops, self.packed = None, torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
 
     def use_cpu_kernels(self, ops) -> None:
-        """Re-lay the weight out for the kernels' bf16 linear (``ops``) or for oneDNN (None)."""
-        if (ops is None) != (self.ops is None):
-            self._pack(self.row_major(), ops)
+        """Re-lay the weight out for the kernels' bf16 linear (``ops``, where it can run) or for oneDNN."""
+        weight = self.row_major()
+        if (self._usable(ops, weight.dtype) is None) != (self.ops is None):
+            self._pack(weight, ops)
 
     def row_major(self) -> torch.Tensor:
         """The [out_features, in_features] weight, bit for bit."""

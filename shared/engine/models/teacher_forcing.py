@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from shared.engine.attention.metadata import build_attention_metadata
@@ -36,4 +38,4 @@ def perplexity(logits: torch.Tensor, token_ids: list[int]) -> float:
     """exp(mean negative log-likelihood) of ``token_ids[1:]`` under ``logits[:-1]``."""
     logp = torch.log_softmax(logits[:-1].double(), dim=-1)
     nll = -logp[torch.arange(len(token_ids) - 1), torch.tensor(token_ids[1:])].mean().item()
-    return float(torch.tensor(nll).exp())
+    return math.exp(nll)
