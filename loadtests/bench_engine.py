@@ -24,6 +24,7 @@ keeps the defaults).
 
     python -m loadtests.bench_engine --repeats 2 --profile   # what the report used
     python -m loadtests.bench_engine --quantization int8     # the same with W8A8 decoder linears
+    python -m loadtests.bench_engine --kv-cache-dtype int8   # ... with an int8 KV cache (combines)
     python -m loadtests.bench_engine                 # full run, writes loadtests/results/bench_engine.json
     python -m loadtests.bench_engine --quick --skip-hf
     python -m loadtests.bench_engine --profile-only  # torch.profiler + cProfile of prefill/decode steps
@@ -63,7 +64,7 @@ from loadtests.workloads import (
 from shared.engine.default_model import default_model_path
 from shared.engine.engine import EngineConfig
 from shared.engine.llm import LLM
-from shared.engine.quantization import QUANTIZATION_HELP, QUANTIZATIONS
+from shared.engine.quantization import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES, QUANTIZATION_HELP, QUANTIZATIONS
 from shared.engine.sampling_params import SamplingParams
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_engine.json")
@@ -121,6 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help=QUANTIZATION_HELP)
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_CACHE_DTYPE_HELP)
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (engine and HF)")
     p.add_argument("--memory-budget", default="1GiB", help="engine memory budget (weights+act+KV)")
     p.add_argument("--seed", type=int, default=0)
@@ -193,7 +195,8 @@ def _int_pair(text: str, flag: str) -> tuple[int, int]:
 def make_llm(args, *, max_num_seqs: int, max_num_batched_tokens: int) -> LLM:
     config = EngineConfig(model=args.model, dtype=args.dtype, memory_budget=args.memory_budget,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                          num_threads=args.threads, seed=args.seed, quantization=args.quantization)
+                          num_threads=args.threads, seed=args.seed, quantization=args.quantization,
+                          kv_cache_dtype=args.kv_cache_dtype)
     llm = LLM(config, progress=False)
     torch.set_num_threads(args.threads)
     warm_up(llm)
@@ -613,7 +616,7 @@ def print_report(res: dict[str, Any]) -> None:
     line = "-" * 96
     print(line)
     print(f"bench_engine  model={os.path.basename(res['config']['model'])}  dtype={res['config']['dtype']}  "
-          f"quantization={res['config'].get('quantization')}  threads={res['config']['threads']}\n  OMP_WAIT_POLICY={res['env']['omp_wait_policy']}  "
+          f"quantization={res['config'].get('quantization')}  kv_cache_dtype={res['config'].get('kv_cache_dtype', 'auto')}  threads={res['config']['threads']}\n  OMP_WAIT_POLICY={res['env']['omp_wait_policy']}  "
           f"malloc_tuned={res['env']['malloc_tuned']}  "
           f"repeats={res['config']['repeats']} (best kept)  load avg start/end={res['env']['load_avg_start']}"
           f"/{res['env']['load_avg_end']}  total {res['env']['total_s']:.0f}s\n  engine at commit "
@@ -647,7 +650,7 @@ def print_report(res: dict[str, Any]) -> None:
             for hf in hf_runs:
                 print(f"    transformers {hf['dtype']} measured: {hf['measured']}")
                 print(f"    ratio best engine (mbt={a['engine']['best']['max_num_batched_tokens']}, "
-                      f"{res['config']['dtype']}{' int8' if res['config'].get('quantization') else ''}) / transformers {hf['dtype']} = {hf['ratio']:.2f}x wall, "
+                      f"{res['config']['dtype']}{' int8' if res['config'].get('quantization') else ''}{', int8 KV' if res['config'].get('kv_cache_dtype') == 'int8' else ''}) / transformers {hf['dtype']} = {hf['ratio']:.2f}x wall, "
                       f"{hf['cpu_ratio']:.2f}x per CPU-second   (target >= 8x)")
             ag = a["agreement"]
             print(f"    greedy agreement with transformers {hf_runs[0]['dtype']} over {ag['tokens_compared']} tokens: {ag['identical_prompts']}/"

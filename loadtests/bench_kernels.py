@@ -2,7 +2,8 @@
 weights and cache, so the data comes from DRAM as in a real step, not from a warm L3).
 
   - decode attention: B sequences x ``--context`` tokens, blocks shuffled through the pool; ms and the
-    K/V bytes read per second;
+    K/V bytes read per second (``--kv-cache-dtype int8``: the caches in the engine's int8 layout, rows
+    with their scales);
   - prefill attention: fresh prompts of 512, 300, 450, 200 and 586 tokens (2,048) in one call; ms and
     GFLOP/s over the causal half (what has to be computed);
   - linear: the four layer matmuls (QKV, O, gate-up, down) at M rows, ``linear_bf16`` on its packed
@@ -13,6 +14,7 @@ Each figure is the median of ``--repeats`` timed runs after one warm-up. The num
 ``kernels/cpu/csrc/ops.cpp`` and ``packed_linear.py`` come from here.
 
     python -m loadtests.bench_kernels [--dtype bfloat16] [--out loadtests/results/bench_kernels.json]
+    python -m loadtests.bench_kernels --kv-cache-dtype int8 --rows 1 --out /tmp/bench_kernels_kv8.json
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ import torch  # noqa: E402
 
 from kernels.cpu import cpu_ops  # noqa: E402
 from loadtests.results import write_json  # noqa: E402
+from shared.engine.kv_cache import quantize_kv  # noqa: E402
 from shared.engine.memory import decoder_linear_shapes  # noqa: E402
 from shared.engine.models.int8_linear import quantize_rows  # noqa: E402
 from shared.engine.models.known_configs import KNOWN_CONFIGS  # noqa: E402
+from shared.engine.quantization import KV_CACHE_DTYPES  # noqa: E402
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_kernels.json")
 SMOLLM2 = KNOWN_CONFIGS["smollm2-135m"]  # 30 layers, 9 query heads sharing 3 KV heads of 64, hidden 576
@@ -56,10 +60,14 @@ def median_ms(fn: Callable[[], None], repeats: int) -> float:
     return 1000 * statistics.median(times)
 
 
-def paged_caches(num_blocks: int, dtype: torch.dtype, g: torch.Generator):
+def paged_caches(num_blocks: int, dtype: torch.dtype, g: torch.Generator, kv_cache_dtype: str):
     shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
-    return [(torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
-            for _ in range(LAYERS)]
+
+    def cache() -> torch.Tensor:
+        x = torch.randn(shape, generator=g).to(dtype)
+        return quantize_kv(x) if kv_cache_dtype == "int8" else x
+
+    return [(cache(), cache()) for _ in range(LAYERS)]
 
 
 def shuffled_tables(lengths: list[int], num_blocks: int) -> torch.Tensor:
@@ -74,23 +82,24 @@ def shuffled_tables(lengths: list[int], num_blocks: int) -> torch.Tensor:
     return torch.tensor([t + [0] * (width - len(t)) for t in tables])
 
 
-def bench_decode(ops, dtype, batch: int, context: int, repeats: int) -> dict:
+def bench_decode(ops, dtype, batch: int, context: int, repeats: int, kv_cache_dtype: str) -> dict:
     g = torch.Generator().manual_seed(0)
     num_blocks = batch * -(-context // BLOCK)
-    caches = paged_caches(num_blocks, dtype, g)
+    caches = paged_caches(num_blocks, dtype, g, kv_cache_dtype)
     tables = shuffled_tables([context] * batch, num_blocks)
     lens = torch.full((batch,), context)
     q = torch.randn(batch, HEADS * HEAD_DIM, generator=g).to(dtype)
     scale = 1 / math.sqrt(HEAD_DIM)
     ms = median_ms(lambda: [ops.decode_attention(q, k, v, tables, lens, HEADS, scale) for k, v in caches], repeats)
-    kv_bytes = LAYERS * batch * context * KV_HEADS * HEAD_DIM * 2 * caches[0][0].element_size()
+    row_bytes = caches[0][0].shape[-1] * caches[0][0].element_size()  # int8: values and scale
+    kv_bytes = LAYERS * batch * context * KV_HEADS * row_bytes * 2
     return dict(batch=batch, context=context, ms=ms, kv_mb=kv_bytes / 1e6, gb_per_s=kv_bytes / ms / 1e6)
 
 
-def bench_prefill(ops, dtype, repeats: int) -> dict:
+def bench_prefill(ops, dtype, repeats: int, kv_cache_dtype: str) -> dict:
     g = torch.Generator().manual_seed(1)
     num_blocks = sum(-(-n // BLOCK) for n in PROMPTS)
-    caches = paged_caches(num_blocks, dtype, g)
+    caches = paged_caches(num_blocks, dtype, g, kv_cache_dtype)
     tables = shuffled_tables(PROMPTS, num_blocks)
     starts = torch.tensor([0, *itertools.accumulate(PROMPTS)])
     lens = torch.tensor(PROMPTS)
@@ -136,6 +145,7 @@ def bench_linear(ops, rows: list[int], repeats: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="attention data")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="attention caches")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--context", type=int, default=400, help="decode: tokens per sequence")
@@ -149,16 +159,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    res: dict = dict(dtype=args.dtype, threads=args.threads, repeats=args.repeats, layers=LAYERS)
-    print(f"bench_kernels  {args.dtype}  threads={args.threads}  SmolLM2-135M shapes x {LAYERS} layers  "
+    res: dict = dict(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, threads=args.threads,
+                     repeats=args.repeats, layers=LAYERS)
+    print(f"bench_kernels  {args.dtype}  kv cache {args.kv_cache_dtype}  threads={args.threads}  SmolLM2-135M shapes x {LAYERS} layers  "
           f"load avg {os.getloadavg()[0]:.2f}")
     res["decode_attention"] = []
     for b in (int(x) for x in args.batches.split(",")):
-        r = bench_decode(ops, dtype, b, args.context, args.repeats)
+        r = bench_decode(ops, dtype, b, args.context, args.repeats, args.kv_cache_dtype)
         res["decode_attention"].append(r)
         print(f"  decode attention  B={b:<3} context {args.context}: {r['ms']:7.2f} ms  "
               f"({r['kv_mb']:.0f} MB of K/V, {r['gb_per_s']:.1f} GB/s)")
-    r = res["prefill_attention"] = bench_prefill(ops, dtype, args.repeats)
+    r = res["prefill_attention"] = bench_prefill(ops, dtype, args.repeats, args.kv_cache_dtype)
     print(f"  prefill attention {r['tokens']} new tokens in {len(PROMPTS)} prompts: {r['ms']:7.1f} ms  "
           f"({r['gflops']:.0f} GFLOP/s causal)")
     if ops.has_avx512_bf16():

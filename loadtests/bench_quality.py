@@ -1,6 +1,7 @@
 """What quantization costs in quality: SmolLM2 in bf16 and int8 (W8A8, per SmoothQuant alpha, and
-without smoothing) against fp32, teacher-forced over the same text (the engine's own docstrings, none
-of it in the int8 calibration text).
+without smoothing), each also with an int8 KV cache, against fp32, teacher-forced over the same text
+(the engine's own docstrings, none of it in the int8 calibration text). With an int8 KV cache every
+position attends to the quantized keys and values, as in the engine.
 
 Per configuration: perplexity of the text, top-1 agreement with fp32 at every position, and the mean
 and max |logit - fp32 logit|; plus the bytes the model holds.
@@ -47,24 +48,28 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench_quality  {os.path.basename(path)}  {len(ids)} tokens scored, {len(calibration)} calibration tokens")
 
     ref = all_position_logits(load_model(path, dtype="float32", progress=False), ids)
-    configs = [("fp32", "float32", None, False), ("bf16", "bfloat16", None, False)]
-    configs += [(f"int8 alpha={a}", "bfloat16", float(a), True) for a in args.alphas.split(",")]
-    configs.append(("int8 no smoothing", "bfloat16", None, True))
+    # (name, dtype, SmoothQuant alpha, int8 linears, KV cache dtype)
+    configs = [("fp32", "float32", None, False, "auto"), ("bf16", "bfloat16", None, False, "auto"),
+               ("bf16, int8 KV", "bfloat16", None, False, "int8")]
+    for a in args.alphas.split(","):
+        configs += [(f"int8 alpha={a}", "bfloat16", float(a), True, "auto"),
+                    (f"int8 alpha={a}, int8 KV", "bfloat16", float(a), True, "int8")]
+    configs.append(("int8 no smoothing", "bfloat16", None, True, "auto"))
     rows = []
-    for name, dtype, alpha, int8 in configs:
+    for name, dtype, alpha, int8, kv_cache_dtype in configs:
         model = load_model(path, dtype=dtype, progress=False)
         t0 = time.perf_counter()
         if int8:
             int8_linear.quantize_model_int8(model, calibration, alpha)
         quantize_s = time.perf_counter() - t0
-        logits = all_position_logits(model, ids)
+        logits = all_position_logits(model, ids, kv_cache_dtype=kv_cache_dtype)
         diff = (logits - ref).abs()
-        row = dict(config=name, dtype=dtype, alpha=alpha, perplexity=perplexity(logits, ids),
+        row = dict(config=name, dtype=dtype, alpha=alpha, kv_cache_dtype=kv_cache_dtype, perplexity=perplexity(logits, ids),
                    top1_agreement=(logits.argmax(-1) == ref.argmax(-1)).float().mean().item(),
                    mean_abs_logit_diff=diff.mean().item(), max_abs_logit_diff=diff.max().item(),
                    weight_bytes=model.weight_bytes(), quantize_s=quantize_s)
         rows.append(row)
-        print(f"  {name:<20} perplexity {row['perplexity']:7.3f}   top-1 = fp32 {100 * row['top1_agreement']:5.1f}%   "
+        print(f"  {name:<26} perplexity {row['perplexity']:7.3f}   top-1 = fp32 {100 * row['top1_agreement']:5.1f}%   "
               f"|logit diff| mean {row['mean_abs_logit_diff']:.3f} max {row['max_abs_logit_diff']:.2f}   "
               f"weights {row['weight_bytes'] / 2**20:.0f} MiB", flush=True)
         del model

@@ -62,6 +62,7 @@ class StackConfig:
     num_schedulers: int = 1
     dtype: str = "bfloat16"
     quantization: str | None = None       # "int8": W8A8 decoder linears in every executor
+    kv_cache_dtype: str = "auto"          # "int8": int8 KV cache in every executor
     memory_budget: str = "2GiB"
     num_kv_blocks: int | None = None
     max_num_seqs: int = 64
@@ -336,6 +337,8 @@ def launch(config: StackConfig, progress: Callable[[str], None] | None = None,
                 args += ["--max-model-len", str(config.max_model_len)]
             if config.quantization is not None:
                 args += ["--quantization", config.quantization]
+            if config.kv_cache_dtype != "auto":
+                args += ["--kv-cache-dtype", config.kv_cache_dtype]
             stack.start_service(f"executor-{i}", "services.executor", args, env)
         for i in range(config.num_schedulers):
             stack.start_service(f"scheduler-{i}", "services.scheduler",

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.greedy import mixed_batch_logits
 from kernels.cpu import cpu_ops
 
 ops = cpu_ops()
@@ -195,37 +196,15 @@ def test_packed_linear_switches_layouts_without_loss():
 
 # ---- the whole model: fused kernels vs the plain torch path -----------------------------------------
 
-def _mixed_batch_logits(model, fused: bool) -> torch.Tensor:
-    """Two sequences decoding over cached context plus a fresh prefill chunk, in one forward; then a
-    decode-only step of all three."""
-    from helpers.greedy import make_runner
-    from shared.engine.model_runner import ScheduledChunk
-
-    model.enable_cpu_kernels(fused)
-    try:
-        runner = make_runner(model, 64)
-        g = torch.Generator().manual_seed(5)
-        ids = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (70, 33, 40)]
-        tables = [list(range(1, 6)), list(range(6, 9)), list(range(9, 12))]
-        runner.execute([ScheduledChunk(ids[0][:69], 0, tables[0]), ScheduledChunk(ids[1][:32], 0, tables[1])])
-        mixed = runner.execute([ScheduledChunk(ids[0][69:], 69, tables[0]), ScheduledChunk(ids[2], 0, tables[2]),
-                                ScheduledChunk(ids[1][32:], 32, tables[1])])
-        decode = runner.execute([ScheduledChunk([7], 70, tables[0]), ScheduledChunk([8], 40, tables[2]),
-                                 ScheduledChunk([9], 33, tables[1])])
-        return torch.cat([mixed, decode])
-    finally:
-        model.enable_cpu_kernels(True)
-
-
 def test_fused_forward_matches_the_torch_path(runtime_fp32, runtime_bf16):
     """fp32: the same numbers up to summation order (measured max |logit diff| 3e-5). bf16: rounding
     happens in different places (RoPE and norms once in fp32, not per torch op; the bf16 linear and
     attention sum in another order), so both bf16 paths are held to their distance from fp32 instead: the
     fused path must stay about as close to it as the torch path (random tokens give flat distributions
     full of near-ties, so token choices are not compared here; test_model_reference does that)."""
-    ref = _mixed_batch_logits(runtime_fp32, True)
-    assert (ref - _mixed_batch_logits(runtime_fp32, False)).abs().max().item() < 1e-4
-    fused, plain = _mixed_batch_logits(runtime_bf16, True), _mixed_batch_logits(runtime_bf16, False)
+    ref = mixed_batch_logits(runtime_fp32, True)
+    assert (ref - mixed_batch_logits(runtime_fp32, False)).abs().max().item() < 1e-4
+    fused, plain = mixed_batch_logits(runtime_bf16, True), mixed_batch_logits(runtime_bf16, False)
     err_fused, err_plain = (fused - ref).abs(), (plain - ref).abs()
     print(f"bf16 |logit - fp32| mean/max: fused {err_fused.mean():.3g}/{err_fused.max():.3g}, "
           f"torch path {err_plain.mean():.3g}/{err_plain.max():.3g}")

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from shared.engine.quantization import QUANTIZATION_HELP, QUANTIZATIONS
+from shared.engine.quantization import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES, QUANTIZATION_HELP, QUANTIZATIONS
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -20,6 +20,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help=".gguf file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help=QUANTIZATION_HELP)
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_CACHE_DTYPE_HELP)
     parser.add_argument("--memory-budget", default="1GiB", help="weights + activations + KV cache")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -49,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, n=args.n, stop=args.stop)
     llm = LLM(EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
+                           kv_cache_dtype=args.kv_cache_dtype,
                            memory_budget=args.memory_budget, num_threads=args.num_threads))
     if args.chat:
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]

@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Any
 
-from shared.engine.quantization import QUANTIZATION_HELP, QUANTIZATIONS
+from shared.engine.quantization import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES, QUANTIZATION_HELP, QUANTIZATIONS
 
 WEIGHT_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -30,6 +30,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--tokenizers", type=int, default=1, help="tokenizer processes")
     p.add_argument("--dtype", choices=WEIGHT_DTYPES, default="bfloat16")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help=QUANTIZATION_HELP)
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_CACHE_DTYPE_HELP)
     p.add_argument("--memory-budget", default="2GiB", help="per executor: weights + activations + KV cache")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per executor (overrides the budget)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences one executor batches at once")
@@ -66,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
     config = StackConfig(
         model=args.model, model_name=args.model_name, host=args.host, port=args.port,
         num_executors=args.executors, num_tokenizers=args.tokenizers, dtype=args.dtype, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         memory_budget=args.memory_budget, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         num_threads=args.num_threads, max_queue_len=args.max_queue_len, api_key=args.api_key,

@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass
 
 from services.runtime import env_int, env_str, run_service, setup_logging
-from shared.engine.quantization import QUANTIZATION_HELP, QUANTIZATIONS
+from shared.engine.quantization import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES, QUANTIZATION_HELP, QUANTIZATIONS
 
 log = logging.getLogger("llmserve.executor")
 
@@ -23,6 +23,7 @@ class ExecutorProcessConfig:
     model_name: str | None
     dtype: str
     quantization: str | None
+    kv_cache_dtype: str
     device: str
     memory_budget: str
     num_kv_blocks: int | None
@@ -58,6 +59,8 @@ def parse_config(argv: list[str] | None = None) -> ExecutorProcessConfig:
     p.add_argument("--dtype", default=env_str("LLMSERVE_DTYPE", "bfloat16"))
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=env_str("LLMSERVE_QUANTIZATION", None),
                    help=QUANTIZATION_HELP)
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=env_str("LLMSERVE_KV_CACHE_DTYPE", "auto"),
+                   help=KV_CACHE_DTYPE_HELP)
     p.add_argument("--device", default=env_str("LLMSERVE_DEVICE", "cpu"))
     p.add_argument("--memory-budget", default=env_str("LLMSERVE_MEMORY_BUDGET", "2GiB"),
                    help="weights + activations + KV cache, e.g. 2GiB")
@@ -77,7 +80,8 @@ def parse_config(argv: list[str] | None = None) -> ExecutorProcessConfig:
     try:
         return ExecutorProcessConfig(
             nats_url=a.nats_url, executor_id=a.executor_id or f"executor-{uuid.uuid4().hex[:8]}",
-            model=a.model, model_name=a.model_name, dtype=a.dtype, quantization=a.quantization, device=a.device,
+            model=a.model, model_name=a.model_name, dtype=a.dtype, quantization=a.quantization,
+            kv_cache_dtype=a.kv_cache_dtype, device=a.device,
             memory_budget=a.memory_budget,
             num_kv_blocks=a.num_kv_blocks, max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
@@ -102,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
 
     log.info("%s: loading the model...", config.executor_id)
     engine = Engine(EngineConfig(
-        model=config.model, dtype=config.dtype, quantization=config.quantization, device=config.device,
+        model=config.model, dtype=config.dtype, quantization=config.quantization,
+        kv_cache_dtype=config.kv_cache_dtype, device=config.device,
         block_size=config.block_size,
         memory_budget=config.memory_budget, num_kv_blocks=config.num_kv_blocks,
         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,

@@ -21,7 +21,7 @@ from shared.engine.model_runner import ModelRunner, ScheduledChunk
 from shared.engine.models.int8_linear import calibration_text, int8_supported, quantize_model_int8
 from shared.engine.models.loader import load_model, resolve_dtype, resolve_model_path
 from shared.engine.output_processor import OutputProcessor
-from shared.engine.quantization import QUANTIZATIONS
+from shared.engine.quantization import KV_CACHE_DTYPES, QUANTIZATIONS
 from shared.engine.outputs import EngineStats, RequestOutput
 from shared.engine.sampler import SamplingBatch, make_generator, sample
 from shared.engine.sampling_params import SamplingParams
@@ -48,6 +48,7 @@ class EngineConfig:
     num_threads: int | None = None    # torch intra-op threads; None leaves torch's default
     seed: int = 0
     quantization: str | None = None   # "int8": W8A8 decoder linears (CPU, AVX512-VNNI); see int8_linear
+    kv_cache_dtype: str = "auto"      # "int8": K/V rows in int8 with a scale each; see kv_cache
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
@@ -61,6 +62,8 @@ class EngineConfig:
         parse_bytes(self.memory_budget)
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
 
 class Engine:
@@ -87,13 +90,14 @@ class Engine:
             # config.dtype is a name the loader accepted; the ledger uses the same names.
             ledger = plan_memory(
                 self.model_config, memory_budget_bytes=parse_bytes(config.memory_budget),
-                weight_dtype=config.dtype, kv_dtype=config.dtype, block_size=config.block_size,
+                weight_dtype=config.dtype, kv_dtype="int8" if config.kv_cache_dtype == "int8" else config.dtype,
+                block_size=config.block_size,
                 max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
                 context_len=self.max_model_len, resident_weight_bytes=self.model.weight_bytes(),
                 quantization=config.quantization)
             num_blocks = ledger.num_kv_blocks
         self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, self.model.dtype,
-                                config.device)
+                                config.device, config.kv_cache_dtype)
         self.runner = ModelRunner(self.model, self.kv_cache)
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)

@@ -1,9 +1,16 @@
 """The paged KV cache: per layer, one K and one V tensor of fixed-size blocks.
 
-    k_cache[layer]: [num_blocks, block_size, num_kv_heads, head_dim]
+    k_cache[layer]: [num_blocks, block_size, num_kv_heads, head_dim]      (model dtype)
+                    [num_blocks, block_size, num_kv_heads, head_dim + 4]  (int8: values, then the row's
+                                                                           fp32 scale as 4 bytes)
                      block 0 = padding (never allocated; padded block-table entries point at it)
 
 Allocated once, up front, from the memory ledger's block count: nothing is allocated per request.
+
+int8 (``kv_cache_dtype="int8"``): each (token, KV head) row x is stored as q = round(x / s) with
+s = max|x| / 127, symmetric, rounded half to even (an all-zero row gets s = 0). The scale travels in the
+row's last 4 bytes, so a block is self-contained: copy-on-write, and later KV pages over the wire,
+move bytes without knowing the format. A row reads back as (q * s) rounded to the model dtype.
 """
 
 from __future__ import annotations
@@ -12,17 +19,44 @@ import torch
 
 from shared.engine import huge_pages
 from shared.engine.models.config import ModelConfig
+from shared.engine.quantization import KV_CACHE_DTYPES
+
+SCALE_BYTES = 4  # the fp32 scale at the end of an int8 row
+
+
+def quantize_kv(x: torch.Tensor) -> torch.Tensor:
+    """[..., head_dim] (any float dtype) -> int8 rows [..., head_dim + 4]; the kernels' rounding exactly."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True) / 127.0
+    q = torch.where(scale > 0, torch.round(xf / scale), torch.zeros_like(xf)).clamp_(-127, 127)
+    return torch.cat([q.to(torch.int8), scale.contiguous().view(torch.int8)], dim=-1)
+
+
+def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 rows [..., head_dim + 4] -> [..., head_dim] in ``dtype``: (q * scale) rounded once."""
+    scale = rows[..., -SCALE_BYTES:].contiguous().view(torch.float32)
+    return (rows[..., :-SCALE_BYTES].float() * scale).to(dtype)
+
+
+def kv_row_len(head_dim: int, kv_cache_dtype: str) -> int:
+    """Elements per (token, KV head) row of the cache."""
+    return head_dim + SCALE_BYTES if kv_cache_dtype == "int8" else head_dim
 
 
 class KVCache:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", kv_cache_dtype: str = "auto") -> None:
         if num_blocks < 2:
             raise ValueError(f"KV cache needs at least 2 blocks (block 0 is padding), got {num_blocks}")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.storage = huge_pages.zeros(shape, dtype, device)  # blocks are read scattered: see huge_pages
+        self.kv_cache_dtype = kv_cache_dtype
+        row = kv_row_len(config.head_dim, kv_cache_dtype)
+        element = torch.int8 if kv_cache_dtype == "int8" else dtype
+        shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, row)
+        self.storage = huge_pages.zeros(shape, element, device)  # blocks are read scattered: see huge_pages
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (self.storage[i, 0], self.storage[i, 1]) for i in range(config.num_layers)
         ]

@@ -85,8 +85,11 @@ def format_bytes(num_bytes: int) -> str:
 
 
 def kv_bytes_per_token(config: ModelConfig, kv_dtype: str) -> int:
-    """K and V, for every layer and KV head: 2 x num_layers x num_kv_heads x head_dim x bytes."""
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype_bytes(kv_dtype)
+    """K and V, for every layer and KV head: 2 x num_layers x num_kv_heads x head_dim x bytes. An int8
+    row also carries its fp32 scale: 2 x num_layers x num_kv_heads x (head_dim + 4), as the engine's
+    int8 cache holds it (``shared/engine/kv_cache.py``)."""
+    row = config.head_dim + 4 if kv_dtype == "int8" else config.head_dim * dtype_bytes(kv_dtype)
+    return 2 * config.num_layers * config.num_kv_heads * row
 
 
 def decoder_linear_shapes(config: ModelConfig) -> list[tuple[int, int]]:

@@ -1,6 +1,14 @@
-"""The quantization schemes ``EngineConfig.quantization`` accepts, importable without torch (for the
-command lines). "int8": int8 weights and activations in every decoder linear, see
-``shared/engine/models/int8_linear.py``."""
+"""The quantization schemes the engine accepts, importable without torch (for the command lines).
+
+``EngineConfig.quantization``: "int8": int8 weights and activations in every decoder linear, see
+``shared/engine/models/int8_linear.py``.
+``EngineConfig.kv_cache_dtype``: "auto" keeps K/V in the model dtype; "int8": one int8 per element and
+an fp32 scale per (token, KV head) row, see ``shared/engine/kv_cache.py``."""
 
 QUANTIZATIONS = ("int8",)
 QUANTIZATION_HELP = "int8: int8 weights and activations in the decoder linears (CPU with AVX512-VNNI; faster, slightly less exact)"
+
+KV_CACHE_DTYPES = ("auto", "int8")
+KV_CACHE_DTYPE_HELP = ("KV cache element type. auto: the model dtype; int8: int8 with a scale per token and "
+                       "KV head (about half the bytes: twice the tokens in the same memory, faster decode "
+                       "attention; slightly less exact)")

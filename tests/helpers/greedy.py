@@ -21,9 +21,11 @@ def blocks_needed(num_tokens: int, block_size: int = BLOCK_SIZE) -> int:
     return -(-num_tokens // block_size)
 
 
-def make_runner(model: LlamaModel, num_blocks: int, block_size: int = BLOCK_SIZE) -> ModelRunner:
-    """A runner over a fresh, zeroed KV cache in the model's dtype."""
-    return ModelRunner(model, KVCache(model.config, num_blocks, block_size, model.dtype))
+def make_runner(model: LlamaModel, num_blocks: int, block_size: int = BLOCK_SIZE,
+                kv_cache_dtype: str = "auto") -> ModelRunner:
+    """A runner over a fresh, zeroed KV cache in the model's dtype (or int8)."""
+    return ModelRunner(model, KVCache(model.config, num_blocks, block_size, model.dtype,
+                                      kv_cache_dtype=kv_cache_dtype))
 
 
 def shuffled_block_table(num_blocks_needed: int, num_blocks_in_cache: int,
@@ -82,11 +84,30 @@ def greedy_generate(model: LlamaModel, prompt_ids: list[int], max_new_tokens: in
 
 
 def all_position_logits(model: LlamaModel, token_ids: list[int], block_size: int = BLOCK_SIZE,
-                        seed: int = 0) -> torch.Tensor:
+                        seed: int = 0, kv_cache_dtype: str = "auto") -> torch.Tensor:
     """fp32 logits [len(token_ids), vocab] at every position of one paged prefill (teacher forcing),
     over a scattered block table: row i is the distribution of the token after ``token_ids[:i + 1]``."""
     needed = blocks_needed(len(token_ids), block_size)
     num_blocks = 2 * needed + 3
     table = shuffled_block_table(needed, num_blocks, random.Random(seed))
     return teacher_forcing.all_position_logits(model, token_ids, table, block_size=block_size,
-                                               num_blocks=num_blocks)
+                                               num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype)
+
+
+def mixed_batch_logits(model, fused: bool, kv_cache_dtype: str = "auto") -> torch.Tensor:
+    """Two sequences decoding over cached context plus a fresh prefill chunk, in one forward; then a
+    decode-only step of all three."""
+    model.enable_cpu_kernels(fused)
+    try:
+        runner = make_runner(model, 64, kv_cache_dtype=kv_cache_dtype)
+        g = torch.Generator().manual_seed(5)
+        ids = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (70, 33, 40)]
+        tables = [list(range(1, 6)), list(range(6, 9)), list(range(9, 12))]
+        runner.execute([ScheduledChunk(ids[0][:69], 0, tables[0]), ScheduledChunk(ids[1][:32], 0, tables[1])])
+        mixed = runner.execute([ScheduledChunk(ids[0][69:], 69, tables[0]), ScheduledChunk(ids[2], 0, tables[2]),
+                                ScheduledChunk(ids[1][32:], 32, tables[1])])
+        decode = runner.execute([ScheduledChunk([7], 70, tables[0]), ScheduledChunk([8], 40, tables[2]),
+                                 ScheduledChunk([9], 33, tables[1])])
+        return torch.cat([mixed, decode])
+    finally:
+        model.enable_cpu_kernels(True)

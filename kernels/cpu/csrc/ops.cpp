@@ -121,6 +121,47 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// ---- int8 KV-cache rows ------------------------------------------------------------------------------
+// An int8 cache (kv_cache_dtype="int8") holds each (token, KV head) row as head_dim int8 values followed
+// by their fp32 scale (4 bytes, unaligned): x ~= scale * q, scale = max|x| / 127 (0 for an all-zero row),
+// q = x / scale rounded half to even. One scale per row makes a dot product with the row
+// scale * (sum of integer products), so decode attention scales whole scores and softmax weights, not
+// elements. Half the bytes of bf16 (plus 4 per row): decode attention streams the cache, so it reads
+// ~1.9x fewer bytes per token. The same rounding as shared/engine/kv_cache.quantize_kv, bit for bit.
+constexpr int64_t kScaleBytes = 4;
+
+inline float row_scale(const int8_t* row, int64_t head_dim) {
+  float s;
+  std::memcpy(&s, row + head_dim, sizeof(s));
+  return s;
+}
+
+template <typename T>
+void quantize_row(int8_t* dst, const T* x, int64_t head_dim) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < head_dim; ++i) amax = std::max(amax, std::fabs(to_float(x[i])));
+  const float scale = amax / 127.f;
+  for (int64_t i = 0; i < head_dim; ++i)
+    dst[i] = scale > 0.f ? static_cast<int8_t>(std::nearbyint(to_float(x[i]) / scale)) : 0;
+  std::memcpy(dst + head_dim, &scale, sizeof(scale));
+}
+
+// A row back in the model dtype, (q * scale) rounded once, as the torch reference dequantizes.
+template <typename T>
+void dequantize_row(T* dst, const int8_t* row, int64_t head_dim) {
+  const float scale = row_scale(row, head_dim);
+  for (int64_t i = 0; i < head_dim; ++i) dst[i] = from_float<T>(static_cast<float>(row[i]) * scale);
+}
+
+// 16 int8 values as fp32 (exact).
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Elements per (token, KV head) row of a cache of C: the values, then for int8 the scale's bytes.
+template <typename C>
+constexpr int64_t cache_row_len(int64_t head_dim) { return head_dim + (std::is_same_v<C, int8_t> ? kScaleBytes : 0); }
+
 // ---- RMSNorm, optionally fused with the residual add ------------------------------------------------
 // out = x / sqrt(mean(x^2) + eps) * weight, accumulated in fp32. With a residual: residual += x first
 // (in place, rounded to the model dtype as the unfused add would be) and the sum is normalized.
@@ -168,13 +209,15 @@ at::Tensor rms_norm(at::Tensor x, const at::Tensor& weight, double eps, const c1
 // ---- RoPE on the fused QKV rows + K/V written to their cache slots ----------------------------------
 // qkv: [tokens, (heads + 2 kv_heads) * head_dim]. Q and K heads are rotated in place (half-split layout:
 // element i pairs with i + head_dim/2); K and V rows are then copied to slot_mapping[t] of the caches
-// ([blocks, block_size, kv_heads, head_dim] viewed as [slots, kv_heads * head_dim]).
+// ([blocks, block_size, kv_heads, head_dim] viewed as [slots, kv_heads * head_dim]), or quantized into
+// them when the caches are int8 ([blocks, block_size, kv_heads, head_dim + 4]).
 
-template <typename T>
-void rope_and_cache_impl(T* qkv, const int64_t* positions, const float* cos, const float* sin, T* k_cache,
-                         T* v_cache, const int64_t* slots, int64_t tokens, int64_t heads, int64_t kv_heads,
+template <typename T, typename C>
+void rope_and_cache_impl(T* qkv, const int64_t* positions, const float* cos, const float* sin, C* k_cache,
+                         C* v_cache, const int64_t* slots, int64_t tokens, int64_t heads, int64_t kv_heads,
                          int64_t head_dim) {
   const int64_t half = head_dim / 2, row = (heads + 2 * kv_heads) * head_dim, kv_row = kv_heads * head_dim;
+  const int64_t cache_row = kv_heads * cache_row_len<C>(head_dim);
   at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       T* r = qkv + t * row;
@@ -188,10 +231,32 @@ void rope_and_cache_impl(T* qkv, const int64_t* positions, const float* cos, con
           x[i + half] = from_float<T>(x2 * c[i] + x1 * s[i]);
         }
       }
-      std::memcpy(k_cache + slots[t] * kv_row, r + heads * head_dim, kv_row * sizeof(T));
-      std::memcpy(v_cache + slots[t] * kv_row, r + (heads + kv_heads) * head_dim, kv_row * sizeof(T));
+      const T* k = r + heads * head_dim;
+      const T* v = k + kv_row;
+      if constexpr (std::is_same_v<C, int8_t>) {
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          const int64_t row_at = slots[t] * cache_row + h * cache_row_len<C>(head_dim);
+          quantize_row(k_cache + row_at, k + h * head_dim, head_dim);
+          quantize_row(v_cache + row_at, v + h * head_dim, head_dim);
+        }
+      } else {
+        std::memcpy(k_cache + slots[t] * cache_row, k, kv_row * sizeof(T));
+        std::memcpy(v_cache + slots[t] * cache_row, v, kv_row * sizeof(T));
+      }
     }
   });
+}
+
+// A paged cache in q's dtype, or int8 rows with their scales; returns whether it is int8.
+bool check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, at::ScalarType dtype, int64_t kv_heads,
+                 int64_t head_dim, const char* op) {
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
+              op, ": caches must be alike, [blocks, block_size, kv_heads, head_dim (+ 4 for int8)]");
+  TORCH_CHECK(int8 || k_cache.scalar_type() == dtype, op, ": cache dtype must be int8 or the dtype of q/qkv");
+  TORCH_CHECK(k_cache.size(2) == kv_heads && k_cache.size(3) == head_dim + (int8 ? kScaleBytes : 0), op,
+              ": cache rows must be [kv_heads, head_dim", int8 ? " + 4]" : "]");
+  return int8;
 }
 
 void rope_and_cache(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
@@ -207,19 +272,21 @@ void rope_and_cache(at::Tensor qkv, const at::Tensor& positions, const at::Tenso
   TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong, "positions and slot_mapping must be int64");
   TORCH_CHECK(positions.numel() == qkv.size(0) && slot_mapping.numel() == qkv.size(0), "one position and one slot per token");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.size(1) == head_dim / 2, "cos/sin: fp32 [positions, head_dim/2]");
-  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type(), "cache dtype must equal qkv dtype");
-  TORCH_CHECK(k_cache.size(-1) * k_cache.size(-2) == kv_heads * head_dim, "cache rows must be kv_heads * head_dim");
+  const bool int8 = check_cache(k_cache, v_cache, qkv.scalar_type(), kv_heads, head_dim, "rope_and_cache");
   // Bounds are checked on the raw values (a torch reduction per layer would cost more than the op).
-  const int64_t num_slots = k_cache.numel() / (kv_heads * head_dim);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   for (int64_t t = 0; t < qkv.size(0); ++t) {
     const int64_t pos = positions.data_ptr<int64_t>()[t], slot = slot_mapping.data_ptr<int64_t>()[t];
     TORCH_CHECK(pos >= 0 && pos < cos.size(0), "position ", pos, " outside the RoPE table");
     TORCH_CHECK(slot >= 0 && slot < num_slots, "slot ", slot, " outside the cache");
   }
   LLMSERVE_DISPATCH(qkv.scalar_type(), "rope_and_cache", [&] {
-    rope_and_cache_impl<scalar_t>(qkv.data_ptr<scalar_t>(), positions.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                                  k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), slot_mapping.data_ptr<int64_t>(),
-                                  qkv.size(0), heads, kv_heads, head_dim);
+    auto run = [&](auto* k, auto* v) {
+      rope_and_cache_impl(qkv.data_ptr<scalar_t>(), positions.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                          k, v, slot_mapping.data_ptr<int64_t>(), qkv.size(0), heads, kv_heads, head_dim);
+    };
+    if (int8) run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
+    else run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
   });
 }
 
@@ -329,23 +396,66 @@ inline void dot4(__m512 (&dot)[G][4], const c10::BFloat16* q, const c10::BFloat1
 }
 #endif
 
+#if defined(__AVX512VNNI__)
+// int8 keys against queries quantized to int16 (one scale per head, relative error 2^-16 of the head's
+// largest element: far below bf16's rounding): 32 exact products per instruction (vpdpwssd) into int32
+// lanes that cannot overflow (64 x 127 x 32767 < 2^31 per lane at head_dim 128). The caller multiplies
+// each finished score by the query's and the key row's scales.
+template <int G, int NV>
+inline void dot4(__m512 (&dot)[G][4], const int16_t* q, const int8_t* k, int64_t stride, int64_t nt) {
+  constexpr int NP = NV / 2;  // 32-element vectors per row
+  __m512i qv[G][NP];
+  for (int j = 0; j < G; ++j)
+    for (int p = 0; p < NP; ++p) qv[j][p] = _mm512_loadu_si512(q + j * NV * 16 + p * 32);
+  for (int64_t u = 0; u < 4; ++u) {
+    __m512i kv[NP];
+    for (int p = 0; p < NP; ++p)
+      kv[p] = u < nt ? _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + u * stride + p * 32)))
+                     : _mm512_setzero_si512();
+    for (int j = 0; j < G; ++j) {
+      __m512i sum = _mm512_setzero_si512();
+      for (int p = 0; p < NP; ++p) sum = _mm512_dpwssd_epi32(sum, qv[j][p], kv[p]);
+      dot[j][u] = _mm512_cvtepi32_ps(sum);
+    }
+  }
+}
+
+// Each of the G * head_dim query values as int16 (round half to even) with one fp32 scale per head.
+template <typename T>
+void quantize_query_int16(int16_t* dst, float* scales, const T* q, int64_t num_heads, int64_t head_dim) {
+  for (int64_t h = 0; h < num_heads; ++h) {
+    const T* x = q + h * head_dim;
+    float amax = 0.f;
+    for (int64_t i = 0; i < head_dim; ++i) amax = std::max(amax, std::fabs(to_float(x[i])));
+    scales[h] = amax / 32767.f;
+    for (int64_t i = 0; i < head_dim; ++i)
+      dst[h * head_dim + i] = amax > 0.f ? static_cast<int16_t>(std::nearbyint(to_float(x[i]) / scales[h])) : 0;
+  }
+}
+#endif
+
 // G query heads share a KV head; NV = head_dim / 16 vectors per row. Both are compile-time so the
 // query and accumulator vectors (G * NV zmm) stay in registers. A work item is one part of a
 // sequence's keys for all its heads: each block's rows are read whole and in address order (25%
 // faster than one head per item at 8 and 32 sequences). With few sequences the keys are split into
 // `parts` runs of blocks so that every thread has work (flash-decoding): each part writes its
 // unnormalized sums with its max and normalizer, and a second pass merges the parts.
-template <typename T, int G, int NV>
-void decode_attention_impl(T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+// C: the cache's element type, T or int8_t (rows with scales; the item's queries are widened to fp32
+// once, key scales multiply the scores, value scales the softmax weights).
+template <typename T, typename C, int G, int NV>
+void decode_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
                            int64_t max_blocks, const int64_t* seq_lens, int64_t num_seqs, int64_t kv_heads,
                            int64_t parts, int64_t block_size, float scale) {
+  constexpr bool kInt8 = std::is_same_v<C, int8_t>;
   constexpr int64_t head_dim = NV * 16, kAheadBlocks = 2;  // blocks prefetched ahead of the one computed
-  const int64_t heads = G * kv_heads, kv_row = kv_heads * head_dim;
+  constexpr int64_t head_row = cache_row_len<C>(head_dim);
+  const int64_t heads = G * kv_heads, kv_row = kv_heads * head_row;
   // Per (sequence, part, head): head_dim sums, then max and normalizer (only when parts > 1).
   const int64_t partial_row = head_dim + 2;
   std::vector<float> partials(parts > 1 ? num_seqs * parts * heads * partial_row : 0);
   at::parallel_for(0, num_seqs * parts, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, accs(heads * head_dim);
+    std::vector<float> scores, accs(heads * head_dim), q_scales(kInt8 ? heads : 0);
+    std::vector<int16_t> q16(kInt8 ? heads * head_dim : 0);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / parts, part = item % parts, len = seq_lens[s];
       const int64_t* table = block_tables + s * max_blocks;
@@ -353,28 +463,41 @@ void decode_attention_impl(T* out, const T* q, const T* k_cache, const T* v_cach
       const int64_t b_lo = seq_blocks * part / parts, b_hi = seq_blocks * (part + 1) / parts;
       const int64_t t_lo = b_lo * block_size, span = std::min(len, b_hi * block_size) - t_lo;  // keys of this part
       const T* qs = q + s * heads * head_dim;
+      if constexpr (kInt8) quantize_query_int16(q16.data(), q_scales.data(), qs, heads, head_dim);
       scores.resize(heads * std::max<int64_t>(span, 1));
       std::fill(accs.begin(), accs.end(), 0.f);
       float* sc = scores.data();  // [head][span]
-      auto block_rows = [&](const T* base, int64_t b) { return base + table[b] * block_size * kv_row; };
+      auto block_rows = [&](const C* base, int64_t b) { return base + table[b] * block_size * kv_row; };
       for (int64_t b = b_lo; b < std::min(b_lo + kAheadBlocks, b_hi); ++b) prefetch_rows(block_rows(k_cache, b), block_size, kv_row, kv_row);
       // Scores, four tokens at a time and every head for those tokens before the next four, so the
       // rows are read in address order; the same four rows of the block kAheadBlocks on are
       // prefetched as we go (one burst per block stalled on the fill buffers instead).
       for (int64_t b = b_lo; b < b_hi; ++b) {
         const int64_t n = std::min(block_size, len - b * block_size), t0 = b * block_size - t_lo;
-        const T* kb = block_rows(k_cache, b);
-        const T* ahead = b + kAheadBlocks < b_hi ? block_rows(k_cache, b + kAheadBlocks) : nullptr;
+        const C* kb = block_rows(k_cache, b);
+        const C* ahead = b + kAheadBlocks < b_hi ? block_rows(k_cache, b + kAheadBlocks) : nullptr;
         for (int64_t t = 0; t < n; t += 4) {
+          const int64_t nt = std::min<int64_t>(4, n - t);
           if (ahead != nullptr) prefetch_rows(ahead + t * kv_row, std::min<int64_t>(4, block_size - t), kv_row, kv_row);
           for (int64_t kh = 0; kh < kv_heads; ++kh) {
+            const C* k4 = kb + t * kv_row + kh * head_row;
             __m512 dot[G][4];
-            dot4<G, NV>(dot, qs + kh * G * head_dim, kb + t * kv_row + kh * head_dim, kv_row, std::min<int64_t>(4, n - t));
+            __m128 key_scales = _mm_set1_ps(scale);  // per score: scale, times the key row's for int8
+            if constexpr (kInt8) {
+              dot4<G, NV>(dot, q16.data() + kh * G * head_dim, k4, kv_row, nt);
+              alignas(16) float ks[4] = {0.f, 0.f, 0.f, 0.f};
+              for (int64_t u = 0; u < nt; ++u) ks[u] = row_scale(k4 + u * kv_row, head_dim);
+              key_scales = _mm_mul_ps(key_scales, _mm_load_ps(ks));
+            } else {
+              dot4<G, NV>(dot, qs + kh * G * head_dim, k4, kv_row, nt);
+            }
             float* sk = sc + kh * G * span;
             for (int j = 0; j < G; ++j) {
+              __m128 four_scale = key_scales;
+              if constexpr (kInt8) four_scale = _mm_mul_ps(four_scale, _mm_set1_ps(q_scales[kh * G + j]));
               alignas(16) float four[4];
-              _mm_store_ps(four, _mm_mul_ps(reduce4(dot[j][0], dot[j][1], dot[j][2], dot[j][3]), _mm_set1_ps(scale)));
-              for (int64_t u = 0; u < std::min<int64_t>(4, n - t); ++u) sk[j * span + t0 + t + u] = four[u];
+              _mm_store_ps(four, _mm_mul_ps(reduce4(dot[j][0], dot[j][1], dot[j][2], dot[j][3]), four_scale));
+              for (int64_t u = 0; u < nt; ++u) sk[j * span + t0 + t + u] = four[u];
             }
           }
         }
@@ -390,8 +513,8 @@ void decode_attention_impl(T* out, const T* q, const T* k_cache, const T* v_cach
       for (int64_t b = b_lo; b < std::min(b_lo + kAheadBlocks, b_hi); ++b) prefetch_rows(block_rows(v_cache, b), block_size, kv_row, kv_row);
       for (int64_t b = b_lo; b < b_hi; ++b) {
         const int64_t n = std::min(block_size, len - b * block_size), t0 = b * block_size - t_lo;
-        const T* vb = block_rows(v_cache, b);
-        const T* ahead = b + kAheadBlocks < b_hi ? block_rows(v_cache, b + kAheadBlocks) : nullptr;
+        const C* vb = block_rows(v_cache, b);
+        const C* ahead = b + kAheadBlocks < b_hi ? block_rows(v_cache, b + kAheadBlocks) : nullptr;
         for (int64_t t = 0; t < n; t += 4) {
           if (ahead != nullptr) prefetch_rows(ahead + t * kv_row, std::min<int64_t>(4, block_size - t), kv_row, kv_row);
           const int64_t nt = std::min<int64_t>(4, n - t);
@@ -401,11 +524,15 @@ void decode_attention_impl(T* out, const T* q, const T* k_cache, const T* v_cach
             __m512 acc[G][NV];
             for (int j = 0; j < G; ++j)
               for (int v = 0; v < NV; ++v) acc[j][v] = _mm512_loadu_ps(ak + j * head_dim + v * 16);
-            for (int64_t u = 0; u < nt; ++u)
+            for (int64_t u = 0; u < nt; ++u) {
+              const C* vr = vb + (t + u) * kv_row + kh * head_row;
+              float vs = 1.f;
+              if constexpr (kInt8) vs = row_scale(vr, head_dim);
               for (int v = 0; v < NV; ++v) {
-                const __m512 val = load16(vb + (t + u) * kv_row + kh * head_dim + v * 16);
-                for (int j = 0; j < G; ++j) acc[j][v] = _mm512_fmadd_ps(_mm512_set1_ps(sk[j * span + u]), val, acc[j][v]);
+                const __m512 val = load16(vr + v * 16);
+                for (int j = 0; j < G; ++j) acc[j][v] = _mm512_fmadd_ps(_mm512_set1_ps(sk[j * span + u] * vs), val, acc[j][v]);
               }
+            }
             for (int j = 0; j < G; ++j)
               for (int v = 0; v < NV; ++v) _mm512_storeu_ps(ak + j * head_dim + v * 16, acc[j][v]);
           }
@@ -451,29 +578,29 @@ void decode_attention_impl(T* out, const T* q, const T* k_cache, const T* v_cach
   });
 }
 
-template <typename T, int NV>
-void decode_attention_group(int64_t group, T* out, const T* q, const T* k, const T* v, const int64_t* bt, int64_t mb,
+template <typename T, typename C, int NV>
+void decode_attention_group(int64_t group, T* out, const T* q, const C* k, const C* v, const int64_t* bt, int64_t mb,
                             const int64_t* lens, int64_t ns, int64_t kvh, int64_t per, int64_t bs, float scale) {
   switch (group) {
-    case 1: return decode_attention_impl<T, 1, NV>(out, q, k, v, bt, mb, lens, ns, kvh, per, bs, scale);
-    case 2: return decode_attention_impl<T, 2, NV>(out, q, k, v, bt, mb, lens, ns, kvh, per, bs, scale);
-    case 3: return decode_attention_impl<T, 3, NV>(out, q, k, v, bt, mb, lens, ns, kvh, per, bs, scale);
-    case 4: return decode_attention_impl<T, 4, NV>(out, q, k, v, bt, mb, lens, ns, kvh, per, bs, scale);
-    case 5: return decode_attention_impl<T, 5, NV>(out, q, k, v, bt, mb, lens, ns, kvh, per, bs, scale);
-    case 6: return decode_attention_impl<T, 6, NV>(out, q, k, v, bt, mb, lens, ns, kvh, per, bs, scale);
-    case 7: return decode_attention_impl<T, 7, NV>(out, q, k, v, bt, mb, lens, ns, kvh, per, bs, scale);
-    case 8: return decode_attention_impl<T, 8, NV>(out, q, k, v, bt, mb, lens, ns, kvh, per, bs, scale);
+    case 1: return decode_attention_impl<T, C, 1, NV>(out, q, k, v, bt, mb, lens, ns, kvh, per, bs, scale);
+    case 2: return decode_attention_impl<T, C, 2, NV>(out, q, k, v, bt, mb, lens, ns, kvh, per, bs, scale);
+    case 3: return decode_attention_impl<T, C, 3, NV>(out, q, k, v, bt, mb, lens, ns, kvh, per, bs, scale);
+    case 4: return decode_attention_impl<T, C, 4, NV>(out, q, k, v, bt, mb, lens, ns, kvh, per, bs, scale);
+    case 5: return decode_attention_impl<T, C, 5, NV>(out, q, k, v, bt, mb, lens, ns, kvh, per, bs, scale);
+    case 6: return decode_attention_impl<T, C, 6, NV>(out, q, k, v, bt, mb, lens, ns, kvh, per, bs, scale);
+    case 7: return decode_attention_impl<T, C, 7, NV>(out, q, k, v, bt, mb, lens, ns, kvh, per, bs, scale);
+    case 8: return decode_attention_impl<T, C, 8, NV>(out, q, k, v, bt, mb, lens, ns, kvh, per, bs, scale);
   }
   TORCH_CHECK(false, "decode_attention supports 1..8 query heads per KV head, got ", group);
 }
 
-template <typename T>
-void decode_attention_dispatch(int64_t head_dim, int64_t group, T* out, const T* q, const T* k, const T* v,
+template <typename T, typename C>
+void decode_attention_dispatch(int64_t head_dim, int64_t group, T* out, const T* q, const C* k, const C* v,
                                const int64_t* bt, int64_t mb, const int64_t* lens, int64_t ns, int64_t kvh, int64_t per,
                                int64_t bs, float scale) {
   switch (head_dim) {
-    case 64: return decode_attention_group<T, 4>(group, out, q, k, v, bt, mb, lens, ns, kvh, per, bs, scale);
-    case 128: return decode_attention_group<T, 8>(group, out, q, k, v, bt, mb, lens, ns, kvh, per, bs, scale);
+    case 64: return decode_attention_group<T, C, 4>(group, out, q, k, v, bt, mb, lens, ns, kvh, per, bs, scale);
+    case 128: return decode_attention_group<T, C, 8>(group, out, q, k, v, bt, mb, lens, ns, kvh, per, bs, scale);
   }
   TORCH_CHECK(false, "decode_attention supports head_dim 64 or 128, got ", head_dim);
 }
@@ -485,15 +612,16 @@ bool attention_supports(int64_t heads, int64_t kv_heads, int64_t head_dim) {
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t heads, double scale) {
   for (auto* t : {&q, &k_cache, &v_cache, &block_tables, &seq_lens}) check_cpu_contiguous(*t, "decode_attention input");
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "caches must be [blocks, block_size, kv_heads, head_dim]");
-  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
+  TORCH_CHECK(k_cache.dim() == 4, "caches must be [blocks, block_size, kv_heads, head_dim (+ 4 for int8)]");
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  const int64_t head_dim = k_cache.size(3) - (k_cache.scalar_type() == at::kChar ? kScaleBytes : 0);
   const int64_t num_seqs = seq_lens.numel();
   TORCH_CHECK(attention_supports(heads, kv_heads, head_dim), "decode_attention: unsupported shape: ", heads,
               " heads, ", kv_heads, " KV heads, head_dim ", head_dim);
   TORCH_CHECK(q.dim() == 2 && q.size(0) == num_seqs && q.size(1) == heads * head_dim, "q must be [num_seqs, heads * head_dim]");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "block_tables and seq_lens must be int64");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs, "block_tables must be [num_seqs, max_blocks]");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(), "cache dtype must equal q dtype");
+  const bool int8 = check_cache(k_cache, v_cache, q.scalar_type(), kv_heads, head_dim, "decode_attention");
   check_block_tables(block_tables, seq_lens, block_size, k_cache.size(0));
   at::Tensor out = at::empty_like(q);
   const float sc = static_cast<float>(scale);
@@ -507,10 +635,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   int64_t parts = std::max<int64_t>(1, std::min(wanted, (max_len + block_size - 1) / block_size / kMinPartBlocks));
   while (parts > 1 && num_seqs * parts > threads && num_seqs * parts % threads != 0) --parts;  // even shares
   LLMSERVE_DISPATCH(q.scalar_type(), "decode_attention", [&] {
-    decode_attention_dispatch<scalar_t>(head_dim, heads / kv_heads, out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(),
-                                        k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(),
-                                        block_tables.size(1), seq_lens.data_ptr<int64_t>(), num_seqs, kv_heads, parts,
-                                        block_size, sc);
+    auto run = [&](auto* k, auto* v) {
+      decode_attention_dispatch(head_dim, heads / kv_heads, out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k, v,
+                                block_tables.data_ptr<int64_t>(), block_tables.size(1), seq_lens.data_ptr<int64_t>(),
+                                num_seqs, kv_heads, parts, block_size, sc);
+    };
+    if (int8) run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
+    else run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
   });
   return out;
 }
@@ -549,14 +680,12 @@ struct KeyBlock {
   static void load_query(float* dst, const T* src) {
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(dst + v * 16, load16(src + v * 16));
   }
-  // Keys k0..k0+nk-1 of KV head kh; the rest of the 16 read as zero.
-  void load(const T* k_cache, const T* v_cache, const int64_t* table, int64_t block_size, int64_t kv_row, int64_t kh,
-            int64_t k0, int64_t nk) {
+  // The block's nk key and value rows (D elements each); the rest of the 16 read as zero.
+  void load(const T* const* k_rows, const T* const* v_rows, int64_t nk) {
     for (int64_t t = 0; t < kKeys; ++t) {
       if (t < nk) {
-        const int64_t slot = slot_of(table, k0 + t, block_size);
-        const T* kp = k_cache + slot * kv_row + kh * D;
-        const T* vp = v_cache + slot * kv_row + kh * D;
+        const T* kp = k_rows[t];
+        const T* vp = v_rows[t];
         for (int64_t i = 0; i < D; ++i) kt[i * kKeys + t] = to_float(kp[i]);
         for (int v = 0; v < NV; ++v) _mm512_store_ps(vf + t * D + v * 16, load16(vp + v * 16));
       } else {
@@ -598,16 +727,14 @@ struct KeyBlock<c10::BFloat16, NV> {
   alignas(64) uint32_t vp[kKeys / 2 * D];  // [key pair][dim]: bf16 (V[2t][d], V[2t+1][d])
 
   static void load_query(c10::BFloat16* dst, const c10::BFloat16* src) { std::memcpy(dst, src, D * sizeof(*src)); }
-  void load(const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const int64_t* table, int64_t block_size,
-            int64_t kv_row, int64_t kh, int64_t k0, int64_t nk) {
+  void load(const c10::BFloat16* const* k_rows, const c10::BFloat16* const* v_rows, int64_t nk) {
     const uint16_t* rows_v[kKeys];
     static const uint16_t zeros[D] = {};
     for (int64_t t = 0; t < kKeys; ++t) {
       if (t < nk) {
-        const int64_t slot = slot_of(table, k0 + t, block_size);
-        const uint32_t* kr = reinterpret_cast<const uint32_t*>(k_cache + slot * kv_row + kh * D);
+        const uint32_t* kr = reinterpret_cast<const uint32_t*>(k_rows[t]);
         for (int64_t i = 0; i < D / 2; ++i) kp[i * kKeys + t] = kr[i];
-        rows_v[t] = reinterpret_cast<const uint16_t*>(v_cache + slot * kv_row + kh * D);
+        rows_v[t] = reinterpret_cast<const uint16_t*>(v_rows[t]);
       } else {
         for (int64_t i = 0; i < D / 2; ++i) kp[i * kKeys + t] = 0;
         rows_v[t] = zeros;
@@ -647,14 +774,16 @@ struct KeyBlock<c10::BFloat16, NV> {
 };
 #endif
 
-template <typename T, int NV>
-void prefill_attention_impl(T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+// C: the cache's element type, T or int8_t (each block's rows are dequantized to T as they are loaded:
+// the attention is then the one over the dequantized cache that the torch reference computes).
+template <typename T, typename C, int NV>
+void prefill_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
                             int64_t max_blocks, const int64_t* query_start, const int64_t* seq_lens, int64_t num_seqs,
                             int64_t heads, int64_t kv_heads, int64_t block_size, float scale) {
   using Block = KeyBlock<T, NV>;
   using Q = typename Block::QType;
-  constexpr int64_t D = NV * 16, kTile = 32;
-  const int64_t group = heads / kv_heads, kv_row = kv_heads * D, rows_max = kTile * group;
+  constexpr int64_t D = NV * 16, kTile = 32, head_row = cache_row_len<C>(D);
+  const int64_t group = heads / kv_heads, kv_row = kv_heads * head_row, rows_max = kTile * group;
   struct Item { int64_t seq, kh, tok0; };
   std::vector<Item> items;
   for (int64_t s = 0; s < num_seqs; ++s)
@@ -666,6 +795,9 @@ void prefill_attention_impl(T* out, const T* q, const T* k_cache, const T* v_cac
     // qr has 3 spare rows (zero): the 4-row score loop may read past the last real row.
     std::vector<Q> qr((rows_max + 3) * D, Q(0.f));
     std::vector<float> acc(rows_max * D), row_max(rows_max), row_sum(rows_max);
+    std::vector<T> dequantized(std::is_same_v<C, int8_t> ? 2 * kKeys * D : 0);  // K rows, then V rows
+    const T* k_rows[kKeys];
+    const T* v_rows[kKeys];
     Block block;
     for (int64_t tid = tbegin; tid < tend; ++tid) {
       for (size_t it = tid; it < items.size(); it += num_threads) {
@@ -685,7 +817,21 @@ void prefill_attention_impl(T* out, const T* q, const T* k_cache, const T* v_cac
         const __m512 vscale = _mm512_set1_ps(scale);
         for (int64_t k0 = 0; k0 <= last_pos; k0 += kKeys) {
           const int64_t nk = std::min(kKeys, last_pos + 1 - k0);
-          block.load(k_cache, v_cache, table, block_size, kv_row, kh, k0, nk);
+          for (int64_t t = 0; t < nk; ++t) {
+            const int64_t row_at = slot_of(table, k0 + t, block_size) * kv_row + kh * head_row;
+            if constexpr (std::is_same_v<C, int8_t>) {
+              T* kd = dequantized.data() + t * D;
+              T* vd = kd + kKeys * D;
+              dequantize_row(kd, k_cache + row_at, D);
+              dequantize_row(vd, v_cache + row_at, D);
+              k_rows[t] = kd;
+              v_rows[t] = vd;
+            } else {
+              k_rows[t] = k_cache + row_at;
+              v_rows[t] = v_cache + row_at;
+            }
+          }
+          block.load(k_rows, v_rows, nk);
           const __m512i key_pos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(k0)),
                                                    _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
           for (int64_t r0 = 0; r0 < rows; r0 += 4) {
@@ -731,8 +877,9 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
                              const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& seq_lens,
                              int64_t heads, double scale) {
   for (auto* t : {&q, &k_cache, &v_cache, &block_tables, &query_start, &seq_lens}) check_cpu_contiguous(*t, "prefill_attention input");
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "caches must be [blocks, block_size, kv_heads, head_dim]");
-  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
+  TORCH_CHECK(k_cache.dim() == 4, "caches must be [blocks, block_size, kv_heads, head_dim (+ 4 for int8)]");
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  const int64_t head_dim = k_cache.size(3) - (k_cache.scalar_type() == at::kChar ? kScaleBytes : 0);
   const int64_t num_seqs = seq_lens.numel();
   TORCH_CHECK(attention_supports(heads, kv_heads, head_dim), "prefill_attention: unsupported shape: ", heads,
               " heads, ", kv_heads, " KV heads, head_dim ", head_dim);
@@ -740,7 +887,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   TORCH_CHECK(query_start.numel() == num_seqs + 1 && block_tables.dim() == 2 && block_tables.size(0) == num_seqs,
               "query_start must be [num_seqs + 1] and block_tables [num_seqs, max_blocks]");
   TORCH_CHECK(q.dim() == 2 && q.size(1) == heads * head_dim, "q must be [tokens, heads * head_dim]");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(), "cache dtype must equal q dtype");
+  const bool int8 = check_cache(k_cache, v_cache, q.scalar_type(), kv_heads, head_dim, "prefill_attention");
   const int64_t* qs = query_start.data_ptr<int64_t>();
   TORCH_CHECK(num_seqs == 0 || (qs[0] == 0 && qs[num_seqs] == q.size(0)), "query_start must run from 0 to the number of q rows");
   for (int64_t s = 0; s < num_seqs; ++s) {
@@ -751,9 +898,14 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   at::Tensor out = at::empty_like(q);
   const float sc = static_cast<float>(scale);
   LLMSERVE_DISPATCH(q.scalar_type(), "prefill_attention", [&] {
-    auto fn = head_dim == 64 ? prefill_attention_impl<scalar_t, 4> : prefill_attention_impl<scalar_t, 8>;
-    fn(out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-       block_tables.data_ptr<int64_t>(), block_tables.size(1), qs, seq_lens.data_ptr<int64_t>(), num_seqs, heads, kv_heads, block_size, sc);
+    auto run = [&](auto* k, auto* v) {
+      using C = std::remove_pointer_t<decltype(k)>;
+      auto fn = head_dim == 64 ? prefill_attention_impl<scalar_t, C, 4> : prefill_attention_impl<scalar_t, C, 8>;
+      fn(out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k, v, block_tables.data_ptr<int64_t>(), block_tables.size(1),
+         qs, seq_lens.data_ptr<int64_t>(), num_seqs, heads, kv_heads, block_size, sc);
+    };
+    if (int8) run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
+    else run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
   });
   return out;
 }

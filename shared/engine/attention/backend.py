@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.engine.attention.metadata import AttentionMetadata
+from shared.engine.kv_cache import dequantize_kv, quantize_kv
 
 
 # Query rows per score matrix in prefill: bounds its memory at ~(heads × 256 × context × 4 bytes).
@@ -24,7 +25,7 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,        # [num_tokens, num_heads * head_dim], RoPE applied
         k: torch.Tensor,        # [num_tokens, num_kv_heads * head_dim], RoPE applied
         v: torch.Tensor,        # [num_tokens, num_kv_heads * head_dim]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim (+ 4: int8, see kv_cache)]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:          # [num_tokens, num_heads * head_dim]
@@ -56,8 +57,11 @@ class TorchAttentionBackend:
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         kvh, d = self.num_kv_heads, self.head_dim
         # Write first: a sequence's new tokens attend to themselves through the cache.
-        k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k.view(-1, kvh, d))
-        v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v.view(-1, kvh, d))
+        for x, cache in ((k, k_cache), (v, v_cache)):
+            rows = x.view(-1, kvh, d)
+            if cache.dtype == torch.int8:
+                rows = quantize_kv(rows)
+            cache.view(-1, kvh, cache.shape[-1]).index_copy_(0, meta.slot_mapping, rows)
         return self.attend(q, k, v, k_cache, v_cache, meta)
 
     def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
@@ -79,11 +83,13 @@ class TorchAttentionBackend:
         for i in range(nd, meta.num_seqs):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             seq_len = meta.seq_lens[i]
-            if seq_len == end - start:
-                # Nothing cached before this chunk: its own fresh K/V are all it attends to.
+            if seq_len == end - start and k_cache.dtype != torch.int8:
+                # Nothing cached before this chunk: its own fresh K/V are all it attends to. (An int8
+                # cache is always read back, so a prompt attends to the same values whether its prefix
+                # was cached or computed in this chunk.)
                 ki, vi = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
             else:
-                ki, vi = self._gather(k_cache, v_cache, meta.block_tables[i], seq_len)
+                ki, vi = self._gather(k_cache, v_cache, meta.block_tables[i], seq_len, q.dtype)
             out[start:end] = self._prefill(q[start:end], ki, vi, seq_len)
         return out
 
@@ -112,12 +118,13 @@ class TorchAttentionBackend:
             out[lo:hi] = o.reshape(n, kvh * g * d)
         return out
 
-    def _gather(self, k_cache, v_cache, block_table, seq_len):
+    def _gather(self, k_cache, v_cache, block_table, seq_len, dtype):
+        """The sequence's keys and values [kvh, seq_len, d] (an int8 cache dequantized to ``dtype``)."""
         num_blocks = -(-seq_len // k_cache.shape[1])
         ids = block_table[:num_blocks]
-        kvh, d = self.num_kv_heads, self.head_dim
-        ki = k_cache[ids].view(-1, kvh, d)[:seq_len].transpose(0, 1)
-        vi = v_cache[ids].view(-1, kvh, d)[:seq_len].transpose(0, 1)
+        kvh = self.num_kv_heads
+        ki = _readable(k_cache[ids].view(-1, kvh, k_cache.shape[-1])[:seq_len], dtype).transpose(0, 1)
+        vi = _readable(v_cache[ids].view(-1, kvh, v_cache.shape[-1])[:seq_len], dtype).transpose(0, 1)
         return ki, vi
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
@@ -129,16 +136,22 @@ class TorchAttentionBackend:
 
     def _decode_gathered(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """All single-token queries at once: gather each sequence's blocks (in the cache dtype, one
-        copy) padded to the longest, mask the padding, and attend per KV head.
+        copy; an int8 cache then dequantized) padded to the longest, mask the padding, and attend per
+        KV head.
         At batch 32 the gather and any up-cast copy dominate a decode step, so nothing is converted."""
         nd = q.shape[0]
         kvh, d = self.num_kv_heads, self.head_dim
         max_len = meta.decode_mask.shape[-1]
         ids = meta.block_tables[:nd, : max_len // meta.block_size].reshape(-1)
-        keys = k_cache.index_select(0, ids).view(nd, max_len, kvh, d).transpose(1, 2)
-        values = v_cache.index_select(0, ids).view(nd, max_len, kvh, d).transpose(1, 2)
+        keys = _readable(k_cache.index_select(0, ids), q.dtype).view(nd, max_len, kvh, d).transpose(1, 2)
+        values = _readable(v_cache.index_select(0, ids), q.dtype).view(nd, max_len, kvh, d).transpose(1, 2)
         # The g query heads of a KV head go in as g query rows over that head's keys: plain SDPA,
         # no head expansion (SDPA's enable_gqa path was ~3.5x slower here at batch 32).
         out = F.scaled_dot_product_attention(q.reshape(nd, kvh, self.group, d), keys, values,
                                              attn_mask=meta.decode_mask, scale=self.scale)
         return out.reshape(nd, self.num_heads * d)
+
+
+def _readable(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows as attention reads them: an int8 cache's dequantized to ``dtype``, others as they are."""
+    return dequantize_kv(rows, dtype) if rows.dtype == torch.int8 else rows
