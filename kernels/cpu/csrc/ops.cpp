@@ -396,11 +396,19 @@ inline void dot4(__m512 (&dot)[G][4], const c10::BFloat16* q, const c10::BFloat1
 }
 #endif
 
+// sum + the pairwise sums of int16 products a * b, in int32 lanes (one instruction with AVX512-VNNI).
+inline __m512i add_dot_i16(__m512i sum, __m512i a, __m512i b) {
 #if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(sum, a, b);
+#else
+  return _mm512_add_epi32(sum, _mm512_madd_epi16(a, b));
+#endif
+}
+
 // int8 keys against queries quantized to int16 (one scale per head, relative error 2^-16 of the head's
-// largest element: far below bf16's rounding): 32 exact products per instruction (vpdpwssd) into int32
-// lanes that cannot overflow (64 x 127 x 32767 < 2^31 per lane at head_dim 128). The caller multiplies
-// each finished score by the query's and the key row's scales.
+// largest element: far below bf16's rounding): 32 exact products per instruction into int32 lanes that
+// cannot overflow (64 x 127 x 32767 < 2^31 per lane at head_dim 128). The caller multiplies each
+// finished score by the query's and the key row's scales.
 template <int G, int NV>
 inline void dot4(__m512 (&dot)[G][4], const int16_t* q, const int8_t* k, int64_t stride, int64_t nt) {
   constexpr int NP = NV / 2;  // 32-element vectors per row
@@ -414,7 +422,7 @@ inline void dot4(__m512 (&dot)[G][4], const int16_t* q, const int8_t* k, int64_t
                      : _mm512_setzero_si512();
     for (int j = 0; j < G; ++j) {
       __m512i sum = _mm512_setzero_si512();
-      for (int p = 0; p < NP; ++p) sum = _mm512_dpwssd_epi32(sum, qv[j][p], kv[p]);
+      for (int p = 0; p < NP; ++p) sum = add_dot_i16(sum, qv[j][p], kv[p]);
       dot[j][u] = _mm512_cvtepi32_ps(sum);
     }
   }
@@ -432,7 +440,6 @@ void quantize_query_int16(int16_t* dst, float* scales, const T* q, int64_t num_h
       dst[h * head_dim + i] = amax > 0.f ? static_cast<int16_t>(std::nearbyint(to_float(x[i]) / scales[h])) : 0;
   }
 }
-#endif
 
 // G query heads share a KV head; NV = head_dim / 16 vectors per row. Both are compile-time so the
 // query and accumulator vectors (G * NV zmm) stay in registers. A work item is one part of a
