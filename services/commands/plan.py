@@ -24,8 +24,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--context", type=int, default=None,
                         help="context length per request (default: the model's maximum)")
     parser.add_argument("--dtype", choices=WEIGHT_DTYPES, default="float16", help="weight and activation dtype")
-    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto", help="KV cache dtype (auto: --dtype; int8: the engine's int8 cache, "
-                        "a 4-byte scale per token and KV head included)")
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
+                        help="KV cache dtype (auto: --dtype; int8: the engine's int8 cache, a 4-byte scale "
+                             "per token and KV head included)")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help=QUANTIZATION_HELP)
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")

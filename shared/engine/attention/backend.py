@@ -137,8 +137,8 @@ class TorchAttentionBackend:
     def _decode_gathered(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """All single-token queries at once: gather each sequence's blocks (in the cache dtype, one
         copy; an int8 cache then dequantized) padded to the longest, mask the padding, and attend per
-        KV head.
-        At batch 32 the gather and any up-cast copy dominate a decode step, so nothing is converted."""
+        KV head. At batch 32 the gather and any up-cast copy dominate a decode step, so a cache in the
+        model dtype is not converted."""
         nd = q.shape[0]
         kvh, d = self.num_kv_heads, self.head_dim
         max_len = meta.decode_mask.shape[-1]
