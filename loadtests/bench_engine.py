@@ -616,7 +616,9 @@ def print_report(res: dict[str, Any]) -> None:
     line = "-" * 96
     print(line)
     print(f"bench_engine  model={os.path.basename(res['config']['model'])}  dtype={res['config']['dtype']}  "
-          f"quantization={res['config'].get('quantization')}  kv_cache_dtype={res['config'].get('kv_cache_dtype', 'auto')}  threads={res['config']['threads']}\n  OMP_WAIT_POLICY={res['env']['omp_wait_policy']}  "
+          f"quantization={res['config'].get('quantization')}  "
+          f"kv_cache_dtype={res['config'].get('kv_cache_dtype', 'auto')}  threads={res['config']['threads']}\n"
+          f"  OMP_WAIT_POLICY={res['env']['omp_wait_policy']}  "
           f"malloc_tuned={res['env']['malloc_tuned']}  "
           f"repeats={res['config']['repeats']} (best kept)  load avg start/end={res['env']['load_avg_start']}"
           f"/{res['env']['load_avg_end']}  total {res['env']['total_s']:.0f}s\n  engine at commit "
@@ -647,10 +649,12 @@ def print_report(res: dict[str, Any]) -> None:
                       f"{dec if dec is None else format(dec, '.1f'):>13}{hf['output_tokens_per_cpu_s']:>11.1f}")
             print("    (prefill s: until every prompt is computed; decode tok/s: output tokens after that / time;\n"
                   "     tok/CPU-s: output tokens per second of this process's CPU time, less sensitive to neighbours)")
+            engine = res["config"]["dtype"] + (" int8" if res["config"].get("quantization") else "")
+            engine += ", int8 KV" if res["config"].get("kv_cache_dtype") == "int8" else ""
             for hf in hf_runs:
                 print(f"    transformers {hf['dtype']} measured: {hf['measured']}")
-                print(f"    ratio best engine (mbt={a['engine']['best']['max_num_batched_tokens']}, "
-                      f"{res['config']['dtype']}{' int8' if res['config'].get('quantization') else ''}{', int8 KV' if res['config'].get('kv_cache_dtype') == 'int8' else ''}) / transformers {hf['dtype']} = {hf['ratio']:.2f}x wall, "
+                print(f"    ratio best engine (mbt={a['engine']['best']['max_num_batched_tokens']}, {engine}) / "
+                      f"transformers {hf['dtype']} = {hf['ratio']:.2f}x wall, "
                       f"{hf['cpu_ratio']:.2f}x per CPU-second   (target >= 8x)")
             ag = a["agreement"]
             print(f"    greedy agreement with transformers {hf_runs[0]['dtype']} over {ag['tokens_compared']} tokens: {ag['identical_prompts']}/"

@@ -14,7 +14,7 @@ Each figure is the median of ``--repeats`` timed runs after one warm-up. The num
 ``kernels/cpu/csrc/ops.cpp`` and ``packed_linear.py`` come from here.
 
     python -m loadtests.bench_kernels [--dtype bfloat16] [--out loadtests/results/bench_kernels.json]
-    python -m loadtests.bench_kernels --kv-cache-dtype int8 --rows 1 --out /tmp/bench_kernels_kv8.json
+    python -m loadtests.bench_kernels --kv-cache-dtype int8 --rows 1 --out loadtests/results/bench_kernels_kv_int8.json
 """
 
 from __future__ import annotations
@@ -161,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     res: dict = dict(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, threads=args.threads,
                      repeats=args.repeats, layers=LAYERS)
-    print(f"bench_kernels  {args.dtype}  kv cache {args.kv_cache_dtype}  threads={args.threads}  SmolLM2-135M shapes x {LAYERS} layers  "
-          f"load avg {os.getloadavg()[0]:.2f}")
+    print(f"bench_kernels  {args.dtype}  kv cache {args.kv_cache_dtype}  threads={args.threads}  "
+          f"SmolLM2-135M shapes x {LAYERS} layers  load avg {os.getloadavg()[0]:.2f}")
     res["decode_attention"] = []
     for b in (int(x) for x in args.batches.split(",")):
         r = bench_decode(ops, dtype, b, args.context, args.repeats, args.kv_cache_dtype)

@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         quantize_s = time.perf_counter() - t0
         logits = all_position_logits(model, ids, kv_cache_dtype=kv_cache_dtype)
         diff = (logits - ref).abs()
-        row = dict(config=name, dtype=dtype, alpha=alpha, kv_cache_dtype=kv_cache_dtype, perplexity=perplexity(logits, ids),
+        row = dict(config=name, dtype=dtype, alpha=alpha, kv_cache_dtype=kv_cache_dtype,
+                   perplexity=perplexity(logits, ids),
                    top1_agreement=(logits.argmax(-1) == ref.argmax(-1)).float().mean().item(),
                    mean_abs_logit_diff=diff.mean().item(), max_abs_logit_diff=diff.max().item(),
                    weight_bytes=model.weight_bytes(), quantize_s=quantize_s)

@@ -87,7 +87,7 @@ def _gathered(cache, table, n, kv_heads, group, dtype):
 def test_decode_attention_reads_int8_blocks(dtype, heads, kv_heads, d):
     """Against SDPA over the dequantized cache. The kernel multiplies integer keys by the query held in
     int16 and applies the row scales to whole scores and weights: fp32 outputs within 1e-4 (measured
-    5e-5), bf16 within a bf16 rounding."""
+    up to 5e-5), bf16 within a bf16 rounding."""
     g = torch.Generator().manual_seed(3)
     k_cache, v_cache = _int8_caches(80, 16, kv_heads, d, dtype, g)
     seq_lens = [1, 16, 17, 100, 1000]
@@ -166,7 +166,7 @@ def test_fused_forward_on_int8_cache_matches_the_torch_path(runtime_fp32, runtim
 
 def test_int8_cache_stays_close_to_bf16(runtime_fp32, runtime_bf16, smollm2_tokenizer):
     """Teacher-forced over ~1,000 tokens of the engine's docstrings, against fp32 with an fp32 cache.
-    Measured: top-1 agreement bf16 97.9%, bf16 with int8 KV 97.0%; perplexity +0.6% over bf16's
+    Measured: top-1 agreement bf16 97.9%, bf16 with int8 KV 96.8%; perplexity 11.74 / 11.81 (+0.6%)
     (bench_quality over 1,500 tokens: 98.1% / 97.1%, 11.54 / 11.62)."""
     from loadtests.workloads import corpus_text
 

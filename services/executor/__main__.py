@@ -113,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
         max_model_len=config.max_model_len, num_threads=config.num_threads, seed=config.seed))
     stats = engine.stats()
-    log.info("%s: %s loaded, %d KV blocks of %d tokens, max_model_len %d", config.executor_id,
-             engine.model_name, stats.num_total_blocks, config.block_size, engine.max_model_len)
+    log.info("%s: %s loaded, %d KV blocks of %d tokens (%s), max_model_len %d", config.executor_id,
+             engine.model_name, stats.num_total_blocks, config.block_size,
+             "int8" if config.kv_cache_dtype == "int8" else config.dtype, engine.max_model_len)
     service_config = ExecutorServiceConfig(
         executor_id=config.executor_id, model_name=config.model_name or engine.model_name, max_model_len=engine.max_model_len,
         block_size=config.block_size, max_num_seqs=config.max_num_seqs,
