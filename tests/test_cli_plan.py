@@ -48,6 +48,18 @@ def test_plan_with_int8_decoder_linears(capsys):
     assert "float16, int8 decoder linears]" in capsys.readouterr().out
 
 
+def test_plan_with_the_int8_kv_cache(capsys):
+    """int8 rows carry a 4-byte scale each: Llama-3-8B's 2 x 32 layers x 8 KV heads x (128 + 4) bytes."""
+    argv = ["plan", "--model", "llama-3-8b", "--memory", "24GiB", "--context", "8192", "--dtype", "bfloat16", "--json"]
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--kv-dtype", "int8"]) == 0
+    int8 = json.loads(capsys.readouterr().out)
+    assert int8["kv_dtype"] == "int8" and int8["kv_bytes_per_token"] == 67584 and plain["kv_bytes_per_token"] == 131072
+    remainder = plain["memory_budget_bytes"] - plain["weight_bytes"] - plain["activation_bytes"]
+    assert int8["num_kv_blocks"] == remainder // (16 * 67584) and plain["num_kv_blocks"] == remainder // (16 * 131072)
+
+
 def test_kv_dtype_auto_follows_dtype(capsys):
     assert main(["plan", "--model", "llama-3-70b", "--memory", "640GiB", "--dtype", "bfloat16", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
