@@ -38,11 +38,6 @@ def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (rows[..., :-SCALE_BYTES].float() * scale).to(dtype)
 
 
-def kv_row_len(head_dim: int, kv_cache_dtype: str) -> int:
-    """Elements per (token, KV head) row of the cache."""
-    return head_dim + SCALE_BYTES if kv_cache_dtype == "int8" else head_dim
-
-
 class KVCache:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu", kv_cache_dtype: str = "auto") -> None:
@@ -52,11 +47,11 @@ class KVCache:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.kv_cache_dtype = kv_cache_dtype
-        row = kv_row_len(config.head_dim, kv_cache_dtype)
-        element = torch.int8 if kv_cache_dtype == "int8" else dtype
+        int8 = kv_cache_dtype == "int8"
+        row = config.head_dim + SCALE_BYTES if int8 else config.head_dim
         shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, row)
-        self.storage = huge_pages.zeros(shape, element, device)  # blocks are read scattered: see huge_pages
+        # Blocks are read scattered: see huge_pages.
+        self.storage = huge_pages.zeros(shape, torch.int8 if int8 else dtype, device)
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (self.storage[i, 0], self.storage[i, 1]) for i in range(config.num_layers)
         ]

@@ -10,5 +10,5 @@ QUANTIZATION_HELP = "int8: int8 weights and activations in the decoder linears (
 
 KV_CACHE_DTYPES = ("auto", "int8")
 KV_CACHE_DTYPE_HELP = ("KV cache element type. auto: the model dtype; int8: int8 with a scale per token and "
-                       "KV head (about half the bytes: twice the tokens in the same memory, faster decode "
+                       "KV head (about half the bytes: 1.9x the tokens in the same memory, faster decode "
                        "attention; slightly less exact)")
