@@ -19,23 +19,21 @@ import torch
 
 from shared.engine import huge_pages
 from shared.engine.models.config import ModelConfig
-from shared.engine.quantization import KV_CACHE_DTYPES
-
-SCALE_BYTES = 4  # the fp32 scale at the end of an int8 row
+from shared.engine.models.int8_linear import quantize_rows
+from shared.engine.quantization import KV_CACHE_DTYPES, KV_SCALE_BYTES
 
 
 def quantize_kv(x: torch.Tensor) -> torch.Tensor:
-    """[..., head_dim] (any float dtype) -> int8 rows [..., head_dim + 4]; the kernels' rounding exactly."""
-    xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True) / 127.0
-    q = torch.where(scale > 0, torch.round(xf / scale), torch.zeros_like(xf)).clamp_(-127, 127)
-    return torch.cat([q.to(torch.int8), scale.contiguous().view(torch.int8)], dim=-1)
+    """[..., head_dim] (any float dtype) -> int8 rows [..., head_dim + 4]: the int8 linear's per-row
+    quantization, its scale appended as bytes; the kernels' rounding exactly."""
+    q, scale = quantize_rows(x.float())
+    return torch.cat([q, scale.unsqueeze(-1).view(torch.int8)], dim=-1)
 
 
 def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """int8 rows [..., head_dim + 4] -> [..., head_dim] in ``dtype``: (q * scale) rounded once."""
-    scale = rows[..., -SCALE_BYTES:].contiguous().view(torch.float32)
-    return (rows[..., :-SCALE_BYTES].float() * scale).to(dtype)
+    scale = rows[..., -KV_SCALE_BYTES:].contiguous().view(torch.float32)
+    return (rows[..., :-KV_SCALE_BYTES].float() * scale).to(dtype)
 
 
 class KVCache:
@@ -48,7 +46,7 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         int8 = kv_cache_dtype == "int8"
-        row = config.head_dim + SCALE_BYTES if int8 else config.head_dim
+        row = config.head_dim + KV_SCALE_BYTES if int8 else config.head_dim
         shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, row)
         # Blocks are read scattered: see huge_pages.
         self.storage = huge_pages.zeros(shape, torch.int8 if int8 else dtype, device)

@@ -21,15 +21,16 @@ def prefill_hidden(model, token_ids: list[int], block_table: list[int] | None = 
         raise ValueError("token_ids must not be empty")
     needed = -(-len(token_ids) // block_size)
     table = list(range(1, needed + 1)) if block_table is None else block_table
-    kv = KVCache(model.config, num_blocks or max(table) + 1, block_size, model.dtype, model.embed_tokens.weight.device,
-                 kv_cache_dtype)
+    kv = KVCache(model.config, num_blocks or max(table) + 1, block_size, model.dtype,
+                 model.embed_tokens.weight.device, kv_cache_dtype)
     meta = build_attention_metadata(query_lens=[len(token_ids)], num_computed=[0], block_tables=[table],
                                     block_size=block_size)
     return model(torch.tensor(token_ids, dtype=torch.int64), kv.layers, meta)
 
 
 def all_position_logits(model, token_ids: list[int], block_table: list[int] | None = None, *,
-                        block_size: int = 16, num_blocks: int | None = None, kv_cache_dtype: str = "auto") -> torch.Tensor:
+                        block_size: int = 16, num_blocks: int | None = None,
+                        kv_cache_dtype: str = "auto") -> torch.Tensor:
     """fp32 logits [len(token_ids), vocab] at every position (teacher forcing): row i is the
     distribution of the token after ``token_ids[:i + 1]``."""
     hidden = prefill_hidden(model, token_ids, block_table, block_size=block_size, num_blocks=num_blocks,
