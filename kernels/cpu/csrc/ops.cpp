@@ -28,6 +28,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -149,16 +150,17 @@ void quantize_row(int8_t* dst, const T* x, int64_t head_dim) {
   std::memcpy(dst + head_dim, &scale, sizeof(scale));
 }
 
-// A row back in the model dtype, (q * scale) rounded once, as the torch reference dequantizes.
-template <typename T>
-void dequantize_row(T* dst, const int8_t* row, int64_t head_dim) {
-  const float scale = row_scale(row, head_dim);
-  for (int64_t i = 0; i < head_dim; ++i) dst[i] = from_float<T>(static_cast<float>(row[i]) * scale);
-}
-
 // 16 int8 values as fp32 (exact).
 inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// A row back in the model dtype, (q * scale) rounded once, as the torch reference dequantizes;
+// head_dim a multiple of 16.
+template <typename T>
+void dequantize_row(T* dst, const int8_t* row, int64_t head_dim) {
+  const __m512 scale = _mm512_set1_ps(row_scale(row, head_dim));
+  for (int64_t i = 0; i < head_dim; i += 16) store16(dst + i, _mm512_mul_ps(load16(row + i), scale));
 }
 
 // Elements per (token, KV head) row of a cache of C: the values, then for int8 the scale's bytes.
@@ -660,70 +662,112 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 // Sequence s has q_len = query_start[s+1] - query_start[s] new tokens, the last q_len of its seq_lens[s]
 // (their K/V already written). Work item = (sequence, KV head, tile of kTile query tokens); its rows
 // are the tile's tokens x the KV head's query heads, so each key block is converted once for all of
-// them. Keys go 16 at a time (one cache block per pass when block_size is 16): K is laid out so a
-// row's 16 scores are a run of broadcast multiply-adds (no horizontal sums), then an online softmax
-// (running max and sum per row) folds the block into fp32 accumulators. Blocks past a tile's last
-// position are never read: the causal half of the work is skipped, not masked.
+// them. The rows go 16 at a time, one per vector lane (a pass), against 16 keys at a time (one cache
+// block when block_size is 16): a key's scores for the pass are a run of broadcast multiply-adds into
+// one vector, and the online softmax (running max and sum per row) is then lane-wise arithmetic across
+// the 16 key vectors: no horizontal reductions, no branches, one exp for a pass's rescaling. Blocks
+// past a pass's last position are never read: the causal half of the work is skipped, not masked.
 //
-// Two layouts of a 16-key block (KeyBlock): fp32 (K transposed [D][16], V [16][D], fp32 products), and
-// for bf16 with AVX512-BF16, pairs (K as [D/2][16 keys][2 dims], V as [8][D][2 keys]) for bf16 dot
-// products, 32 per instruction: the scores are exact products summed in fp32 as before; the softmax
-// weights are rounded to bf16 for P.V (relative error 2^-9 per weight, as flash attention does on GPUs;
-// the sums and the normalizer stay fp32). Measured on this host, SmolLM2 shapes, 2,048 new tokens in
-// five prompts x 30 layers: 430 ms as first written (fp32 products, every row rescaled every block);
-// 215 ms with bf16 pairs and rows rescaled only when their max grows (fp32 data: 314 ms).
+// Two layouts (KeyBlock): fp32 products for any T, and for bf16 with AVX512-BF16, pairs (queries as
+// [D/2][16 rows][2 dims], V as [8][D][2 keys]) for bf16 dot products, 32 per instruction: the scores
+// are exact products summed in fp32; the softmax weights are rounded to bf16 for P.V (relative error
+// 2^-9 per weight, as flash attention does on GPUs; the sums and the normalizer stay fp32). Measured on
+// this host, SmolLM2 shapes, 2,048 new tokens in five prompts x 30 layers (`python -m
+// loadtests.bench_kernels`): 430 ms as first written (fp32 products, a row per pass, every row rescaled
+// every block); 215-250 ms with bf16 pairs, a row per pass, rows rescaled only when their max grows
+// (about 30% of the two cores' 464 GFLOP/s bf16 peak: each row's max, exp and sum were horizontal
+// and latency-bound); 125-155 ms with rows in lanes (210-260 GFLOP/s; on an int8 cache 130-165 ms,
+// was 230-265). Of the 125, scores and P.V take ~95 ms, about what their dot products need at one per
+// cycle, and the 17 exps of a pass ~30 ms.
 
-constexpr int64_t kKeys = 16;
+constexpr int64_t kKeys = 16, kLanes = 16;
 
 // Slot of position pos in a sequence's block table.
 inline int64_t slot_of(const int64_t* table, int64_t pos, int64_t block_size) {
   return table[pos / block_size] * block_size + pos % block_size;
 }
 
+// A 16 x 16 fp32 transpose in registers, in place: r[i] lane j <- r[j] lane i.
+inline void transpose16(__m512 (&r)[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < 16; g += 4) {  // rows g..g+3: u[g + c] holds columns c, c + 4, c + 8, c + 12
+    const __m512d a = _mm512_castps_pd(t[g]), b = _mm512_castps_pd(t[g + 1]);
+    const __m512d c = _mm512_castps_pd(t[g + 2]), d = _mm512_castps_pd(t[g + 3]);
+    u[g] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    u[g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    u[g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    u[g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512 e0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88), e1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512 o0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD), o1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
+    r[c] = _mm512_shuffle_f32x4(e0, e1, 0x88);
+    r[c + 8] = _mm512_shuffle_f32x4(e0, e1, 0xDD);
+    r[c + 4] = _mm512_shuffle_f32x4(o0, o1, 0x88);
+    r[c + 12] = _mm512_shuffle_f32x4(o0, o1, 0xDD);
+  }
+}
+
+// A 64-byte-aligned scratch array (its vector loads never straddle cache lines).
+template <typename X>
+struct Aligned64 {
+  explicit Aligned64(size_t n) : p(static_cast<X*>(std::aligned_alloc(64, (n * sizeof(X) + 63) / 64 * 64))) {
+    TORCH_CHECK(p != nullptr, "out of memory for attention scratch");
+  }
+  Aligned64(const Aligned64&) = delete;
+  Aligned64& operator=(const Aligned64&) = delete;
+  ~Aligned64() { std::free(p); }
+  X* p;
+};
+
 template <typename T, int NV>
 struct KeyBlock {
   static constexpr int64_t D = NV * 16;
-  using QType = float;  // query rows as the score loop reads them
-  alignas(64) float kt[D * kKeys];
-  alignas(64) float vf[kKeys * D];
+  using QType = float;                      // a pass's queries: [D][16 rows]
+  static constexpr int64_t kQUnits = D;     // QType values per row
+  alignas(64) float kf[kKeys][D];
+  alignas(64) float vf[kKeys][D];
 
-  static void load_query(float* dst, const T* src) {
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(dst + v * 16, load16(src + v * 16));
+  // Up to 16 query rows (nullptr: padding, zero) into lanes.
+  static void load_queries(float* qt, const T* const* rows) {
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      __m512 r[kLanes];
+      for (int64_t lane = 0; lane < kLanes; ++lane)
+        r[lane] = rows[lane] != nullptr ? load16(rows[lane] + d0) : _mm512_setzero_ps();
+      transpose16(r);
+      for (int64_t j = 0; j < 16; ++j) _mm512_store_ps(qt + (d0 + j) * kLanes, r[j]);
+    }
   }
-  // The block's nk key and value rows (D elements each); the rest of the 16 read as zero.
+  // The block's nk key and value rows; the rest of the 16 read as zero.
   void load(const T* const* k_rows, const T* const* v_rows, int64_t nk) {
-    for (int64_t t = 0; t < kKeys; ++t) {
-      if (t < nk) {
-        const T* kp = k_rows[t];
-        const T* vp = v_rows[t];
-        for (int64_t i = 0; i < D; ++i) kt[i * kKeys + t] = to_float(kp[i]);
-        for (int v = 0; v < NV; ++v) _mm512_store_ps(vf + t * D + v * 16, load16(vp + v * 16));
-      } else {
-        for (int64_t i = 0; i < D; ++i) kt[i * kKeys + t] = 0.f;
+    for (int64_t t = 0; t < kKeys; ++t)
+      for (int v = 0; v < NV; ++v) {
+        _mm512_store_ps(kf[t] + v * 16, t < nk ? load16(k_rows[t] + v * 16) : _mm512_setzero_ps());
+        _mm512_store_ps(vf[t] + v * 16, t < nk ? load16(v_rows[t] + v * 16) : _mm512_setzero_ps());
       }
-    }
   }
-  // Scores of four query rows (D apart at q0; rows past the real ones read scratch, unused): eight
-  // independent chains (two per row) share each K load, so the loop runs at FMA throughput.
-  void scores4(__m512 (&s)[4], const float* q0) const {
-    __m512 even[4], odd[4];
-    for (int x = 0; x < 4; ++x) even[x] = odd[x] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < D; i += 2) {
-      const __m512 ke = _mm512_load_ps(kt + i * kKeys), ko = _mm512_load_ps(kt + (i + 1) * kKeys);
-      for (int x = 0; x < 4; ++x) {
-        even[x] = _mm512_fmadd_ps(_mm512_set1_ps(q0[x * D + i]), ke, even[x]);
-        odd[x] = _mm512_fmadd_ps(_mm512_set1_ps(q0[x * D + i + 1]), ko, odd[x]);
-      }
+  // s[k] = the pass's 16 rows . key k (16 independent chains share each query load).
+  void scores(__m512 (&s)[kKeys], const float* qt) const {
+    __m512 a[kKeys];  // local, so the compiler keeps it in registers (s is stored once, at the end)
+    for (int64_t k = 0; k < kKeys; ++k) a[k] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < D; ++i) {
+      const __m512 qi = _mm512_load_ps(qt + i * kLanes);
+      for (int64_t k = 0; k < kKeys; ++k) a[k] = _mm512_fmadd_ps(qi, _mm512_set1_ps(kf[k][i]), a[k]);
     }
-    for (int x = 0; x < 4; ++x) s[x] = _mm512_add_ps(even[x], odd[x]);
+    for (int64_t k = 0; k < kKeys; ++k) s[k] = a[k];
   }
-  // a (NV vectors) += sum over the block's keys of p[t] * V[t].
-  void add_pv(__m512 (&a)[NV], __m512 p, int64_t nk) const {
-    alignas(64) float pt[kKeys];
-    _mm512_store_ps(pt, p);
-    for (int64_t t = 0; t < nk; ++t) {
-      const __m512 w = _mm512_set1_ps(pt[t]);
-      for (int v = 0; v < NV; ++v) a[v] = _mm512_fmadd_ps(w, _mm512_load_ps(vf + t * D + v * 16), a[v]);
+  // acc ([D][16 rows]) = acc * corr + sum over keys of p[k] * V[k], 16 dims at a time in registers.
+  void add_pv(float* acc, const __m512 (&p)[kKeys], __m512 corr) const {
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      __m512 a[16];
+      for (int j = 0; j < 16; ++j) a[j] = _mm512_mul_ps(_mm512_load_ps(acc + (d0 + j) * kLanes), corr);
+      for (int64_t k = 0; k < kKeys; ++k)
+        for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(p[k], _mm512_set1_ps(vf[k][d0 + j]), a[j]);
+      for (int j = 0; j < 16; ++j) _mm512_store_ps(acc + (d0 + j) * kLanes, a[j]);
     }
   }
 };
@@ -732,53 +776,58 @@ struct KeyBlock {
 template <int NV>
 struct KeyBlock<c10::BFloat16, NV> {
   static constexpr int64_t D = NV * 16;
-  using QType = c10::BFloat16;
-  alignas(64) uint32_t kp[D / 2 * kKeys];  // [dim pair][key]: bf16 (K[key][2i], K[key][2i+1])
-  alignas(64) uint32_t vp[kKeys / 2 * D];  // [key pair][dim]: bf16 (V[2t][d], V[2t+1][d])
+  using QType = uint32_t;                   // a pass's queries: [D/2][16 rows] bf16 pairs (q[2i], q[2i+1])
+  static constexpr int64_t kQUnits = D / 2;
+  alignas(64) uint32_t kp[kKeys][D / 2];    // K rows as bf16 pairs
+  alignas(64) uint32_t vp[kKeys / 2][D];    // [key pair][dim]: bf16 (V[2t][d], V[2t+1][d])
 
-  static void load_query(c10::BFloat16* dst, const c10::BFloat16* src) { std::memcpy(dst, src, D * sizeof(*src)); }
+  static void load_queries(uint32_t* qt, const c10::BFloat16* const* rows) {
+    for (int64_t i0 = 0; i0 < D / 2; i0 += 16) {  // 16 pairs of each row at a time, moved as fp32 bits
+      __m512 r[kLanes];
+      for (int64_t lane = 0; lane < kLanes; ++lane)
+        r[lane] = rows[lane] != nullptr ? _mm512_loadu_ps(reinterpret_cast<const uint32_t*>(rows[lane]) + i0)
+                                        : _mm512_setzero_ps();
+      transpose16(r);
+      for (int64_t j = 0; j < 16; ++j) _mm512_store_ps(reinterpret_cast<float*>(qt + (i0 + j) * kLanes), r[j]);
+    }
+  }
   void load(const c10::BFloat16* const* k_rows, const c10::BFloat16* const* v_rows, int64_t nk) {
-    const uint16_t* rows_v[kKeys];
-    static const uint16_t zeros[D] = {};
+    static const c10::BFloat16 zeros[D] = {};
+    const c10::BFloat16* vr[kKeys];
     for (int64_t t = 0; t < kKeys; ++t) {
-      if (t < nk) {
-        const uint32_t* kr = reinterpret_cast<const uint32_t*>(k_rows[t]);
-        for (int64_t i = 0; i < D / 2; ++i) kp[i * kKeys + t] = kr[i];
-        rows_v[t] = reinterpret_cast<const uint16_t*>(v_rows[t]);
-      } else {
-        for (int64_t i = 0; i < D / 2; ++i) kp[i * kKeys + t] = 0;
-        rows_v[t] = zeros;
-      }
+      std::memcpy(kp[t], t < nk ? k_rows[t] : zeros, D * sizeof(c10::BFloat16));
+      vr[t] = t < nk ? v_rows[t] : zeros;
     }
     // Interleave value rows two by two: 16 dims of key 2t and of key 2t+1 -> 16 pairs.
     for (int64_t t = 0; t < kKeys / 2; ++t)
       for (int v = 0; v < NV; ++v) {
-        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows_v[2 * t] + v * 16));
-        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows_v[2 * t + 1] + v * 16));
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr[2 * t] + v * 16));
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr[2 * t + 1] + v * 16));
         const __m512i wa = _mm512_cvtepu16_epi32(a), wb = _mm512_cvtepu16_epi32(b);
-        _mm512_store_si512(vp + t * D + v * 16, _mm512_or_si512(wa, _mm512_slli_epi32(wb, 16)));
+        _mm512_store_si512(vp[t] + v * 16, _mm512_or_si512(wa, _mm512_slli_epi32(wb, 16)));
       }
   }
-  void scores4(__m512 (&s)[4], const c10::BFloat16* q0) const {
-    __m512 even[4], odd[4];
-    for (int x = 0; x < 4; ++x) even[x] = odd[x] = _mm512_setzero_ps();
-    const uint32_t* qp = reinterpret_cast<const uint32_t*>(q0);
-    for (int64_t i = 0; i < D / 2; i += 2) {
-      const __m512bh ke = (__m512bh)_mm512_load_si512(kp + i * kKeys), ko = (__m512bh)_mm512_load_si512(kp + (i + 1) * kKeys);
-      for (int x = 0; x < 4; ++x) {
-        even[x] = _mm512_dpbf16_ps(even[x], (__m512bh)_mm512_set1_epi32(qp[x * D / 2 + i]), ke);
-        odd[x] = _mm512_dpbf16_ps(odd[x], (__m512bh)_mm512_set1_epi32(qp[x * D / 2 + i + 1]), ko);
-      }
+  void scores(__m512 (&s)[kKeys], const uint32_t* qt) const {
+    __m512 a[kKeys];
+    for (int64_t k = 0; k < kKeys; ++k) a[k] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < D / 2; ++i) {
+      const __m512bh qi = (__m512bh)_mm512_load_si512(qt + i * kLanes);
+      for (int64_t k = 0; k < kKeys; ++k) a[k] = _mm512_dpbf16_ps(a[k], qi, (__m512bh)_mm512_set1_epi32(kp[k][i]));
     }
-    for (int x = 0; x < 4; ++x) s[x] = _mm512_add_ps(even[x], odd[x]);
+    for (int64_t k = 0; k < kKeys; ++k) s[k] = a[k];
   }
-  void add_pv(__m512 (&a)[NV], __m512 p, int64_t nk) const {
-    alignas(64) uint32_t pairs[kKeys / 2];
-    // bf16 p as 16-bit lanes: lane 2t = p[t]; as 32-bit lanes: pair t = (p[2t], p[2t+1]).
-    _mm256_store_si256(reinterpret_cast<__m256i*>(pairs), to_bf16_bits(p));
-    for (int64_t t = 0; t < (nk + 1) / 2; ++t) {
-      const __m512bh w = (__m512bh)_mm512_set1_epi32(pairs[t]);
-      for (int v = 0; v < NV; ++v) a[v] = _mm512_dpbf16_ps(a[v], (__m512bh)_mm512_load_si512(vp + t * D + v * 16), w);
+  void add_pv(float* acc, const __m512 (&p)[kKeys], __m512 corr) const {
+    __m512i pairs[kKeys / 2];  // lane r: bf16 (p[2t][r], p[2t+1][r])
+    for (int64_t t = 0; t < kKeys / 2; ++t)
+      pairs[t] = _mm512_or_si512(_mm512_cvtepu16_epi32(to_bf16_bits(p[2 * t])),
+                                 _mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_bits(p[2 * t + 1])), 16));
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      __m512 a[16];
+      for (int j = 0; j < 16; ++j) a[j] = _mm512_mul_ps(_mm512_load_ps(acc + (d0 + j) * kLanes), corr);
+      for (int64_t t = 0; t < kKeys / 2; ++t)
+        for (int j = 0; j < 16; ++j)
+          a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)pairs[t], (__m512bh)_mm512_set1_epi32(vp[t][d0 + j]));
+      for (int j = 0; j < 16; ++j) _mm512_store_ps(acc + (d0 + j) * kLanes, a[j]);
     }
   }
 };
@@ -792,8 +841,9 @@ void prefill_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cac
                             int64_t heads, int64_t kv_heads, int64_t block_size, float scale) {
   using Block = KeyBlock<T, NV>;
   using Q = typename Block::QType;
-  constexpr int64_t D = NV * 16, kTile = 32, head_row = cache_row_len<C>(D);
-  const int64_t group = heads / kv_heads, kv_row = kv_heads * head_row, rows_max = kTile * group;
+  constexpr int64_t D = NV * 16, kTile = 32, head_row = cache_row_len<C>(D), kQPass = Block::kQUnits * kLanes;
+  const int64_t group = heads / kv_heads, kv_row = kv_heads * head_row;
+  const int64_t passes_max = (kTile * group + kLanes - 1) / kLanes;
   struct Item { int64_t seq, kh, tok0; };
   std::vector<Item> items;
   for (int64_t s = 0; s < num_seqs; ++s)
@@ -802,9 +852,11 @@ void prefill_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cac
   const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
   // Later tiles see more keys: threads take items round-robin so each gets a mix of costs.
   at::parallel_for(0, num_threads, 1, [&](int64_t tbegin, int64_t tend) {
-    // qr has 3 spare rows (zero): the 4-row score loop may read past the last real row.
-    std::vector<Q> qr((rows_max + 3) * D, Q(0.f));
-    std::vector<float> acc(rows_max * D), row_max(rows_max), row_sum(rows_max);
+    // Per pass: queries in lanes, the accumulators [D][16], each lane's position, max and sum.
+    Aligned64<Q> qt(passes_max * kQPass);
+    Aligned64<float> acc(passes_max * D * kLanes);
+    std::vector<float> row_max(passes_max * kLanes), row_sum(passes_max * kLanes);
+    std::vector<int32_t> row_pos(passes_max * kLanes);
     std::vector<T> dequantized(std::is_same_v<C, int8_t> ? 2 * kKeys * D : 0);  // K rows, then V rows
     const T* k_rows[kKeys];
     const T* v_rows[kKeys];
@@ -815,16 +867,25 @@ void prefill_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cac
         const int64_t s = item.seq, kh = item.kh, len = seq_lens[s];
         const int64_t q_len = query_start[s + 1] - query_start[s], first_pos = len - q_len;
         const int64_t ntok = std::min(kTile, q_len - item.tok0), rows = ntok * group;
+        const int64_t passes = (rows + kLanes - 1) / kLanes, pos0 = first_pos + item.tok0;
         const int64_t* table = block_tables + s * max_blocks;
-        // Rows: token-major, then the group's heads.
-        for (int64_t tk = 0; tk < ntok; ++tk)
-          for (int64_t j = 0; j < group; ++j)
-            Block::load_query(qr.data() + (tk * group + j) * D, q + (query_start[s] + item.tok0 + tk) * heads * D + (kh * group + j) * D);
-        std::fill(acc.begin(), acc.begin() + rows * D, 0.f);
-        std::fill(row_max.begin(), row_max.begin() + rows, -INFINITY);
-        std::fill(row_sum.begin(), row_sum.begin() + rows, 0.f);
-        const int64_t last_pos = first_pos + item.tok0 + ntok - 1;  // keys 0..last_pos are needed
-        const __m512 vscale = _mm512_set1_ps(scale);
+        // Row r = token r / group, head r % group of the KV head's group; padding lanes repeat the
+        // last row's position (their results are never stored).
+        for (int64_t pass = 0; pass < passes; ++pass) {
+          const T* q_rows[kLanes];
+          for (int64_t lane = 0; lane < kLanes; ++lane) {
+            const int64_t r = pass * kLanes + lane, rc = std::min(r, rows - 1);
+            q_rows[lane] = r < rows ? q + (query_start[s] + item.tok0 + r / group) * heads * D + (kh * group + r % group) * D
+                                    : nullptr;
+            row_pos[pass * kLanes + lane] = static_cast<int32_t>(pos0 + rc / group);
+          }
+          Block::load_queries(qt.p + pass * kQPass, q_rows);
+        }
+        std::fill(acc.p, acc.p + passes * D * kLanes, 0.f);
+        std::fill(row_max.begin(), row_max.begin() + passes * kLanes, -INFINITY);
+        std::fill(row_sum.begin(), row_sum.begin() + passes * kLanes, 0.f);
+        const int64_t last_pos = pos0 + (rows - 1) / group;  // keys 0..last_pos are needed
+        const __m512 vscale = _mm512_set1_ps(scale), neg_inf = _mm512_set1_ps(-INFINITY);
         for (int64_t k0 = 0; k0 <= last_pos; k0 += kKeys) {
           const int64_t nk = std::min(kKeys, last_pos + 1 - k0);
           for (int64_t t = 0; t < nk; ++t) {
@@ -842,42 +903,45 @@ void prefill_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cac
             }
           }
           block.load(k_rows, v_rows, nk);
-          const __m512i key_pos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(k0)),
-                                                   _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-          for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-            const int64_t nr = std::min<int64_t>(4, rows - r0);
-            if (first_pos + item.tok0 + (r0 + nr - 1) / group < k0) continue;  // all four rows end before the block
-            __m512 sc4[4];
-            block.scores4(sc4, qr.data() + r0 * D);
-            for (int64_t x = 0; x < nr; ++x) {
-              const int64_t r = r0 + x, pos = first_pos + item.tok0 + r / group;
-              if (pos < k0) continue;  // this row's keys all come before the block
-              const __mmask16 valid = _mm512_cmple_epi32_mask(key_pos, _mm512_set1_epi32(static_cast<int32_t>(pos)));
-              const __m512 sc = _mm512_mul_ps(sc4[x], vscale);
-              const float block_max = _mm512_mask_reduce_max_ps(valid, sc);
-              float* ar = acc.data() + r * D;
-              __m512 a[NV];
-              for (int v = 0; v < NV; ++v) a[v] = _mm512_loadu_ps(ar + v * 16);
-              if (block_max > row_max[r]) {  // rescale what is summed so far (nothing on the first block)
-                const float correction = std::exp(row_max[r] - block_max);
-                row_sum[r] *= correction;
-                for (int v = 0; v < NV; ++v) a[v] = _mm512_mul_ps(a[v], _mm512_set1_ps(correction));
-                row_max[r] = block_max;
-              }
-              const __m512 pv = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(row_max[r]))));
-              row_sum[r] += _mm512_reduce_add_ps(pv);
-              block.add_pv(a, pv, nk);
-              for (int v = 0; v < NV; ++v) _mm512_storeu_ps(ar + v * 16, a[v]);
+          for (int64_t pass = 0; pass < passes; ++pass) {
+            const int64_t last_row = std::min(rows, (pass + 1) * kLanes) - 1;
+            if (pos0 + last_row / group < k0) continue;  // every row of the pass ends before the block
+            const __m512i pos = _mm512_loadu_si512(row_pos.data() + pass * kLanes);
+            __m512 sc[kKeys];
+            block.scores(sc, qt.p + pass * kQPass);
+            const __m512 old_max = _mm512_loadu_ps(row_max.data() + pass * kLanes);
+            __m512 m = old_max;
+            __mmask16 valid[kKeys];
+            for (int64_t k = 0; k < kKeys; ++k) {  // key k0 + k counts for lanes at or after it
+              valid[k] = k < nk ? _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(k0 + k))) : 0;
+              sc[k] = _mm512_mask_mul_ps(neg_inf, valid[k], sc[k], vscale);
+              m = _mm512_max_ps(m, sc[k]);
+            }
+            // Every lane has seen key 0 by now, so m is finite; on the first block old_max is -inf and
+            // corr ~0 multiplies zeros.
+            const __m512 corr = exp16(_mm512_sub_ps(old_max, m));
+            __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(row_sum.data() + pass * kLanes), corr);
+            for (int64_t k = 0; k < kKeys; ++k) {
+              sc[k] = _mm512_maskz_mov_ps(valid[k], exp16(_mm512_sub_ps(sc[k], m)));
+              sum = _mm512_add_ps(sum, sc[k]);
+            }
+            _mm512_storeu_ps(row_max.data() + pass * kLanes, m);
+            _mm512_storeu_ps(row_sum.data() + pass * kLanes, sum);
+            block.add_pv(acc.p + pass * D * kLanes, sc, corr);
+          }
+        }
+        for (int64_t pass = 0; pass < passes; ++pass) {  // normalized, then back from lanes to rows
+          const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_loadu_ps(row_sum.data() + pass * kLanes));
+          for (int64_t d0 = 0; d0 < D; d0 += 16) {
+            __m512 r[kLanes];
+            for (int64_t j = 0; j < 16; ++j) r[j] = _mm512_mul_ps(_mm512_load_ps(acc.p + (pass * D + d0 + j) * kLanes), inv);
+            transpose16(r);
+            for (int64_t lane = 0; lane < kLanes && pass * kLanes + lane < rows; ++lane) {
+              const int64_t row = pass * kLanes + lane;
+              store16(out + (query_start[s] + item.tok0 + row / group) * heads * D + (kh * group + row % group) * D + d0, r[lane]);
             }
           }
         }
-        for (int64_t tk = 0; tk < ntok; ++tk)
-          for (int64_t j = 0; j < group; ++j) {
-            const int64_t r = tk * group + j;
-            T* dst = out + (query_start[s] + item.tok0 + tk) * heads * D + (kh * group + j) * D;
-            const __m512 inv = _mm512_set1_ps(1.f / row_sum[r]);
-            for (int v = 0; v < NV; ++v) store16(dst + v * 16, _mm512_mul_ps(_mm512_loadu_ps(acc.data() + r * D + v * 16), inv));
-          }
       }
     }
   });
