@@ -95,13 +95,29 @@ inline __m512 round_as(c10::BFloat16*, __m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_bits(v)), 16));
 }
 
-// Sum of each of four accumulators, as one 4-lane vector [sum(a), sum(b), sum(c), sum(d)].
-inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  auto fold = [](__m512 v) {  // 16 lanes -> 4 partial sums
-    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  };
-  return _mm_hadd_ps(_mm_hadd_ps(fold(a), fold(b)), _mm_hadd_ps(fold(c), fold(d)));
+// A 16 x 16 fp32 transpose in registers, in place: r[i] lane j <- r[j] lane i.
+inline void transpose16(__m512 (&r)[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < 16; g += 4) {  // rows g..g+3: u[g + c] holds columns c, c + 4, c + 8, c + 12
+    const __m512d a = _mm512_castps_pd(t[g]), b = _mm512_castps_pd(t[g + 1]);
+    const __m512d c = _mm512_castps_pd(t[g + 2]), d = _mm512_castps_pd(t[g + 3]);
+    u[g] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    u[g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    u[g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    u[g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512 e0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88), e1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512 o0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD), o1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
+    r[c] = _mm512_shuffle_f32x4(e0, e1, 0x88);
+    r[c + 8] = _mm512_shuffle_f32x4(e0, e1, 0xDD);
+    r[c + 4] = _mm512_shuffle_f32x4(o0, o1, 0x88);
+    r[c + 12] = _mm512_shuffle_f32x4(o0, o1, 0xDD);
+  }
 }
 
 // exp(x) for 16 lanes: x = n ln2 + r with |r| <= ln2/2, e^r by its Taylor series to r^7 (relative
@@ -128,11 +144,12 @@ inline __m512 exp16(__m512 x) {
 // by their fp32 scale (4 bytes, unaligned): x ~= scale * q, scale = max|x| / 127 (0 for an all-zero row),
 // q = x * (127 / max|x|) rounded half to even (the int8 linear's rounding of its inputs). One scale per
 // row makes a dot product with the row scale * (sum of integer products), so decode attention scales
-// whole scores and softmax weights, not elements. Half the bytes of bf16 (plus 4 per row): decode attention reads 1.88x fewer bytes per token.
-// It is no longer bound by those bytes, though, but by the products and the per-row scale work: over
-// 30 layers (`python -m loadtests.bench_kernels --kv-cache-dtype int8`, alternating runs), 32 sequences
-// x 400 tokens 11.5-12.7 ms against 13.2-14.6 ms for bf16, 8 x 2,048 tokens 14.4-14.7 against
-// 18.0-19.5 ms. The same rounding as shared/engine/kv_cache.quantize_kv, bit for bit.
+// whole scores and softmax weights, not elements. Half the bytes of bf16 (plus 4 per row): decode
+// attention reads 1.88x fewer bytes per token. It is not bound by those bytes, though, but by the
+// products and the per-row scale work: over 30 layers (`python -m loadtests.bench_kernels
+// --kv-cache-dtype int8`), 32 sequences x 400 tokens 10.1-11.7 ms against 12.7-13.0 ms for bf16,
+// 8 x 2,048 tokens 12.0-13.3 against 16.0-18.3 ms. The same rounding as
+// shared/engine/kv_cache.quantize_kv, bit for bit.
 constexpr int64_t kScaleBytes = 4;
 
 inline float row_scale(const int8_t* row, int64_t head_dim) {
@@ -337,7 +354,10 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // Measured on this 2-core host, SmolLM2 shapes, 30 layers x 32 sequences x 400 tokens (295 MB of K/V,
 // blocks shuffled through the pool): 34 ms as first written (one KV head per item, fp32 products,
 // prefetch into L1) -> 27 ms with a whole sequence per item -> 15.5 ms prefetching into L2 instead
-// (a burst of L1 prefetches stalls on the fill buffers) -> 13 ms with bf16 dot products for the scores.
+// (a burst of L1 prefetches stalls on the fill buffers) -> 13-16 ms with bf16 dot products for the
+// scores, four keys per horizontal reduction -> 12.7-13.0 ms with 16 keys moved into lanes by register
+// transposes (alternating runs with the previous build, which took 14.1-15.9; the int8 cache went from
+// 11.9-12.8 to 10.1-11.6 ms, and at 8 x 2,048 tokens from 15.8-16.0 to 12.0-13.3).
 // One sequence of 4,096 tokens: 6.4 ms with its three KV heads as items (two threads: 2 + 1) -> 4.0 ms
 // with its keys split in four parts (`python -m loadtests.bench_kernels --batches 1 --context 4096`).
 
@@ -363,40 +383,37 @@ inline float exp_shifted_sum(float* x, int64_t len, float shift) {
   return _mm512_reduce_add_ps(sum);
 }
 
-// Partial dot products of G query heads (head_dim = NV * 16 apart at q) with nt <= 4 key rows (stride
-// apart at k): dot[j][u] holds 16 lane sums of q_j . k_u, zero for u >= nt. The caller adds lanes for
-// four keys at once with reduce4 (a horizontal sum per score cost more than the products).
+// Scores of G query heads (head_dim = NV * 16 apart at q) against nt <= 16 key rows (stride apart at
+// k): dot[j] lane u = q_j . k_u, 0 for u >= nt. The rows' 32-bit units (a dim, a bf16 pair or four
+// int8) are moved into lanes by 16 x 16 register transposes, so each key's products accumulate in its
+// own lane: no horizontal sums (with four keys per horizontal reduction instead, those cost as much
+// as the products).
 template <int G, int NV, typename T>
-inline void dot4(__m512 (&dot)[G][4], const T* q, const T* k, int64_t stride, int64_t nt) {
-  __m512 qv[G][NV];
-  for (int j = 0; j < G; ++j)
-    for (int v = 0; v < NV; ++v) qv[j][v] = load16(q + j * NV * 16 + v * 16);
-  for (int64_t u = 0; u < 4; ++u) {
-    __m512 kv[NV];
-    for (int v = 0; v < NV; ++v) kv[v] = u < nt ? load16(k + u * stride + v * 16) : _mm512_setzero_ps();
-    for (int j = 0; j < G; ++j) {
-      dot[j][u] = _mm512_mul_ps(qv[j][0], kv[0]);
-      for (int v = 1; v < NV; ++v) dot[j][u] = _mm512_fmadd_ps(qv[j][v], kv[v], dot[j][u]);
-    }
+inline void key_scores(__m512 (&dot)[G], const T* q, const T* k, int64_t stride, int64_t nt) {
+  for (int j = 0; j < G; ++j) dot[j] = _mm512_setzero_ps();
+  for (int c = 0; c < NV; ++c) {  // 16 dims at a time
+    __m512 r[16];
+    for (int64_t u = 0; u < 16; ++u) r[u] = u < nt ? load16(k + u * stride + c * 16) : _mm512_setzero_ps();
+    transpose16(r);  // r[i] lane u = k_u[16c + i]
+    for (int i = 0; i < 16; ++i)
+      for (int j = 0; j < G; ++j) dot[j] = _mm512_fmadd_ps(_mm512_set1_ps(to_float(q[j * NV * 16 + c * 16 + i])), r[i], dot[j]);
   }
 }
 
 #if defined(__AVX512BF16__)
 // bf16 keys and queries multiply as they are: 32 exact products per instruction, summed in fp32.
 template <int G, int NV>
-inline void dot4(__m512 (&dot)[G][4], const c10::BFloat16* q, const c10::BFloat16* k, int64_t stride, int64_t nt) {
-  constexpr int NP = NV / 2;  // 32-element vectors per row
-  __m512bh qv[G][NP];
-  for (int j = 0; j < G; ++j)
-    for (int p = 0; p < NP; ++p) qv[j][p] = (__m512bh)_mm512_loadu_si512(q + j * NV * 16 + p * 32);
-  for (int64_t u = 0; u < 4; ++u) {
-    __m512bh kv[NP];
-    for (int p = 0; p < NP; ++p)
-      kv[p] = (__m512bh)(u < nt ? _mm512_loadu_si512(k + u * stride + p * 32) : _mm512_setzero_si512());
-    for (int j = 0; j < G; ++j) {
-      dot[j][u] = _mm512_setzero_ps();
-      for (int p = 0; p < NP; ++p) dot[j][u] = _mm512_dpbf16_ps(dot[j][u], qv[j][p], kv[p]);
-    }
+inline void key_scores(__m512 (&dot)[G], const c10::BFloat16* q, const c10::BFloat16* k, int64_t stride, int64_t nt) {
+  for (int j = 0; j < G; ++j) dot[j] = _mm512_setzero_ps();
+  for (int c = 0; c < NV / 2; ++c) {  // 16 pairs = 32 dims at a time
+    __m512 r[16];
+    for (int64_t u = 0; u < 16; ++u)
+      r[u] = u < nt ? _mm512_loadu_ps(k + u * stride + c * 32) : _mm512_setzero_ps();  // bf16 pairs as fp32 bits
+    transpose16(r);  // r[i] lane u = (k_u[32c + 2i], k_u[32c + 2i + 1])
+    const uint32_t* qp = reinterpret_cast<const uint32_t*>(q) + c * 16;
+    for (int i = 0; i < 16; ++i)
+      for (int j = 0; j < G; ++j)
+        dot[j] = _mm512_dpbf16_ps(dot[j], (__m512bh)_mm512_castps_si512(r[i]), (__m512bh)_mm512_set1_epi32(qp[j * NV * 8 + i]));
   }
 }
 #endif
@@ -411,38 +428,49 @@ inline __m512i add_dot_i16(__m512i sum, __m512i a, __m512i b) {
 }
 
 // int8 keys against queries quantized to int16 (one scale per head, relative error 2^-16 of the head's
-// largest element: far below bf16's rounding): 32 exact products per instruction into int32 lanes that
-// cannot overflow (64 x 127 x 32767 < 2^31 per lane at head_dim 128). The caller multiplies each
-// finished score by the query's and the key row's scales.
+// largest element: far below bf16's rounding) and stored as pairs by prepare_query_int16: after the
+// transpose a lane holds four int8 of one key, whose even and odd bytes sign-extend to int16 pairs
+// (dims 4i, 4i+2 and 4i+1, 4i+3) for 32 exact products per instruction into int32 lanes that cannot
+// overflow (64 x 127 x 32767 < 2^31 per lane at head_dim 128). The caller multiplies each finished
+// score by the query's and the key row's scales.
 template <int G, int NV>
-inline void dot4(__m512 (&dot)[G][4], const int16_t* q, const int8_t* k, int64_t stride, int64_t nt) {
-  constexpr int NP = NV / 2;  // 32-element vectors per row
-  __m512i qv[G][NP];
-  for (int j = 0; j < G; ++j)
-    for (int p = 0; p < NP; ++p) qv[j][p] = _mm512_loadu_si512(q + j * NV * 16 + p * 32);
-  for (int64_t u = 0; u < 4; ++u) {
-    __m512i kv[NP];
-    for (int p = 0; p < NP; ++p)
-      kv[p] = u < nt ? _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + u * stride + p * 32)))
-                     : _mm512_setzero_si512();
-    for (int j = 0; j < G; ++j) {
-      __m512i sum = _mm512_setzero_si512();
-      for (int p = 0; p < NP; ++p) sum = add_dot_i16(sum, qv[j][p], kv[p]);
-      dot[j][u] = _mm512_cvtepi32_ps(sum);
+inline void key_scores(__m512 (&dot)[G], const int32_t* q, const int8_t* k, int64_t stride, int64_t nt) {
+  __m512i acc[G];
+  for (int j = 0; j < G; ++j) acc[j] = _mm512_setzero_si512();
+  for (int c = 0; c < NV / 4; ++c) {  // 64 dims at a time
+    __m512 r[16];
+    for (int64_t u = 0; u < 16; ++u) r[u] = u < nt ? _mm512_loadu_ps(k + u * stride + c * 64) : _mm512_setzero_ps();
+    transpose16(r);  // r[i] lane u = k_u[64c + 4i .. 64c + 4i + 3]
+    for (int i = 0; i < 16; ++i) {
+      const __m512i x = _mm512_castps_si512(r[i]);
+      const __m512i even = _mm512_srai_epi16(_mm512_slli_epi16(x, 8), 8), odd = _mm512_srai_epi16(x, 8);
+      const int32_t* qi = q + 2 * (c * 16 + i);
+      for (int j = 0; j < G; ++j) {
+        acc[j] = add_dot_i16(acc[j], even, _mm512_set1_epi32(qi[j * NV * 8]));
+        acc[j] = add_dot_i16(acc[j], odd, _mm512_set1_epi32(qi[j * NV * 8 + 1]));
+      }
     }
   }
+  for (int j = 0; j < G; ++j) dot[j] = _mm512_cvtepi32_ps(acc[j]);
 }
 
-// Each of the G * head_dim query values as int16 (round half to even) with one fp32 scale per head.
+// Each of the num_heads * head_dim query values as int16 (round half to even) with one fp32 scale per
+// head, stored as the int16 pairs key_scores multiplies: for each four dims, (q[4i], q[4i+2]) then
+// (q[4i+1], q[4i+3]).
 template <typename T>
-void quantize_query_int16(int16_t* dst, float* scales, const T* q, int64_t num_heads, int64_t head_dim) {
+void prepare_query_int16(int32_t* dst, float* scales, const T* q, int64_t num_heads, int64_t head_dim) {
   for (int64_t h = 0; h < num_heads; ++h) {
     const T* x = q + h * head_dim;
     float amax = 0.f;
     for (int64_t i = 0; i < head_dim; ++i) amax = std::max(amax, std::fabs(to_float(x[i])));
     scales[h] = amax / 32767.f;
-    for (int64_t i = 0; i < head_dim; ++i)
-      dst[h * head_dim + i] = amax > 0.f ? static_cast<int16_t>(std::nearbyint(to_float(x[i]) / scales[h])) : 0;
+    auto q16 = [&](int64_t i) -> uint32_t {
+      return static_cast<uint16_t>(amax > 0.f ? static_cast<int16_t>(std::nearbyint(to_float(x[i]) / scales[h])) : 0);
+    };
+    for (int64_t i = 0; i < head_dim; i += 4) {
+      dst[(h * head_dim + i) / 2] = static_cast<int32_t>(q16(i) | q16(i + 2) << 16);
+      dst[(h * head_dim + i) / 2 + 1] = static_cast<int32_t>(q16(i + 1) | q16(i + 3) << 16);
+    }
   }
 }
 
@@ -467,7 +495,7 @@ void decode_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cach
   std::vector<float> partials(parts > 1 ? num_seqs * parts * heads * partial_row : 0);
   at::parallel_for(0, num_seqs * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, accs(heads * head_dim), q_scales(kInt8 ? heads : 0);
-    std::vector<int16_t> q16(kInt8 ? heads * head_dim : 0);
+    std::vector<int32_t> q_pairs(kInt8 ? heads * head_dim / 2 : 0);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / parts, part = item % parts, len = seq_lens[s];
       const int64_t* table = block_tables + s * max_blocks;
@@ -475,41 +503,42 @@ void decode_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cach
       const int64_t b_lo = seq_blocks * part / parts, b_hi = seq_blocks * (part + 1) / parts;
       const int64_t t_lo = b_lo * block_size, span = std::min(len, b_hi * block_size) - t_lo;  // keys of this part
       const T* qs = q + s * heads * head_dim;
-      if constexpr (kInt8) quantize_query_int16(q16.data(), q_scales.data(), qs, heads, head_dim);
+      if constexpr (kInt8) prepare_query_int16(q_pairs.data(), q_scales.data(), qs, heads, head_dim);
       scores.resize(heads * std::max<int64_t>(span, 1));
       std::fill(accs.begin(), accs.end(), 0.f);
       float* sc = scores.data();  // [head][span]
       auto block_rows = [&](const C* base, int64_t b) { return base + table[b] * block_size * kv_row; };
       for (int64_t b = b_lo; b < std::min(b_lo + kAheadBlocks, b_hi); ++b) prefetch_rows(block_rows(k_cache, b), block_size, kv_row, kv_row);
-      // Scores, four tokens at a time and every head for those tokens before the next four, so the
-      // rows are read in address order; the same four rows of the block kAheadBlocks on are
-      // prefetched as we go (one burst per block stalled on the fill buffers instead).
+      // Scores, 16 tokens at a time and every head for those tokens before the next 16, so the rows
+      // are read in address order; the same rows of the block kAheadBlocks on are prefetched as we go.
       for (int64_t b = b_lo; b < b_hi; ++b) {
         const int64_t n = std::min(block_size, len - b * block_size), t0 = b * block_size - t_lo;
         const C* kb = block_rows(k_cache, b);
         const C* ahead = b + kAheadBlocks < b_hi ? block_rows(k_cache, b + kAheadBlocks) : nullptr;
-        for (int64_t t = 0; t < n; t += 4) {
-          const int64_t nt = std::min<int64_t>(4, n - t);
-          if (ahead != nullptr) prefetch_rows(ahead + t * kv_row, std::min<int64_t>(4, block_size - t), kv_row, kv_row);
+        for (int64_t t = 0; t < n; t += 16) {
+          const int64_t nt = std::min<int64_t>(16, n - t);
+          const int64_t ahead_rows = std::min<int64_t>(16, block_size - t);
           for (int64_t kh = 0; kh < kv_heads; ++kh) {
-            const C* k4 = kb + t * kv_row + kh * head_row;
-            __m512 dot[G][4];
-            __m128 key_scales = _mm_set1_ps(scale);  // per score: scale, times the key row's for int8
-            if constexpr (kInt8) {
-              dot4<G, NV>(dot, q16.data() + kh * G * head_dim, k4, kv_row, nt);
-              alignas(16) float ks[4] = {0.f, 0.f, 0.f, 0.f};
-              for (int64_t u = 0; u < nt; ++u) ks[u] = row_scale(k4 + u * kv_row, head_dim);
-              key_scales = _mm_mul_ps(key_scales, _mm_load_ps(ks));
-            } else {
-              dot4<G, NV>(dot, qs + kh * G * head_dim, k4, kv_row, nt);
+            if (ahead != nullptr) {  // a share of the rows per head: a burst of 16 rows stalls
+              const int64_t r0 = ahead_rows * kh / kv_heads, r1 = ahead_rows * (kh + 1) / kv_heads;
+              prefetch_rows(ahead + (t + r0) * kv_row, r1 - r0, kv_row, kv_row);
             }
-            float* sk = sc + kh * G * span;
+            const C* k16 = kb + t * kv_row + kh * head_row;
+            __m512 dot[G];
+            __m512 key_scales = _mm512_set1_ps(scale);  // per score: scale, times the key row's for int8
+            if constexpr (kInt8) {
+              key_scores<G, NV>(dot, q_pairs.data() + kh * G * head_dim / 2, k16, kv_row, nt);
+              alignas(64) float ks[16] = {};
+              for (int64_t u = 0; u < nt; ++u) ks[u] = row_scale(k16 + u * kv_row, head_dim);
+              key_scales = _mm512_mul_ps(key_scales, _mm512_load_ps(ks));
+            } else {
+              key_scores<G, NV>(dot, qs + kh * G * head_dim, k16, kv_row, nt);
+            }
+            float* sk = sc + kh * G * span + t0 + t;
             for (int j = 0; j < G; ++j) {
-              __m128 four_scale = key_scales;
-              if constexpr (kInt8) four_scale = _mm_mul_ps(four_scale, _mm_set1_ps(q_scales[kh * G + j]));
-              alignas(16) float four[4];
-              _mm_store_ps(four, _mm_mul_ps(reduce4(dot[j][0], dot[j][1], dot[j][2], dot[j][3]), four_scale));
-              for (int64_t u = 0; u < nt; ++u) sk[j * span + t0 + t + u] = four[u];
+              __m512 sj = _mm512_mul_ps(dot[j], key_scales);
+              if constexpr (kInt8) sj = _mm512_mul_ps(sj, _mm512_set1_ps(q_scales[kh * G + j]));
+              _mm512_mask_storeu_ps(sk + j * span, tail_mask(nt), sj);
             }
           }
         }
@@ -685,31 +714,6 @@ constexpr int64_t kKeys = 16, kLanes = 16;
 // Slot of position pos in a sequence's block table.
 inline int64_t slot_of(const int64_t* table, int64_t pos, int64_t block_size) {
   return table[pos / block_size] * block_size + pos % block_size;
-}
-
-// A 16 x 16 fp32 transpose in registers, in place: r[i] lane j <- r[j] lane i.
-inline void transpose16(__m512 (&r)[16]) {
-  __m512 t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int g = 0; g < 16; g += 4) {  // rows g..g+3: u[g + c] holds columns c, c + 4, c + 8, c + 12
-    const __m512d a = _mm512_castps_pd(t[g]), b = _mm512_castps_pd(t[g + 1]);
-    const __m512d c = _mm512_castps_pd(t[g + 2]), d = _mm512_castps_pd(t[g + 3]);
-    u[g] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-    u[g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-    u[g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
-    u[g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512 e0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88), e1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
-    const __m512 o0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD), o1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
-    r[c] = _mm512_shuffle_f32x4(e0, e1, 0x88);
-    r[c + 8] = _mm512_shuffle_f32x4(e0, e1, 0xDD);
-    r[c + 4] = _mm512_shuffle_f32x4(o0, o1, 0x88);
-    r[c + 12] = _mm512_shuffle_f32x4(o0, o1, 0xDD);
-  }
 }
 
 // A 64-byte-aligned scratch array (its vector loads never straddle cache lines).
