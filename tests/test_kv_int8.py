@@ -82,16 +82,18 @@ def _gathered(cache, table, n, kv_heads, group, dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("block_size", [16, 8, 32])
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_attention_reads_int8_blocks(dtype, heads, kv_heads, d):
+def test_decode_attention_reads_int8_blocks(dtype, heads, kv_heads, d, block_size):
     """Against SDPA over the dequantized cache. The kernel multiplies integer keys by the query held in
     int16 and applies the row scales to whole scores and weights: fp32 outputs within 1e-4 (measured
     up to 5e-5), bf16 within a bf16 rounding."""
     g = torch.Generator().manual_seed(3)
-    k_cache, v_cache = _int8_caches(80, 16, kv_heads, d, dtype, g)
     seq_lens = [1, 16, 17, 100, 1000]
-    tables, block_tables = _tables(seq_lens, 80, 16, g)
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 4
+    k_cache, v_cache = _int8_caches(num_blocks, block_size, kv_heads, d, dtype, g)
+    tables, block_tables = _tables(seq_lens, num_blocks, block_size, g)
     q = torch.randn(len(seq_lens), heads * d, generator=g).to(dtype)
     out = ops.decode_attention(q, k_cache, v_cache, block_tables, torch.tensor(seq_lens), heads, 1 / math.sqrt(d))
     tol = dict(atol=1e-4, rtol=1e-3) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
@@ -107,15 +109,16 @@ def test_decode_attention_reads_int8_blocks(dtype, heads, kv_heads, d):
 
 
 @needs_kernels
+@pytest.mark.parametrize("block_size", [16, 8, 32])
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 2, 128)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_prefill_attention_reads_int8_blocks(dtype, heads, kv_heads, d):
+def test_prefill_attention_reads_int8_blocks(dtype, heads, kv_heads, d, block_size):
     """A fresh prompt, a chunk over 37 cached tokens and a one-token chunk, against causal SDPA over
     the cache dequantized to the model dtype (what the kernel reads)."""
     g = torch.Generator().manual_seed(6)
-    k_cache, v_cache = _int8_caches(30, 16, kv_heads, d, dtype, g)
+    k_cache, v_cache = _int8_caches(30, block_size, kv_heads, d, dtype, g)
     seq_lens, q_lens = [70, 57, 5], [70, 20, 1]
-    tables, block_tables = _tables(seq_lens, 30, 16, g)
+    tables, block_tables = _tables(seq_lens, 30, block_size, g)
     starts = torch.tensor([0, 70, 90, 91])
     q = torch.randn(91, heads * d, generator=g).to(dtype)
     out = ops.prefill_attention(q, k_cache, v_cache, block_tables, starts, torch.tensor(seq_lens), heads,
