@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers.greedy import mixed_batch_logits
+from helpers.paged import BLOCK_SIZES, SHAPES, scattered_tables
 from kernels.cpu import cpu_ops
 
 ops = cpu_ops()
@@ -84,24 +85,6 @@ def test_silu_mul(dtype):
     torch.testing.assert_close(ops.silu_mul(gu), F.silu(gate) * up, **TOL[dtype])
 
 
-def _scattered_tables(seq_lens, num_blocks, block_size, g, spare_columns=0):
-    """Distinct, shuffled, non-zero block ids per sequence; the padded [num_seqs, width] tensor too."""
-    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
-    tables, used = [], 0
-    for n in seq_lens:
-        nb = -(-n // block_size)
-        tables.append(perm[used: used + nb])
-        used += nb
-    width = max(len(t) for t in tables) + spare_columns
-    return tables, torch.tensor([t + [0] * (width - len(t)) for t in tables])
-
-
-# (heads, kv_heads, head_dim): SmolLM2's GQA, Llama-3-8B's (head_dim 128), and plain multi-head.
-SHAPES = [(9, 3, 64), (8, 2, 128), (4, 4, 64)]
-# The attention kernels take keys 16 at a time: blocks of 16, of half that and of two such runs.
-BLOCK_SIZES = [16, 8, 32]
-
-
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("heads,kv_heads,d", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -111,7 +94,7 @@ def test_decode_attention_reads_paged_blocks_in_place(dtype, heads, kv_heads, d,
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 4
     k_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=g).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=g).to(dtype)
-    tables, block_tables = _scattered_tables(seq_lens, num_blocks, block_size, g, spare_columns=2)
+    tables, block_tables = scattered_tables(seq_lens, num_blocks, block_size, g, spare_columns=2)
     q = torch.randn(len(seq_lens), heads * d, generator=g).to(dtype)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # five sequences >= 2 x threads: each one item, its keys not split
@@ -225,7 +208,7 @@ def test_prefill_attention_is_causal_over_cached_context(dtype, heads, kv_heads,
     k_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=g).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=g).to(dtype)
     seq_lens, q_lens = [70, 37 + 20, 5], [70, 20, 1]
-    tables, block_tables = _scattered_tables(seq_lens, num_blocks, block_size, g)
+    tables, block_tables = scattered_tables(seq_lens, num_blocks, block_size, g)
     starts = torch.tensor([0, 70, 90, 91])
     q = torch.randn(91, heads * d, generator=g).to(dtype)
     out = ops.prefill_attention(q, k_cache, v_cache, block_tables, starts, torch.tensor(seq_lens), heads, 1 / math.sqrt(d))

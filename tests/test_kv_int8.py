@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers.greedy import all_position_logits, make_runner, mixed_batch_logits
+from helpers.paged import BLOCK_SIZES, SHAPES, scattered_tables
 from kernels.cpu import cpu_ops
 from shared.engine.kv_cache import KVCache, dequantize_kv, quantize_kv
 from shared.engine.memory import kv_bytes_per_token
@@ -65,16 +66,6 @@ def _int8_caches(num_blocks, block_size, kv_heads, d, dtype, g):
     return [quantize_kv(torch.randn(num_blocks, block_size, kv_heads, d, generator=g).to(dtype)) for _ in range(2)]
 
 
-def _tables(seq_lens, num_blocks, block_size, g):
-    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
-    tables, used = [], 0
-    for n in seq_lens:
-        tables.append(perm[used: used + -(-n // block_size)])
-        used += len(tables[-1])
-    width = max(map(len, tables))
-    return tables, torch.tensor([t + [0] * (width - len(t)) for t in tables])
-
-
 def _gathered(cache, table, n, kv_heads, group, dtype):
     """[heads, n, d] of one sequence, dequantized to ``dtype`` then fp32, KV heads repeated per group."""
     rows = cache[torch.tensor(table)].reshape(-1, kv_heads, cache.shape[-1])[:n]
@@ -82,8 +73,8 @@ def _gathered(cache, table, n, kv_heads, group, dtype):
 
 
 @needs_kernels
-@pytest.mark.parametrize("block_size", [16, 8, 32])
-@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("heads,kv_heads,d", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_attention_reads_int8_blocks(dtype, heads, kv_heads, d, block_size):
     """Against SDPA over the dequantized cache. The kernel multiplies integer keys by the query held in
@@ -93,7 +84,7 @@ def test_decode_attention_reads_int8_blocks(dtype, heads, kv_heads, d, block_siz
     seq_lens = [1, 16, 17, 100, 1000]
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 4
     k_cache, v_cache = _int8_caches(num_blocks, block_size, kv_heads, d, dtype, g)
-    tables, block_tables = _tables(seq_lens, num_blocks, block_size, g)
+    tables, block_tables = scattered_tables(seq_lens, num_blocks, block_size, g)
     q = torch.randn(len(seq_lens), heads * d, generator=g).to(dtype)
     out = ops.decode_attention(q, k_cache, v_cache, block_tables, torch.tensor(seq_lens), heads, 1 / math.sqrt(d))
     tol = dict(atol=1e-4, rtol=1e-3) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
@@ -109,7 +100,7 @@ def test_decode_attention_reads_int8_blocks(dtype, heads, kv_heads, d, block_siz
 
 
 @needs_kernels
-@pytest.mark.parametrize("block_size", [16, 8, 32])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 2, 128)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_attention_reads_int8_blocks(dtype, heads, kv_heads, d, block_size):
@@ -118,7 +109,7 @@ def test_prefill_attention_reads_int8_blocks(dtype, heads, kv_heads, d, block_si
     g = torch.Generator().manual_seed(6)
     k_cache, v_cache = _int8_caches(30, block_size, kv_heads, d, dtype, g)
     seq_lens, q_lens = [70, 57, 5], [70, 20, 1]
-    tables, block_tables = _tables(seq_lens, 30, block_size, g)
+    tables, block_tables = scattered_tables(seq_lens, 30, block_size, g)
     starts = torch.tensor([0, 70, 90, 91])
     q = torch.randn(91, heads * d, generator=g).to(dtype)
     out = ops.prefill_attention(q, k_cache, v_cache, block_tables, starts, torch.tensor(seq_lens), heads,

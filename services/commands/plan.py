@@ -7,7 +7,7 @@ import dataclasses
 import json
 from typing import Any
 
-from shared.engine.quantization import QUANTIZATION_HELP, QUANTIZATIONS
+from shared.engine.quantization import QUANTIZATION_HELP, QUANTIZATIONS, kv_dtype_name
 
 WEIGHT_DTYPES = ("float16", "bfloat16", "float32")
 KV_DTYPES = ("auto", "float16", "bfloat16", "float32", "int8", "fp8")
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         model.config,
         memory_budget_bytes=budget,
         weight_dtype=args.dtype,
-        kv_dtype=args.dtype if args.kv_dtype == "auto" else args.kv_dtype,
+        kv_dtype=kv_dtype_name(args.kv_dtype, args.dtype),
         block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,

@@ -10,7 +10,8 @@ import uuid
 from dataclasses import dataclass
 
 from services.runtime import env_int, env_str, run_service, setup_logging
-from shared.engine.quantization import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES, QUANTIZATION_HELP, QUANTIZATIONS
+from shared.engine.quantization import (KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES, QUANTIZATION_HELP, QUANTIZATIONS,
+                                        kv_dtype_name)
 
 log = logging.getLogger("llmserve.executor")
 
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     stats = engine.stats()
     log.info("%s: %s loaded, %d KV blocks of %d tokens (%s), max_model_len %d", config.executor_id,
              engine.model_name, stats.num_total_blocks, config.block_size,
-             "int8" if config.kv_cache_dtype == "int8" else config.dtype, engine.max_model_len)
+             kv_dtype_name(config.kv_cache_dtype, config.dtype), engine.max_model_len)
     service_config = ExecutorServiceConfig(
         executor_id=config.executor_id, model_name=config.model_name or engine.model_name, max_model_len=engine.max_model_len,
         block_size=config.block_size, max_num_seqs=config.max_num_seqs,

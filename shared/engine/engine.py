@@ -21,7 +21,7 @@ from shared.engine.model_runner import ModelRunner, ScheduledChunk
 from shared.engine.models.int8_linear import calibration_text, int8_supported, quantize_model_int8
 from shared.engine.models.loader import load_model, resolve_dtype, resolve_model_path
 from shared.engine.output_processor import OutputProcessor
-from shared.engine.quantization import KV_CACHE_DTYPES, QUANTIZATIONS
+from shared.engine.quantization import KV_CACHE_DTYPES, QUANTIZATIONS, kv_dtype_name
 from shared.engine.outputs import EngineStats, RequestOutput
 from shared.engine.sampler import SamplingBatch, make_generator, sample
 from shared.engine.sampling_params import SamplingParams
@@ -90,7 +90,7 @@ class Engine:
             # config.dtype is a name the loader accepted; the ledger uses the same names.
             ledger = plan_memory(
                 self.model_config, memory_budget_bytes=parse_bytes(config.memory_budget),
-                weight_dtype=config.dtype, kv_dtype="int8" if config.kv_cache_dtype == "int8" else config.dtype,
+                weight_dtype=config.dtype, kv_dtype=kv_dtype_name(config.kv_cache_dtype, config.dtype),
                 block_size=config.block_size,
                 max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
                 context_len=self.max_model_len, resident_weight_bytes=self.model.weight_bytes(),

@@ -28,7 +28,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -145,11 +144,8 @@ inline __m512 exp16(__m512 x) {
 // q = x * (127 / max|x|) rounded half to even (the int8 linear's rounding of its inputs). One scale per
 // row makes a dot product with the row scale * (sum of integer products), so decode attention scales
 // whole scores and softmax weights, not elements. Half the bytes of bf16 (plus 4 per row): decode
-// attention reads 1.88x fewer bytes per token. It is not bound by those bytes, though, but by the
-// products and the per-row scale work: over 30 layers (`python -m loadtests.bench_kernels
-// --kv-cache-dtype int8`), 32 sequences x 400 tokens 10.1-11.7 ms against 12.7-13.0 ms for bf16,
-// 8 x 2,048 tokens 12.0-13.3 against 16.0-18.3 ms. The same rounding as
-// shared/engine/kv_cache.quantize_kv, bit for bit.
+// attention reads 1.88x fewer bytes per token (its times for both caches: see decode attention). The
+// same rounding as shared/engine/kv_cache.quantize_kv, bit for bit.
 constexpr int64_t kScaleBytes = 4;
 
 inline float row_scale(const int8_t* row, int64_t head_dim) {
@@ -400,6 +396,14 @@ inline void key_scores(__m512 (&dot)[G], const T* q, const T* k, int64_t stride,
   }
 }
 
+// 64 bytes of each of 16 key rows (at `first` + u * stride_bytes; zero for u >= nt), transposed: r[i]
+// lane u = row u's 32-bit unit i (a bf16 pair or four int8, as fp32 bits).
+inline void load_units_transposed(__m512 (&r)[16], const void* first, int64_t stride_bytes, int64_t nt) {
+  const char* p = static_cast<const char*>(first);
+  for (int64_t u = 0; u < 16; ++u) r[u] = u < nt ? _mm512_loadu_ps(p + u * stride_bytes) : _mm512_setzero_ps();
+  transpose16(r);
+}
+
 #if defined(__AVX512BF16__)
 // bf16 keys and queries multiply as they are: 32 exact products per instruction, summed in fp32.
 template <int G, int NV>
@@ -407,9 +411,8 @@ inline void key_scores(__m512 (&dot)[G], const c10::BFloat16* q, const c10::BFlo
   for (int j = 0; j < G; ++j) dot[j] = _mm512_setzero_ps();
   for (int c = 0; c < NV / 2; ++c) {  // 16 pairs = 32 dims at a time
     __m512 r[16];
-    for (int64_t u = 0; u < 16; ++u)
-      r[u] = u < nt ? _mm512_loadu_ps(k + u * stride + c * 32) : _mm512_setzero_ps();  // bf16 pairs as fp32 bits
-    transpose16(r);  // r[i] lane u = (k_u[32c + 2i], k_u[32c + 2i + 1])
+    // r[i] lane u = (k_u[32c + 2i], k_u[32c + 2i + 1])
+    load_units_transposed(r, k + c * 32, stride * static_cast<int64_t>(sizeof(*k)), nt);
     const uint32_t* qp = reinterpret_cast<const uint32_t*>(q) + c * 16;
     for (int i = 0; i < 16; ++i)
       for (int j = 0; j < G; ++j)
@@ -439,8 +442,7 @@ inline void key_scores(__m512 (&dot)[G], const int32_t* q, const int8_t* k, int6
   for (int j = 0; j < G; ++j) acc[j] = _mm512_setzero_si512();
   for (int c = 0; c < NV / 4; ++c) {  // 64 dims at a time
     __m512 r[16];
-    for (int64_t u = 0; u < 16; ++u) r[u] = u < nt ? _mm512_loadu_ps(k + u * stride + c * 64) : _mm512_setzero_ps();
-    transpose16(r);  // r[i] lane u = k_u[64c + 4i .. 64c + 4i + 3]
+    load_units_transposed(r, k + c * 64, stride, nt);  // r[i] lane u = k_u[64c + 4i .. 64c + 4i + 3]
     for (int i = 0; i < 16; ++i) {
       const __m512i x = _mm512_castps_si512(r[i]);
       const __m512i even = _mm512_srai_epi16(_mm512_slli_epi16(x, 8), 8), odd = _mm512_srai_epi16(x, 8);
@@ -716,18 +718,6 @@ inline int64_t slot_of(const int64_t* table, int64_t pos, int64_t block_size) {
   return table[pos / block_size] * block_size + pos % block_size;
 }
 
-// A 64-byte-aligned scratch array (its vector loads never straddle cache lines).
-template <typename X>
-struct Aligned64 {
-  explicit Aligned64(size_t n) : p(static_cast<X*>(std::aligned_alloc(64, (n * sizeof(X) + 63) / 64 * 64))) {
-    TORCH_CHECK(p != nullptr, "out of memory for attention scratch");
-  }
-  Aligned64(const Aligned64&) = delete;
-  Aligned64& operator=(const Aligned64&) = delete;
-  ~Aligned64() { std::free(p); }
-  X* p;
-};
-
 template <typename T, int NV>
 struct KeyBlock {
   static constexpr int64_t D = NV * 16;
@@ -857,8 +847,13 @@ void prefill_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cac
   // Later tiles see more keys: threads take items round-robin so each gets a mix of costs.
   at::parallel_for(0, num_threads, 1, [&](int64_t tbegin, int64_t tend) {
     // Per pass: queries in lanes, the accumulators [D][16], each lane's position, max and sum.
-    Aligned64<Q> qt(passes_max * kQPass);
-    Aligned64<float> acc(passes_max * D * kLanes);
+    // Scratch from torch's CPU allocator, which aligns to 64 bytes: aligned vector loads, and none
+    // straddles a cache line. Q is 4 bytes (fp32 or a bf16 pair).
+    static_assert(sizeof(Q) == 4);
+    const at::Tensor qt_buf = at::empty({passes_max * kQPass}, at::kInt);
+    const at::Tensor acc_buf = at::empty({passes_max * D * kLanes}, at::kFloat);
+    Q* qt = reinterpret_cast<Q*>(qt_buf.data_ptr<int32_t>());
+    float* acc = acc_buf.data_ptr<float>();
     std::vector<float> row_max(passes_max * kLanes), row_sum(passes_max * kLanes);
     std::vector<int32_t> row_pos(passes_max * kLanes);
     std::vector<T> dequantized(std::is_same_v<C, int8_t> ? 2 * kKeys * D : 0);  // K rows, then V rows
@@ -883,9 +878,9 @@ void prefill_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cac
                                     : nullptr;
             row_pos[pass * kLanes + lane] = static_cast<int32_t>(pos0 + rc / group);
           }
-          Block::load_queries(qt.p + pass * kQPass, q_rows);
+          Block::load_queries(qt + pass * kQPass, q_rows);
         }
-        std::fill(acc.p, acc.p + passes * D * kLanes, 0.f);
+        std::fill(acc, acc + passes * D * kLanes, 0.f);
         std::fill(row_max.begin(), row_max.begin() + passes * kLanes, -INFINITY);
         std::fill(row_sum.begin(), row_sum.begin() + passes * kLanes, 0.f);
         const int64_t last_pos = pos0 + (rows - 1) / group;  // keys 0..last_pos are needed
@@ -912,7 +907,7 @@ void prefill_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cac
             if (pos0 + last_row / group < k0) continue;  // every row of the pass ends before the block
             const __m512i pos = _mm512_loadu_si512(row_pos.data() + pass * kLanes);
             __m512 sc[kKeys];
-            block.scores(sc, qt.p + pass * kQPass);
+            block.scores(sc, qt + pass * kQPass);
             const __m512 old_max = _mm512_loadu_ps(row_max.data() + pass * kLanes);
             __m512 m = old_max;
             __mmask16 valid[kKeys];
@@ -931,14 +926,14 @@ void prefill_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cac
             }
             _mm512_storeu_ps(row_max.data() + pass * kLanes, m);
             _mm512_storeu_ps(row_sum.data() + pass * kLanes, sum);
-            block.add_pv(acc.p + pass * D * kLanes, sc, corr);
+            block.add_pv(acc + pass * D * kLanes, sc, corr);
           }
         }
         for (int64_t pass = 0; pass < passes; ++pass) {  // normalized, then back from lanes to rows
           const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_loadu_ps(row_sum.data() + pass * kLanes));
           for (int64_t d0 = 0; d0 < D; d0 += 16) {
             __m512 r[kLanes];
-            for (int64_t j = 0; j < 16; ++j) r[j] = _mm512_mul_ps(_mm512_load_ps(acc.p + (pass * D + d0 + j) * kLanes), inv);
+            for (int64_t j = 0; j < 16; ++j) r[j] = _mm512_mul_ps(_mm512_load_ps(acc + (pass * D + d0 + j) * kLanes), inv);
             transpose16(r);
             for (int64_t lane = 0; lane < kLanes && pass * kLanes + lane < rows; ++lane) {
               const int64_t row = pass * kLanes + lane;
