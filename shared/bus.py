@@ -206,8 +206,15 @@ class Bus:
     async def flush(self, timeout: float = 5.0) -> None:
         """Round trip to the server: everything sent before (SUBs included) has been processed."""
         try:
-            await self._nc.flush(timeout=timeout)  # type: ignore[arg-type]
-        except nats.errors.TimeoutError:
+            # nats-py 2.16 writes flush()'s PING straight to the socket, while SUB and PUB commands
+            # wait in its pending buffer for the flusher task: the PONG could come back before the
+            # server had seen our SUBs (a subscriber then missed a request sent by another connection
+            # right after). So first wait until the flusher has written the pending buffer.
+            async def written_then_acknowledged() -> None:
+                await self._nc._flush_pending(force_flush=True)
+                await self._nc.flush(timeout=timeout)  # type: ignore[arg-type]
+            await asyncio.wait_for(written_then_acknowledged(), timeout)
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
             raise BusTimeout(f"flush not acknowledged within {timeout}s") from None
 
     async def drain(self) -> None:

@@ -84,6 +84,31 @@ def test_request_reply_timeout_and_no_responders(nats_url):
     asyncio.run(main())
 
 
+def test_flush_pings_only_after_earlier_subscriptions_are_on_the_wire(nats_url):
+    """flush() promises that the server has seen every SUB sent before it. nats-py queues SUB for
+    its flusher task but writes flush()'s PING straight to the socket, so without care the PING
+    overtakes the SUBs and another connection's request can still find no responders."""
+    async def main() -> None:
+        async with await Bus.connect(nats_url, "srv") as srv:
+            transport = srv._nc._transport
+            wire: list[bytes] = []
+            write, writelines = transport.write, transport.writelines
+            transport.write = lambda data: (wire.append(bytes(data)), write(data))[1]
+            transport.writelines = lambda datas: (wire.extend(bytes(d) for d in datas), writelines(datas))[1]
+
+            async def handler(msg) -> None:
+                pass
+
+            await srv.subscribe(SUBJECT + ".wire.a", handler)
+            await srv.subscribe(SUBJECT + ".wire.b", handler)
+            await srv.flush()
+            sent = b"".join(wire)
+            assert sent.index(b"SUB test.bus.a.wire.a ") < sent.index(b"SUB test.bus.a.wire.b ") \
+                < sent.index(b"PING\r\n")
+
+    asyncio.run(main())
+
+
 def test_handler_exception_keeps_subscription(nats_url, caplog):
     async def main() -> None:
         async with await Bus.connect(nats_url, "b") as bus:
