@@ -96,10 +96,16 @@ class FakeBackend:
         raise AssertionError(f"no AbortRequest for {request_id or 'any request'} within {timeout}s; "
                              f"got {self.aborts}")
 
-    def request_for(self, keyword: str) -> GenerateRequest:
-        found = [r for r in list(self.requests.values()) if keyword in _prompt_text(r)]
-        assert found, f"no request with {keyword!r} reached the backend"
-        return found[-1]
+    def request_for(self, keyword: str, timeout: float = 5.0) -> GenerateRequest:
+        """The latest request whose prompt contains ``keyword``, waiting up to ``timeout`` seconds for
+        one to arrive (a client may give up before the gateway has published its request)."""
+        def found() -> list[GenerateRequest]:
+            return [r for r in list(self.requests.values()) if keyword in _prompt_text(r)]
+        deadline = time.monotonic() + timeout
+        while not found():
+            assert time.monotonic() < deadline, f"no request with {keyword!r} reached the backend"
+            time.sleep(0.02)
+        return found()[-1]
 
     # -- the backend (its own loop) -----------------------------------------------------------------
 

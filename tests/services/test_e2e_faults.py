@@ -41,9 +41,9 @@ def test_client_disconnect_returns_kv_blocks(stack):
             lines = r.iter_lines()
             for _ in range(40):  # 20 events (blank separator lines between them)
                 next(lines)
-            # mid-generation the request holds blocks (prompt + output so far)
-            held = wait_for(lambda: baseline - free_blocks(s.nats_url), 10, "blocks in use")
-            assert held >= 2
+            # mid-generation the request holds blocks (prompt + output so far: at least 2 of 16
+            # tokens); a heartbeat from its first steps may still report fewer, so wait for a newer one
+            wait_for(lambda: baseline - free_blocks(s.nats_url) >= 2, 10, "two or more blocks in use")
         # the connection is closed here, mid-stream
     # the executor frees them once the abort arrives (seen through its next heartbeats)
     wait_for(lambda: free_blocks(s.nats_url) == baseline, 15, "the blocks to come back")
@@ -78,7 +78,7 @@ def test_overload_gives_429_with_retry_after_and_admitted_requests_complete(stac
 
 
 def test_killed_executor_fails_every_waiting_request_promptly(stack):
-    s = stack(request_timeout_s=120, heartbeat_timeout_s=2.0)
+    s = stack(request_timeout_s=120, heartbeat_timeout_s=3.0)
     model = served_model(s.base_url, {})
     # 1500 tokens fit the KV cache of 127 usable blocks (16 tokens each) with the prompt.
     body = {"model": model, "prompt": LONG_PROMPT, "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
@@ -114,7 +114,7 @@ def test_killed_executor_fails_every_waiting_request_promptly(stack):
             return killed_at, await asyncio.gather(*streams), await non_streaming
 
     killed_at, streamed, (response, response_at) = asyncio.run(main())
-    bound = 20.0  # heartbeat timeout (2 s) + the scheduler's tick, far below the request timeout
+    bound = 20.0  # heartbeat timeout (3 s) + the scheduler's tick, far below the request timeout
     for raw, ended_at in streamed:
         chunks, done = parse_sse(raw)
         assert done and "error" in chunks[-1], raw[-500:]

@@ -91,7 +91,8 @@ def finished(events, rid):
 
 
 def test_worker_steps_until_done_and_rejects_bad_requests():
-    events = run_worker([ex("a", [5]), ex("bad", [0])], lambda evs: finished(evs, "a"))
+    events = run_worker([ex("a", [5]), ex("bad", [0])],
+                        lambda evs: finished(evs, "a") and any(isinstance(e, Rejected) for e in evs))
     assert Rejected("bad", "prompt is empty") in events
     tokens = [d.token_ids[0] for e in events if isinstance(e, Outputs) for o in e.outputs for d in o.deltas]
     assert tokens == [1, 2, 3]

@@ -4,13 +4,10 @@ completes with exactly --output-len tokens, and the report has every metric."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 from gateway_harness import FAKE_MODEL, FakeBackend, GatewayProcess
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from loadtests import bench_serving  # noqa: E402
+from loadtests import bench_serving
 
 
 def test_bench_serving_against_the_gateway(nats_server, tmp_path, capsys):

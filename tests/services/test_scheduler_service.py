@@ -57,7 +57,8 @@ class Harness:
 
     def __init__(self, nats_url: str, **router_kw) -> None:
         self.nats_url = nats_url
-        self.router_kw = {"max_queue_len": 1, "heartbeat_timeout_s": 0.6, "no_executor_timeout_s": 30.0,
+        # Heartbeats every 0.1 s; the timeout leaves room for a loaded machine to stall the loop.
+        self.router_kw = {"max_queue_len": 1, "heartbeat_timeout_s": 2.0, "no_executor_timeout_s": 30.0,
                           **router_kw}
 
     async def __aenter__(self) -> Harness:
@@ -163,7 +164,7 @@ def test_dead_executor_reroutes_unstarted_and_fails_started(nats_url):
             b = await h.executor("b")
             await h.wait_executors(2)
             a.go_silent()
-            err = await h.error_for(started)
+            err = await h.error_for(started, timeout=10)
             assert err.status == 502 and "executor a" in err.message and "incomplete" in err.message
             retry = await recv(b)
             assert (retry.request_id, retry.attempt) == (unstarted, 1)

@@ -93,7 +93,7 @@ def test_server_start_error_shows_its_log():
 @needs_gateway
 def test_stack_serves_sheds_load_and_survives_an_executor_kill(stack, pid_alive):
     # One sequence at a time and no waiting room: a second concurrent request is shed with 429.
-    s = stack(num_kv_blocks=128, max_num_seqs=1, max_queue_len=0, request_timeout_s=60, heartbeat_timeout_s=1.5)
+    s = stack(num_kv_blocks=128, max_num_seqs=1, max_queue_len=0, request_timeout_s=60, heartbeat_timeout_s=3.0)
     assert s.base_url is not None
     with httpx.Client(base_url=s.base_url, timeout=60) as http:
         assert http.get("/health").status_code == 200
@@ -208,7 +208,7 @@ def test_killed_launcher_leaves_no_orphans(tmp_path, pid_alive):
     finally:
         up.kill()
         up.wait()
-    assert wait_all_dead(children, pid_alive, 20.0) == []
+    assert wait_all_dead(children, pid_alive, 45.0) == []  # a service caught mid-drain may wait on nats
 
 
 def test_executor_openmp_policy_is_a_default_not_an_override():
