@@ -506,16 +506,16 @@ def _breakdown_targets() -> dict[str, Any]:
     from shared.engine.block_manager import BlockManager
     from shared.engine.engine import Engine
     from shared.engine.model_runner import ModelRunner
-    from shared.engine.models.llama import MLP, LlamaModel
+    from shared.engine.models.llama import LlamaModel
     from shared.engine.scheduler import Scheduler
 
     funcs = [
         ("schedule", Scheduler.schedule), ("attn_metadata", build_attention_metadata),
         ("model_runner.execute", ModelRunner.execute), ("attention(all)", TorchAttentionBackend.attend),
-        ("attention_decode", TorchAttentionBackend._decode), ("mlp", MLP.forward), ("mlp", MLP.forward_fused),
+        ("attention_decode", TorchAttentionBackend._decode),
         ("lm_head", LlamaModel.compute_logits), ("sample", Engine._sample), ("block_commit", BlockManager.commit),
         ("outputs", Engine._collect_outputs),
-    ]  # MLP: the plain and the fused-kernel path (only one runs)
+    ]  # the linears' share is in the op table (the fused path calls them without a module in between)
     codes = [(label, inspect.unwrap(f).__code__) for label, f in funcs]  # past @inference_mode
     return {(c.co_filename, c.co_firstlineno, c.co_name): label for label, c in codes}
 

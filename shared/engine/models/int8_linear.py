@@ -113,12 +113,13 @@ class Int8Linear(nn.Module):
         return q.permute(0, 2, 1, 3).reshape(panels * width, 4 * quads)[: self.out_features].contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).contiguous()
+        return self.rows(x.reshape(-1, self.in_features).contiguous()).view(*x.shape[:-1], self.out_features)
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` for x [rows, in_features], contiguous: no reshaping on the way."""
         if self.ops is not None:
-            y = self.ops.linear_int8(rows, self.weight, self.scale, self.colsum, self.smooth, self.bias)
-        else:
-            y = int8_linear_reference(rows, self.weight, self.scale, self.smooth, self.bias)
-        return y.view(*x.shape[:-1], self.out_features)
+            return self.ops.linear_int8(x, self.weight, self.scale, self.colsum, self.smooth, self.bias)
+        return int8_linear_reference(x, self.weight, self.scale, self.smooth, self.bias)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this layer holds (for memory accounting)."""
@@ -153,11 +154,13 @@ def input_maxima(model, token_ids: list[int]) -> dict[str, torch.Tensor]:
                 x = inputs[0].detach().float().reshape(-1, inputs[0].shape[-1]).abs().amax(dim=0)
                 maxima[name] = x if name not in maxima else torch.maximum(maxima[name], x)
             hooks.append(module.register_forward_hook(record))
+    model.reset_fused_layers()  # so that the fused CPU path calls the hooked modules
     try:
         prefill_hidden(model, token_ids)
     finally:
         for hook in hooks:
             hook.remove()
+        model.reset_fused_layers()
     return maxima
 
 

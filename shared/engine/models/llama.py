@@ -7,7 +7,7 @@ Face names on load; Q/K/V and gate/up are fused into one matrix each so a layer 
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -91,14 +91,6 @@ class Attention(nn.Module):
         out = self.backend.forward(q, k, v, k_cache, v_cache, meta)
         return self.o_proj(out)
 
-    def forward_fused(self, x, cos_half, sin_half, k_cache, v_cache, meta: AttentionMetadata, ops) -> torch.Tensor:
-        """The same computation with RoPE and the cache write done by one kernel, in place on qkv."""
-        qkv = self.qkv_proj(x)
-        ops.rope_and_cache(qkv, meta.positions, cos_half, sin_half, k_cache, v_cache,
-                           meta.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        return self.o_proj(self.backend.attend(q, k, v, k_cache, v_cache, meta))
-
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
@@ -110,9 +102,6 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
-
-    def forward_fused(self, x: torch.Tensor, ops) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -127,19 +116,27 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_fused(self, x, residual, cos_half, sin_half, k_cache, v_cache, meta, ops):
-        """Residual stream kept apart, as the fused add+norm kernel wants it: on entry the layer input
-        is ``residual + x`` (``residual`` None for the first layer); returns the next (x, residual).
-        Every add rounds to the model dtype exactly where ``forward``'s adds do."""
-        eps = self.input_layernorm.eps
-        if residual is None:
-            residual = x
-            h = ops.rms_norm(x, self.input_layernorm.weight, eps, None)
-        else:
-            h = ops.rms_norm(x, self.input_layernorm.weight, eps, residual)  # residual += x, in place
-        h = self.self_attn.forward_fused(h, cos_half, sin_half, k_cache, v_cache, meta, ops)
-        h = ops.rms_norm(h, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps, residual)
-        return self.mlp.forward_fused(h, ops), residual
+
+class _FusedLayer(NamedTuple):
+    """A decoder layer's norms and linears as the fused CPU path calls them, looked up once: the
+    module calls and attribute lookups of a per-layer ``forward`` took ~0.8 ms of a ~9 ms
+    single-token forward. Linears take [rows, in_features] contiguous."""
+    input_norm: torch.Tensor
+    input_eps: float
+    qkv: Callable[[torch.Tensor], torch.Tensor]
+    o: Callable[[torch.Tensor], torch.Tensor]
+    post_norm: torch.Tensor
+    post_eps: float
+    gate_up: Callable[[torch.Tensor], torch.Tensor]
+    down: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _rows_linear(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The cheapest call of a linear layer on 2-D rows; the module itself (a full ``__call__``) while
+    it has forward hooks, so that they fire."""
+    if module._forward_hooks or module._forward_pre_hooks:
+        return module
+    return module.rows if isinstance(module, (PackedLinear, Int8Linear)) else module.forward
 
 
 class LlamaModel(nn.Module):
@@ -156,6 +153,8 @@ class LlamaModel(nn.Module):
         self._packed_head: PackedLinear | None = None
         self.backend = backend
         self.cpu_ops = None  # torch.ops.llmserve_cpu once enable_cpu_kernels() found them
+        # The fused path's per-layer callables, built on first use; reset_fused_layers() drops them.
+        self._fused_layers: list[_FusedLayer] | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -173,18 +172,55 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:                            # [num_tokens, hidden] final-normed hidden states
         x = self.embed_tokens(input_ids)
-        ops = self.cpu_ops
-        if ops is not None and x.device.type == "cpu":
-            residual = None
-            # The kernel reads fp32 tables (a no-op unless the model was cast after loading).
-            cos_half, sin_half = self.rotary.cos_half.float(), self.rotary.sin_half.float()
-            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-                x, residual = layer.forward_fused(x, residual, cos_half, sin_half, k_cache, v_cache, meta, ops)
-            return ops.rms_norm(x, self.norm.weight, self.norm.eps, residual)
+        if self.cpu_ops is not None and x.device.type == "cpu":
+            return self._forward_fused(x, kv_caches, meta, self.cpu_ops)
         cos, sin = self.rotary(meta.positions, x.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, k_cache, v_cache, meta)
         return self.norm(x)
+
+    def _forward_fused(self, x, kv_caches, meta: AttentionMetadata, ops) -> torch.Tensor:
+        """``forward`` on the CPU kernels: RoPE and the cache write in one kernel (in place on qkv),
+        the residual add fused into the next RMSNorm, SiLU·up in one kernel. The residual stream is
+        kept apart, as the add+norm kernel wants it: a layer's input is ``residual + x`` (``residual``
+        None before the first), and every add rounds to the model dtype exactly where ``forward``'s
+        adds do. Layers run from ``_fused_layers``, so the loop makes no module calls."""
+        layers = self._fused_layers or self._build_fused_layers()
+        c = self.config
+        # The kernel reads fp32 tables (a no-op unless the model was cast after loading).
+        cos_half, sin_half = self.rotary.cos_half.float(), self.rotary.sin_half.float()
+        attend, rms_norm = self.backend.attend, ops.rms_norm
+        qkv_sizes = [c.q_size, c.kv_size, c.kv_size]
+        positions, slot_mapping = meta.positions, meta.slot_mapping
+        residual = None
+        for layer, (k_cache, v_cache) in zip(layers, kv_caches):
+            if residual is None:
+                residual = x
+                h = rms_norm(x, layer.input_norm, layer.input_eps, None)
+            else:
+                h = rms_norm(x, layer.input_norm, layer.input_eps, residual)  # residual += x, in place
+            qkv = layer.qkv(h)
+            ops.rope_and_cache(qkv, positions, cos_half, sin_half, k_cache, v_cache, slot_mapping,
+                               c.num_heads, c.num_kv_heads, c.head_dim)
+            q, k, v = qkv.split(qkv_sizes, dim=-1)
+            h = rms_norm(layer.o(attend(q, k, v, k_cache, v_cache, meta)), layer.post_norm, layer.post_eps,
+                         residual)
+            x = layer.down(ops.silu_mul(layer.gate_up(h)))
+        return rms_norm(x, self.norm.weight, self.norm.eps, residual)
+
+    def reset_fused_layers(self) -> None:
+        """Make the fused CPU path look its layers up again: call after replacing a decoder linear
+        (``relocate_packed_weights`` does) or adding or removing forward hooks on one."""
+        self._fused_layers = None
+
+    def _build_fused_layers(self) -> list[_FusedLayer]:
+        self._fused_layers = [_FusedLayer(
+            layer.input_layernorm.weight, layer.input_layernorm.eps,
+            _rows_linear(layer.self_attn.qkv_proj), _rows_linear(layer.self_attn.o_proj),
+            layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
+            _rows_linear(layer.mlp.gate_up_proj), _rows_linear(layer.mlp.down_proj),
+        ) for layer in self.layers]
+        return self._fused_layers
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -210,6 +246,7 @@ class LlamaModel(nn.Module):
     def relocate_packed_weights(self) -> int:
         """Move every weight in a kernel layout into one buffer on huge pages (``shared/engine/huge_pages``:
         decode streams them all each step); returns how many. Call after the layouts change."""
+        self.reset_fused_layers()
         slots = [(m, "packed") for m in self.modules() if isinstance(m, PackedLinear) and m.ops is not None]
         slots += [(m, "weight") for m in self.modules() if isinstance(m, Int8Linear) and m.ops is not None]
         for (module, attr), moved in zip(slots, huge_pages.relocate([getattr(m, a) for m, a in slots])):

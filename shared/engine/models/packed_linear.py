@@ -63,9 +63,14 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ops is not None:
-            rows = x.reshape(-1, self.in_features).contiguous()
-            y = self.ops.linear_bf16(rows, self.packed, self.out_features, self.bias)
+            y = self.rows(x.reshape(-1, self.in_features).contiguous())
             return y.view(*x.shape[:-1], self.out_features)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` for x [rows, in_features], contiguous: no reshaping on the way."""
+        if self.ops is not None:
+            return self.ops.linear_bf16(x, self.packed, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def tensors(self) -> list[torch.Tensor]:
