@@ -110,6 +110,15 @@ class ExecutorHeartbeat(msgspec.Struct, kw_only=True, frozen=True):
     draining: bool = False         # shutting down: finishing what it holds, route nothing new to it
 
 
+class TokenizerStatusRequest(msgspec.Struct, kw_only=True, frozen=True):
+    pass
+
+
+class TokenizerStatus(msgspec.Struct, kw_only=True, frozen=True):
+    max_model_len: int   # prompts longer than this (plus max_tokens) are refused with 400
+    block_size: int
+
+
 class SchedulerStatusRequest(msgspec.Struct, kw_only=True, frozen=True):
     pass
 
@@ -156,6 +165,8 @@ STREAM_MESSAGE = Codec[StreamMessage](StreamMessage)
 ABORT_REQUEST = Codec[AbortRequest](AbortRequest)
 REQUEST_PROGRESS = Codec[RequestProgress](RequestProgress)
 EXECUTOR_HEARTBEAT = Codec[ExecutorHeartbeat](ExecutorHeartbeat)
+TOKENIZER_STATUS_REQUEST = Codec[TokenizerStatusRequest](TokenizerStatusRequest)
+TOKENIZER_STATUS = Codec[TokenizerStatus](TokenizerStatus)
 SCHEDULER_STATUS_REQUEST = Codec[SchedulerStatusRequest](SchedulerStatusRequest)
 SCHEDULER_STATUS = Codec[SchedulerStatus](SchedulerStatus)
 

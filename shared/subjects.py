@@ -7,6 +7,10 @@ PREFIX = "llm.v1"
 
 # Gateway → tokenizer (publish, queue group "tokenizer"): GenerateRequest.
 TOKENIZER_GENERATE = f"{PREFIX}.tokenizer.generate"
+# Anyone → tokenizer (request/reply, queue group "tokenizer"): TokenizerStatusRequest → TokenizerStatus.
+# The gateway's /health asks it: GenerateRequests are published, so nothing else would notice that no
+# tokenizer is listening (a request would wait out its timeout).
+TOKENIZER_STATUS = f"{PREFIX}.tokenizer.status"
 # Tokenizer → scheduler (publish, queue group "scheduler"): TokenizedRequest.
 SCHEDULER_SUBMIT = f"{PREFIX}.scheduler.submit"
 # Executor → scheduler (publish): RequestProgress, when a request streams its first token and when

@@ -3,7 +3,8 @@
     POST /v1/completions         POST /v1/chat/completions     (JSON, or SSE with "stream": true)
     GET  /v1/models              GET  /v1/models/{model}
     WS   /v1/ws                  (see websocket.py)
-    GET  /health                 200 iff NATS is connected and the scheduler reports >= 1 executor
+    GET  /health                 200 iff NATS is connected, a tokenizer answers and the scheduler
+                                 reports >= 1 executor
     GET  /metrics                Prometheus text
 
 Every error is an OpenAI error body (errors.py). Auth (when an API key is configured) guards /v1/*;
@@ -12,6 +13,7 @@ Every error is an OpenAI error body (errors.py). Auth (when an API key is config
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
@@ -119,10 +121,14 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        try:
-            status = await gw.scheduler_status()
-        except APIError as e:
-            return JSONResponse({"status": "unavailable", "reason": e.message}, status_code=503)
+        # Both asked at once; the scheduler's failure is the reason given when both fail.
+        status, tokenizer = await asyncio.gather(gw.scheduler_status(), gw.tokenizer_status(),
+                                                 return_exceptions=True)
+        for answer in (status, tokenizer):
+            if isinstance(answer, APIError):
+                return JSONResponse({"status": "unavailable", "reason": answer.message}, status_code=503)
+            if isinstance(answer, BaseException):
+                raise answer
         if not status.executors:
             return JSONResponse({"status": "unavailable", "reason": "no live executor"}, status_code=503)
         return JSONResponse({"status": "ok", "num_executors": len(status.executors),

@@ -25,8 +25,9 @@ import anyio
 from shared import subjects
 from shared.bus import Bus, BusError, BusTimeout
 from shared.engine.outputs import RequestOutput
-from shared.messages import (SCHEDULER_STATUS, SCHEDULER_STATUS_REQUEST, GenerateRequest, SchedulerStatus,
-                             SchedulerStatusRequest)
+from shared.messages import (SCHEDULER_STATUS, SCHEDULER_STATUS_REQUEST, TOKENIZER_STATUS, TOKENIZER_STATUS_REQUEST,
+                             GenerateRequest, SchedulerStatus, SchedulerStatusRequest, TokenizerStatus,
+                             TokenizerStatusRequest)
 
 from . import protocol
 from .config import GatewayConfig
@@ -74,15 +75,22 @@ class Gateway:
         return self.bus
 
     async def scheduler_status(self) -> SchedulerStatus:
+        data = await self._status_request(subjects.SCHEDULER_STATUS,
+                                          SCHEDULER_STATUS_REQUEST.encode(SchedulerStatusRequest()), "scheduler")
+        return SCHEDULER_STATUS.decode(data)
+
+    async def tokenizer_status(self) -> TokenizerStatus:
+        data = await self._status_request(subjects.TOKENIZER_STATUS,
+                                          TOKENIZER_STATUS_REQUEST.encode(TokenizerStatusRequest()), "tokenizer")
+        return TOKENIZER_STATUS.decode(data)
+
+    async def _status_request(self, subject: str, payload: bytes, service: str) -> bytes:
         try:
-            data = await self._bus().request(
-                subjects.SCHEDULER_STATUS, SCHEDULER_STATUS_REQUEST.encode(SchedulerStatusRequest()),
-                timeout=self.config.health_timeout_s)
+            return await self._bus().request(subject, payload, timeout=self.config.health_timeout_s)
         except BusTimeout:
-            raise service_unavailable("The scheduler did not answer.") from None
+            raise service_unavailable(f"The {service} did not answer.") from None
         except BusError as e:
             raise service_unavailable(f"The message bus is unavailable: {e}") from None
-        return SCHEDULER_STATUS.decode(data)
 
     async def served_models(self, refresh: bool = False) -> list[str]:
         """The configured model name, or (none configured) the models live executors report."""

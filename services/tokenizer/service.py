@@ -1,5 +1,6 @@
 """The tokenizer actor: GenerateRequest (queue group) → TokenizedRequest to the scheduler, or a 400
-StreamError straight to the request's stream. Trace headers are passed along unchanged."""
+StreamError straight to the request's stream. Trace headers are passed along unchanged. It also
+answers TOKENIZER_STATUS, which the gateway's /health asks."""
 
 from __future__ import annotations
 
@@ -42,7 +43,12 @@ class TokenizerService:
 
     async def start(self) -> None:
         await self.bus.subscribe(subjects.TOKENIZER_GENERATE, self._on_generate, queue=subjects.QUEUE_TOKENIZER)
+        await self.bus.subscribe(subjects.TOKENIZER_STATUS, self._on_status, queue=subjects.QUEUE_TOKENIZER)
         await self.bus.flush()
+
+    async def _on_status(self, msg: Msg) -> None:
+        await msg.respond(messages.TOKENIZER_STATUS.encode(messages.TokenizerStatus(
+            max_model_len=self.limits.max_model_len, block_size=self.limits.block_size)))
 
     async def _on_generate(self, msg: Msg) -> None:
         try:

@@ -2,8 +2,9 @@
 
 ``FakeBackend`` plays tokenizer + scheduler + executor in one: it consumes GenerateRequests on
 TOKENIZER_GENERATE and publishes scripted StreamOutput / StreamError on the request's stream
-subject, records AbortRequests, and answers SCHEDULER_STATUS. It runs its own event loop in a
-thread, so tests stay synchronous (plain httpx / websockets clients against a real server).
+subject, records AbortRequests, and answers SCHEDULER_STATUS and TOKENIZER_STATUS. It runs its own
+event loop in a thread, so tests stay synchronous (plain httpx / websockets clients against a real
+server).
 
 The script is chosen by a keyword in the prompt (completions) or last message (chat):
 
@@ -36,9 +37,9 @@ import pytest
 from shared import subjects
 from shared.bus import Bus
 from shared.engine.outputs import CompletionDelta, RequestOutput, TokenLogprobs
-from shared.messages import (ABORT_REQUEST, GENERATE_REQUEST, SCHEDULER_STATUS, STREAM_MESSAGE,
+from shared.messages import (ABORT_REQUEST, GENERATE_REQUEST, SCHEDULER_STATUS, STREAM_MESSAGE, TOKENIZER_STATUS,
                              AbortRequest, ExecutorStatus, GenerateRequest, SchedulerStatus,
-                             StreamError, StreamOutput)
+                             StreamError, StreamOutput, TokenizerStatus)
 from shared.servers import free_port
 
 FAKE_MODEL = "fake-model"
@@ -68,6 +69,7 @@ class FakeBackend:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="fake-backend")
         self._bus: Bus | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._tokenizer_status: Any = None  # the TOKENIZER_STATUS subscription while "listening"
 
     # -- lifecycle (called from the test thread) -------------------------------------------------
 
@@ -84,6 +86,20 @@ class FakeBackend:
     def _call(self, coro: Any, timeout: float = 10.0) -> Any:
         fut: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self._loop)
         return fut.result(timeout)
+
+    def set_tokenizer_listening(self, listening: bool) -> None:
+        """Subscribe to (or leave) TOKENIZER_STATUS, as a tokenizer that starts (or is gone) would."""
+        async def switch() -> None:
+            assert self._bus is not None
+            if listening and self._tokenizer_status is None:
+                self._tokenizer_status = await self._bus.subscribe(
+                    subjects.TOKENIZER_STATUS, self._on_tokenizer_status, queue=subjects.QUEUE_TOKENIZER)
+                await self._bus.flush()
+            elif not listening and self._tokenizer_status is not None:
+                await self._tokenizer_status.unsubscribe()
+                await self._bus.flush()
+                self._tokenizer_status = None
+        self._call(switch())
 
     def wait_abort(self, request_id: str | None = None, timeout: float = 5.0) -> AbortRequest:
         """The abort of ``request_id`` (or the first abort of any request) once it arrives."""
@@ -114,6 +130,8 @@ class FakeBackend:
         await bus.subscribe(subjects.TOKENIZER_GENERATE, self._on_generate, queue=subjects.QUEUE_TOKENIZER)
         await bus.subscribe(subjects.ABORT, self._on_abort)
         await bus.subscribe(subjects.SCHEDULER_STATUS, self._on_status)
+        self._tokenizer_status = await bus.subscribe(subjects.TOKENIZER_STATUS, self._on_tokenizer_status,
+                                                     queue=subjects.QUEUE_TOKENIZER)
         await bus.flush()
 
     async def _stop(self) -> None:
@@ -129,6 +147,9 @@ class FakeBackend:
                      for i in range(self.num_executors)]
         await msg.respond(SCHEDULER_STATUS.encode(SchedulerStatus(executors=executors, num_queued=0,
                                                                   max_queue_len=8)))
+
+    async def _on_tokenizer_status(self, msg: Any) -> None:
+        await msg.respond(TOKENIZER_STATUS.encode(TokenizerStatus(max_model_len=2048, block_size=16)))
 
     async def _on_abort(self, msg: Any) -> None:
         abort = ABORT_REQUEST.decode(msg.data)

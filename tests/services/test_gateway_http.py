@@ -145,6 +145,13 @@ def test_models_health_metrics(client, gateway, backend):
         assert r.status_code == 503 and "executor" in r.json()["reason"]
     finally:
         backend.num_executors = 1
+    backend.set_tokenizer_listening(False)  # requests would go nowhere: not healthy
+    try:
+        r = httpx.get(gateway.base_url + "/health")
+        assert r.status_code == 503 and r.json()["reason"] == "The tokenizer did not answer."
+    finally:
+        backend.set_tokenizer_listening(True)
+    assert httpx.get(gateway.base_url + "/health").status_code == 200
     text = httpx.get(gateway.base_url + "/metrics").text
     for name in ("llmserve:time_to_first_token_seconds_bucket", "llmserve:e2e_request_latency_seconds_count",
                  "llmserve:inter_token_latency_seconds_count", "llmserve:generation_tokens_total",

@@ -122,6 +122,11 @@ def test_service_over_nats(nats_url, smollm2_tokenizer):
             await client.publish(subjects.TOKENIZER_GENERATE, b"\x00garbage")
             where, _ = await _roundtrip(client, gen(prompt="still alive"))
             assert where == "submit"
+            # The status the gateway's /health asks for.
+            status = messages.TOKENIZER_STATUS.decode(await client.request(
+                subjects.TOKENIZER_STATUS, messages.TOKENIZER_STATUS_REQUEST.encode(messages.TokenizerStatusRequest()),
+                timeout=5))
+            assert (status.max_model_len, status.block_size) == (LIMITS.max_model_len, LIMITS.block_size)
         finally:
             await client.close()
             await service_bus.close()
