@@ -63,9 +63,8 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ops is not None:
-            y = self.rows(x.reshape(-1, self.in_features).contiguous())
-            return y.view(*x.shape[:-1], self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return self.rows(x.reshape(-1, self.in_features).contiguous()).view(*x.shape[:-1], self.out_features)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")  # any leading shape
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """``forward`` for x [rows, in_features], contiguous: no reshaping on the way."""
