@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+import random
 import shutil
 import signal
 import socket
@@ -21,8 +22,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["ServerProcess", "ServerStartError", "free_port", "find_nats_server", "find_redis_server",
-           "start_nats", "start_redis", "DEFAULT_NATS_MAX_PAYLOAD", "detach_child"]
+__all__ = ["ServerProcess", "ServerStartError", "free_port", "ephemeral_port_range", "find_nats_server",
+           "find_redis_server", "start_nats", "start_redis", "DEFAULT_NATS_MAX_PAYLOAD", "detach_child"]
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_NATS_MAX_PAYLOAD = 8 * 1024 * 1024   # KV pages travel in chunks below this
@@ -100,9 +101,38 @@ class ServerProcess:
         self.stop()
 
 
+# Where free_port looks first: below the kernel's ephemeral range (see free_port).
+_LOWEST_SERVER_PORT = 10000
+_DEFAULT_EPHEMERAL_PORTS = (32768, 60999)   # Linux's default net.ipv4.ip_local_port_range
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The ports the kernel hands to outgoing connections and to ``bind(port 0)``."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return _DEFAULT_EPHEMERAL_PORTS
+
+
 def free_port(host: str = LOOPBACK) -> int:
-    """A port that was free a moment ago. Another process may take it before we bind it; callers
-    that start a server on it retry on failure (``start_*`` do)."""
+    """A port that was free a moment ago, for a server to bind a few seconds later.
+
+    Picked below the ephemeral range when there is room: a port from that range can meanwhile be
+    handed to any outgoing connection, even to a client polling that very port while the server
+    starts (TCP self-connect). Outside the range only an explicit bind can take it, and callers that
+    start a server on it retry on failure (``start_*`` do)."""
+    low, _ = ephemeral_port_range()
+    rng = random.Random()
+    for _ in range(64 if low - _LOWEST_SERVER_PORT >= 1000 else 0):
+        port = rng.randrange(_LOWEST_SERVER_PORT, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

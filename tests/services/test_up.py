@@ -24,7 +24,8 @@ import httpx
 import pytest
 
 from services.launcher import EXECUTOR_OPENMP_ENV, gateway_available, set_executor_openmp_policy
-from shared.servers import ServerStartError, detach_child, start_nats, start_redis
+from shared.servers import (ServerStartError, detach_child, ephemeral_port_range, free_port, start_nats,
+                            start_redis)
 
 MODEL = "SmolLM2-135M-Instruct"
 needs_gateway = pytest.mark.skipif(not gateway_available(), reason="services.gateway is not installed")
@@ -77,6 +78,17 @@ def test_servers_start_answer_and_stop(pid_alive):
         redis.stop()
     assert not pid_alive(nats.pid) and not pid_alive(redis.pid)
     assert not os.path.exists(nats.workdir)
+
+
+def test_free_port_is_bindable_and_outside_the_ephemeral_range():
+    low, high = ephemeral_port_range()
+    if low < 11000:
+        pytest.skip(f"the ephemeral ports start at {low}: no room below them")
+    for _ in range(20):
+        port = free_port()
+        assert 10000 <= port < low  # no outgoing connection can be handed it meanwhile
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", port))
 
 
 def test_server_start_error_shows_its_log():
