@@ -41,8 +41,8 @@ def test_client_disconnect_returns_kv_blocks(stack):
             lines = r.iter_lines()
             for _ in range(40):  # 20 events (blank separator lines between them)
                 next(lines)
-            # mid-generation the request holds blocks (prompt + output so far: at least 2 of 16
-            # tokens); a heartbeat from its first steps may still report fewer, so wait for a newer one
+            # mid-generation the request holds blocks: its prompt and 20 tokens fill two or more
+            # 16-token blocks; a heartbeat from its first steps may still report fewer, so wait for a newer one
             wait_for(lambda: baseline - free_blocks(s.nats_url) >= 2, 10, "two or more blocks in use")
         # the connection is closed here, mid-stream
     # the executor frees them once the abort arrives (seen through its next heartbeats)
