@@ -89,17 +89,7 @@ class FakeBackend:
 
     def set_tokenizer_listening(self, listening: bool) -> None:
         """Subscribe to (or leave) TOKENIZER_STATUS, as a tokenizer that starts (or is gone) would."""
-        async def switch() -> None:
-            assert self._bus is not None
-            if listening and self._tokenizer_status is None:
-                self._tokenizer_status = await self._bus.subscribe(
-                    subjects.TOKENIZER_STATUS, self._on_tokenizer_status, queue=subjects.QUEUE_TOKENIZER)
-                await self._bus.flush()
-            elif not listening and self._tokenizer_status is not None:
-                await self._tokenizer_status.unsubscribe()
-                await self._bus.flush()
-                self._tokenizer_status = None
-        self._call(switch())
+        self._call(self._set_tokenizer_listening(listening))
 
     def wait_abort(self, request_id: str | None = None, timeout: float = 5.0) -> AbortRequest:
         """The abort of ``request_id`` (or the first abort of any request) once it arrives."""
@@ -130,9 +120,17 @@ class FakeBackend:
         await bus.subscribe(subjects.TOKENIZER_GENERATE, self._on_generate, queue=subjects.QUEUE_TOKENIZER)
         await bus.subscribe(subjects.ABORT, self._on_abort)
         await bus.subscribe(subjects.SCHEDULER_STATUS, self._on_status)
-        self._tokenizer_status = await bus.subscribe(subjects.TOKENIZER_STATUS, self._on_tokenizer_status,
-                                                     queue=subjects.QUEUE_TOKENIZER)
-        await bus.flush()
+        await self._set_tokenizer_listening(True)  # flushes
+
+    async def _set_tokenizer_listening(self, listening: bool) -> None:
+        assert self._bus is not None
+        if listening and self._tokenizer_status is None:
+            self._tokenizer_status = await self._bus.subscribe(
+                subjects.TOKENIZER_STATUS, self._on_tokenizer_status, queue=subjects.QUEUE_TOKENIZER)
+        elif not listening and self._tokenizer_status is not None:
+            await self._tokenizer_status.unsubscribe()
+            self._tokenizer_status = None
+        await self._bus.flush()
 
     async def _stop(self) -> None:
         for t in list(self._tasks):

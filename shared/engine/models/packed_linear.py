@@ -62,9 +62,7 @@ class PackedLinear(nn.Module):
         return pairs_bf16.permute(0, 2, 1, 3).reshape(panels * width, 2 * pairs)[: self.out_features].contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ops is not None:
-            return self.rows(x.reshape(-1, self.in_features).contiguous()).view(*x.shape[:-1], self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")  # any leading shape
+        return self.rows(x.reshape(-1, self.in_features).contiguous()).view(*x.shape[:-1], self.out_features)
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """``forward`` for x [rows, in_features], contiguous: no reshaping on the way."""
