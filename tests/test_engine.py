@@ -160,6 +160,30 @@ def test_n_greater_than_one_shares_the_prompt(llm):
     assert_no_leak(llm.engine)
 
 
+def test_each_choice_reports_its_finish_once(llm):
+    """With n > 1 the choices finish at different steps; a finished one must go quiet while the
+    others run (the streaming API sends finish_reason once per choice)."""
+    engine = llm.engine
+    engine.add_request("staggered", "Write a long list of fruits:",
+                       SamplingParams(n=3, max_tokens=24, temperature=1.0, seed=11, stop=[","]))
+    deltas: dict[int, list] = {0: [], 1: [], 2: []}
+    finished_at: dict[int, int] = {}
+    step = 0
+    while engine.has_unfinished():
+        step += 1
+        for out in engine.step():
+            for d in out.deltas:
+                deltas[d.index].append(d)
+                if d.finish_reason is not None:
+                    assert d.index not in finished_at, f"choice {d.index} finished twice"
+                    finished_at[d.index] = step
+    assert sorted(finished_at) == [0, 1, 2]
+    assert len(set(finished_at.values())) > 1, "the choices should finish at different steps"
+    for index, ds in deltas.items():
+        assert ds[-1].finish_reason is not None and all(d.finish_reason is None for d in ds[:-1])
+    assert_no_leak(engine)
+
+
 def test_abort_frees_blocks_at_once(llm):
     engine = llm.engine
     engine.add_request("to-abort", "A long story begins here and", SamplingParams(max_tokens=50, **GREEDY))

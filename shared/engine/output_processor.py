@@ -66,7 +66,10 @@ class OutputProcessor:
         seq.stop_reason = stop_reason
 
     def take_delta(self, seq: Sequence) -> CompletionDelta | None:
-        """The output since the last delta, or None if there is nothing new to say."""
+        """The output since the last delta, or None if there is nothing new to say. A choice's
+        finish_reason goes out once: with n > 1 the request's other choices keep stepping after it."""
+        if seq.finish_emitted:
+            return None
         end = len(seq.text)
         params = seq.request.params
         if seq.finish_reason is None and params.stop:
@@ -82,6 +85,7 @@ class OutputProcessor:
             stop_reason=seq.stop_reason,
         )
         seq.num_emitted_chars = end
+        seq.finish_emitted = seq.finish_reason is not None
         seq.new_token_ids = []
         seq.new_logprobs = []
         return delta

@@ -57,6 +57,7 @@ class Sequence:
     detokenizer: Any = None
     text: str = ""                   # detokenized output so far (stop string removed once found)
     num_emitted_chars: int = 0
+    finish_emitted: bool = False     # the delta carrying finish_reason went out; nothing follows it
 
     @property
     def seq_id(self) -> str:
