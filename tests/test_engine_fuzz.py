@@ -1,4 +1,4 @@
-"""A randomized workload through the whole engine on the real SmolLM2 (fp32): every feature that
+"""A randomized workload through the whole engine on the real SmolLM2: every feature that
 moves KV blocks at once. Requests arrive over time with shared prefixes, n > 1, seeds, stop strings,
 penalties, logprobs and priorities; some are aborted mid-flight; the pool is small enough to preempt.
 
@@ -85,10 +85,16 @@ def run_alone(engine: Engine, request_id: str, prompt: list[int], params: Sampli
     return tokens
 
 
-@pytest.mark.parametrize("seed,num_blocks,batched_tokens,max_seqs", [(2, 12, 128, 8), (3, 16, 48, 8)])
-def test_random_workload_with_aborts_and_preemption(seed, num_blocks, batched_tokens, max_seqs):
+# fp32 with a pool that preempts; bf16, the default dtype, with one that does not. Both must be exact:
+# each kernel computes a row the same way whatever else is in the batch, and a prompt always goes
+# through the prefill kernel however it is chunked or cached. Only a preemption breaks that in bf16:
+# the sampled tokens are recomputed by the prefill kernel, which rounds differently from the decode
+# kernel that first computed them (in fp32 the difference is far below any near tie here).
+@pytest.mark.parametrize("seed,dtype,num_blocks,batched_tokens,max_seqs", [
+    (2, "float32", 12, 128, 8), (3, "float32", 16, 48, 8), (4, "bfloat16", 400, 16, 8)])
+def test_random_workload_with_aborts_and_preemption(seed, dtype, num_blocks, batched_tokens, max_seqs):
     rng = random.Random(seed)
-    engine = Engine(EngineConfig(dtype="float32", num_kv_blocks=num_blocks, block_size=BLOCK_SIZE,
+    engine = Engine(EngineConfig(dtype=dtype, num_kv_blocks=num_blocks, block_size=BLOCK_SIZE,
                                  max_num_seqs=max_seqs, max_num_batched_tokens=batched_tokens), progress=False)
     requests = random_requests(rng)
     replay = EventReplay()
@@ -125,7 +131,8 @@ def test_random_workload_with_aborts_and_preemption(seed, num_blocks, batched_to
         assert step < 2000, "the workload did not drain"
 
     stats = engine.stats()
-    assert stats.num_preemptions > 0 and aborted and stats.prefix_cache_hits_tokens > 0  # all exercised
+    assert (stats.num_preemptions > 0) == (dtype == "float32")
+    assert aborted and stats.prefix_cache_hits_tokens > 0
     assert stats.num_running == stats.num_waiting == 0
     assert stats.num_free_blocks == stats.num_total_blocks
     assert replay.hashes == {h for h in replay.hashes if engine.block_manager.cached_block_id(h) is not None}

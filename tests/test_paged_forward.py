@@ -158,3 +158,29 @@ def test_chunked_prefill_equals_one_shot(model, chunk_size):
     assert not runner.kv_cache.storage[:, :, 0].any(), "block 0 (padding) was written"
     unused = sorted(set(range(1, 3 * n)) - set(table))
     assert not runner.kv_cache.storage[:, :, unused].any(), "a block outside the table was written"
+
+
+@pytest.mark.parametrize("last_chunk", [1, 2, 17])
+def test_prompt_chunks_give_bit_identical_logits_in_bf16(runtime_bf16, last_chunk):
+    """A prompt's tokens all go through the prefill kernel, however they are chunked: a last chunk
+    of one token (a budget split, or a prefix-cache hit on everything before it) is not routed to
+    the decode kernel, whose rounding differs. So a prompt gives the same logits, to the bit, in
+    one chunk or two, next to decodes of another sequence or alone (bf16, the default dtype)."""
+    ids = random_ids(70, seed=9)
+    alloc = Allocator(16, seed=3)
+    one_table, two_table, other_table = alloc.take(5), alloc.take(5), alloc.take(3)
+    runner = make_runner(runtime_bf16, 16)
+    whole = runner.execute([ScheduledChunk(ids, 0, one_table)])[0]
+    head = len(ids) - last_chunk
+    other = random_ids(33, seed=10)
+    runner.execute([ScheduledChunk(ids[:head], 0, two_table, need_logits=False),
+                    ScheduledChunk(other[:32], 0, other_table)])
+    split = runner.execute([ScheduledChunk([other[32]], 32, other_table, decode=True),
+                            ScheduledChunk(ids[head:], head, two_table, decode=False)])[1]
+    assert torch.equal(split, whole)
+
+
+def test_a_decode_chunk_has_one_token(model):
+    runner = make_runner(model, 4)
+    with pytest.raises(ValueError, match="decode chunk has one token"):
+        runner.execute([ScheduledChunk([1, 2], 0, [1], decode=True)])

@@ -479,27 +479,33 @@ void prepare_query_int16(int32_t* dst, float* scales, const T* q, int64_t num_he
 // G query heads share a KV head; NV = head_dim / 16 vectors per row. Both are compile-time so the
 // query and accumulator vectors (G * NV zmm) stay in registers. A work item is one part of a
 // sequence's keys for all its heads: each block's rows are read whole and in address order (25%
-// faster than one head per item at 8 and 32 sequences). With few sequences the keys are split into
-// `parts` runs of blocks so that every thread has work (flash-decoding): each part writes its
-// unnormalized sums with its max and normalizer, and a second pass merges the parts.
+// faster than one head per item at 8 and 32 sequences). Sequence s's keys are split into
+// first_item[s + 1] - first_item[s] runs of blocks (flash-decoding, so that one long sequence keeps
+// every thread busy): each part writes its unnormalized sums with its max and normalizer, and a second
+// pass merges the parts in order. The split depends on the sequence's own length only, never on the
+// batch or the thread count, so a sequence's output is bit-identical whatever else is decoded with it
+// (seeded sampling must not depend on the batch).
 // C: the cache's element type, T or int8_t (rows with scales: the item's queries are quantized to int16
 // once, key scales multiply the scores, value scales the softmax weights).
 template <typename T, typename C, int G, int NV>
 void decode_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
                            int64_t max_blocks, const int64_t* seq_lens, int64_t num_seqs, int64_t kv_heads,
-                           int64_t parts, int64_t block_size, float scale) {
+                           const int64_t* first_item, int64_t block_size, float scale) {
   constexpr bool kInt8 = std::is_same_v<C, int8_t>;
   constexpr int64_t head_dim = NV * 16, kAheadBlocks = 2;  // blocks prefetched ahead of the one computed
   constexpr int64_t head_row = cache_row_len<C>(head_dim);
   const int64_t heads = G * kv_heads, kv_row = kv_heads * head_row;
-  // Per (sequence, part, head): head_dim sums, then max and normalizer (only when parts > 1).
-  const int64_t partial_row = head_dim + 2;
-  std::vector<float> partials(parts > 1 ? num_seqs * parts * heads * partial_row : 0);
-  at::parallel_for(0, num_seqs * parts, 1, [&](int64_t begin, int64_t end) {
+  // Per (item, head): head_dim sums, then max and normalizer (read only for split sequences).
+  const int64_t partial_row = head_dim + 2, num_items = first_item[num_seqs];
+  std::vector<int64_t> item_seq(num_items);
+  for (int64_t s = 0; s < num_seqs; ++s) std::fill(&item_seq[first_item[s]], &item_seq[0] + first_item[s + 1], s);
+  std::vector<float> partials(num_items > num_seqs ? num_items * heads * partial_row : 0);
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, accs(heads * head_dim), q_scales(kInt8 ? heads : 0);
     std::vector<int32_t> q_pairs(kInt8 ? heads * head_dim / 2 : 0);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / parts, part = item % parts, len = seq_lens[s];
+      const int64_t s = item_seq[item], part = item - first_item[s], parts = first_item[s + 1] - first_item[s];
+      const int64_t len = seq_lens[s];
       const int64_t* table = block_tables + s * max_blocks;
       const int64_t seq_blocks = (len + block_size - 1) / block_size;
       const int64_t b_lo = seq_blocks * part / parts, b_hi = seq_blocks * (part + 1) / parts;
@@ -597,13 +603,15 @@ void decode_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cach
       }
     }
   });
-  if (parts == 1) return;
+  std::vector<int64_t> split;  // sequences of more than one part
+  for (int64_t s = 0; s < num_seqs; ++s)
+    if (first_item[s + 1] - first_item[s] > 1) split.push_back(s);
   // Merge: out = sum_p e^(m_p - M) acc_p / sum_p e^(m_p - M) l_p, M the largest part max (an empty
   // part has max -inf and weighs nothing).
-  at::parallel_for(0, num_seqs * heads, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, static_cast<int64_t>(split.size()) * heads, 16, [&](int64_t begin, int64_t end) {
     for (int64_t sr = begin; sr < end; ++sr) {
-      const int64_t s = sr / heads, r = sr % heads;
-      const float* first = partials.data() + (s * parts * heads + r) * partial_row;
+      const int64_t s = split[sr / heads], r = sr % heads, parts = first_item[s + 1] - first_item[s];
+      const float* first = partials.data() + (first_item[s] * heads + r) * partial_row;
       const int64_t stride = heads * partial_row;  // next part, same head
       float m = -INFINITY, l = 0.f;
       for (int64_t p = 0; p < parts; ++p) m = std::max(m, first[p * stride + head_dim]);
@@ -623,7 +631,7 @@ void decode_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cach
 
 template <typename T, typename C, int NV>
 void decode_attention_group(int64_t group, T* out, const T* q, const C* k, const C* v, const int64_t* bt, int64_t mb,
-                            const int64_t* lens, int64_t ns, int64_t kvh, int64_t per, int64_t bs, float scale) {
+                            const int64_t* lens, int64_t ns, int64_t kvh, const int64_t* per, int64_t bs, float scale) {
   switch (group) {
     case 1: return decode_attention_impl<T, C, 1, NV>(out, q, k, v, bt, mb, lens, ns, kvh, per, bs, scale);
     case 2: return decode_attention_impl<T, C, 2, NV>(out, q, k, v, bt, mb, lens, ns, kvh, per, bs, scale);
@@ -639,7 +647,7 @@ void decode_attention_group(int64_t group, T* out, const T* q, const C* k, const
 
 template <typename T, typename C>
 void decode_attention_dispatch(int64_t head_dim, int64_t group, T* out, const T* q, const C* k, const C* v,
-                               const int64_t* bt, int64_t mb, const int64_t* lens, int64_t ns, int64_t kvh, int64_t per,
+                               const int64_t* bt, int64_t mb, const int64_t* lens, int64_t ns, int64_t kvh, const int64_t* per,
                                int64_t bs, float scale) {
   switch (head_dim) {
     case 64: return decode_attention_group<T, C, 4>(group, out, q, k, v, bt, mb, lens, ns, kvh, per, bs, scale);
@@ -668,20 +676,20 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   check_block_tables(block_tables, seq_lens, block_size, k_cache.size(0));
   at::Tensor out = at::empty_like(q);
   const float sc = static_cast<float>(scale);
-  // Split the keys when there are fewer sequences than two per thread, into parts of at least
-  // kMinPartBlocks blocks (shorter ones cost more to merge than they save).
-  constexpr int64_t kMinPartBlocks = 8;
-  int64_t max_len = 1;
-  for (int64_t s = 0; s < num_seqs; ++s) max_len = std::max(max_len, seq_lens.data_ptr<int64_t>()[s]);
-  const int64_t threads = at::get_num_threads();
-  const int64_t wanted = (2 * threads + num_seqs - 1) / std::max<int64_t>(num_seqs, 1);
-  int64_t parts = std::max<int64_t>(1, std::min(wanted, (max_len + block_size - 1) / block_size / kMinPartBlocks));
-  while (parts > 1 && num_seqs * parts > threads && num_seqs * parts % threads != 0) --parts;  // even shares
+  // A sequence's keys go in parts of at most kPartTokens (rounded to whole blocks): one long sequence
+  // alone still fills both threads, and shorter parts would cost more to merge than they save.
+  constexpr int64_t kPartTokens = 256;
+  const int64_t part_blocks = std::max<int64_t>(1, kPartTokens / block_size);
+  std::vector<int64_t> first_item(num_seqs + 1, 0);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t seq_blocks = (seq_lens.data_ptr<int64_t>()[s] + block_size - 1) / block_size;
+    first_item[s + 1] = first_item[s] + std::max<int64_t>(1, (seq_blocks + part_blocks - 1) / part_blocks);
+  }
   LLMSERVE_DISPATCH(q.scalar_type(), "decode_attention", [&] {
     auto run = [&](auto* k, auto* v) {
       decode_attention_dispatch(head_dim, heads / kv_heads, out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k, v,
                                 block_tables.data_ptr<int64_t>(), block_tables.size(1), seq_lens.data_ptr<int64_t>(),
-                                num_seqs, kv_heads, parts, block_size, sc);
+                                num_seqs, kv_heads, first_item.data(), block_size, sc);
     };
     if (int8) run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
     else run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());

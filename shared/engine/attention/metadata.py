@@ -67,14 +67,21 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    num_decodes: int | None = None,
 ) -> AttentionMetadata:
     """Build metadata for sequences ordered decodes first. ``num_computed[i]`` tokens of sequence i
-    are already in the cache; its ``query_lens[i]`` new tokens follow them."""
+    are already in the cache; its ``query_lens[i]`` new tokens follow them. ``num_decodes``: how many
+    leading one-token sequences take the decode path (default: all of them; a one-token prefill
+    chunk may follow them)."""
     if not (len(query_lens) == len(num_computed) == len(block_tables)):
         raise ValueError("query_lens, num_computed and block_tables must have one entry per sequence")
-    num_decodes = 0
-    while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
-        num_decodes += 1
+    leading_singles = 0
+    while leading_singles < len(query_lens) and query_lens[leading_singles] == 1:
+        leading_singles += 1
+    if num_decodes is None:
+        num_decodes = leading_singles
+    elif not 0 <= num_decodes <= leading_singles:
+        raise ValueError(f"num_decodes={num_decodes}, but only the first {leading_singles} sequences have one new token")
     positions: list[int] = []
     slots: list[int] = []
     seq_lens: list[int] = []
