@@ -5,11 +5,12 @@ from __future__ import annotations
 
 PREFIX = "llm.v1"
 
-# Gateway → tokenizer (publish, queue group "tokenizer"): GenerateRequest.
+# Gateway → tokenizer (request/reply, queue group "tokenizer"): GenerateRequest → an empty ack, sent
+# when a tokenizer takes the request; its output then comes on the request's stream subject. With no
+# tokenizer listening, NATS answers "no responders" at once and the gateway returns 503.
 TOKENIZER_GENERATE = f"{PREFIX}.tokenizer.generate"
-# Anyone → tokenizer (request/reply, queue group "tokenizer"): TokenizerStatusRequest → TokenizerStatus.
-# The gateway's /health asks it: GenerateRequests are published, so nothing else would notice that no
-# tokenizer is listening (a request would wait out its timeout).
+# Anyone → tokenizer (request/reply, queue group "tokenizer"): TokenizerStatusRequest → TokenizerStatus
+# (the gateway's /health).
 TOKENIZER_STATUS = f"{PREFIX}.tokenizer.status"
 # Tokenizer → scheduler (publish, queue group "scheduler"): TokenizedRequest.
 SCHEDULER_SUBMIT = f"{PREFIX}.scheduler.submit"

@@ -1,6 +1,7 @@
 """One request's life on the bus, as the gateway sees it.
 
-    open():  SUB llm.v1.stream.<rid>  →  PUB llm.v1.tokenizer.generate (GenerateRequest)
+    open():  SUB llm.v1.stream.<rid>  →  REQ llm.v1.tokenizer.generate (GenerateRequest) → ack
+             (no tokenizer listening: 503 at once, not a wait for the deadline)
     next():  StreamOutput → its RequestOutput   |  StreamError → APIError  |  deadline → 504
     close(): if the request did not end (finished output or error): PUB llm.v1.abort, so the
              executor frees its KV blocks; then UNSUB.
@@ -18,7 +19,7 @@ import time
 import msgspec
 
 from shared import subjects
-from shared.bus import Bus, BusError, BusTimeout, Subscription
+from shared.bus import Bus, BusError, BusNoResponders, BusTimeout, Subscription
 from shared.engine.outputs import RequestOutput
 from shared.messages import (ABORT_REQUEST, GENERATE_REQUEST, STREAM_MESSAGE, AbortRequest,
                              GenerateRequest, StreamError, StreamOutput)
@@ -48,7 +49,14 @@ class GenerationStream:
     async def open(self) -> None:
         try:
             self._sub = await self.bus.subscribe_iter(subjects.stream(self.request_id))
-            await self.bus.publish(subjects.TOKENIZER_GENERATE, GENERATE_REQUEST.encode(self.request))
+            await self.bus.request(subjects.TOKENIZER_GENERATE, GENERATE_REQUEST.encode(self.request),
+                                   timeout=max(self._deadline - time.monotonic(), 0.001))
+        except BusNoResponders:
+            self.ended = True  # nobody took it, nothing to abort
+            raise service_unavailable("No tokenizer is running.") from None
+        except BusTimeout:  # a tokenizer may still take it late: close() aborts it
+            self.abort_reason = "request timeout"
+            raise request_timeout(self.timeout_s) from None
         except BusError as e:
             self.ended = True  # nothing was dispatched, nothing to abort
             raise service_unavailable(f"The message bus is unavailable: {e}") from None

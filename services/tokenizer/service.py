@@ -56,6 +56,8 @@ class TokenizerService:
         except msgspec.DecodeError as e:  # no request id to answer to: only a log line is possible
             log.error("dropping a malformed GenerateRequest: %s", e)
             return
+        if msg.reply:  # the gateway waits for this ack: "a tokenizer has the request"
+            await msg.respond(b"")
         try:
             tokenized = tokenize_request(req, self.tokenizer, self.limits)
         except PromptError as e:

@@ -1,7 +1,7 @@
 """Test support for the gateway: a FAKE backend on a real NATS server, and the real gateway process.
 
-``FakeBackend`` plays tokenizer + scheduler + executor in one: it consumes GenerateRequests on
-TOKENIZER_GENERATE and publishes scripted StreamOutput / StreamError on the request's stream
+``FakeBackend`` plays tokenizer + scheduler + executor in one: it takes GenerateRequests on
+TOKENIZER_GENERATE (acking each, as the tokenizer does) and publishes scripted StreamOutput / StreamError on the request's stream
 subject, records AbortRequests, and answers SCHEDULER_STATUS and TOKENIZER_STATUS. It runs its own
 event loop in a thread, so tests stay synchronous (plain httpx / websockets clients against a real
 server).
@@ -69,7 +69,7 @@ class FakeBackend:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="fake-backend")
         self._bus: Bus | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._tokenizer_status: Any = None  # the TOKENIZER_STATUS subscription while "listening"
+        self._tokenizer_subs: list[Any] = []  # TOKENIZER_GENERATE and _STATUS while "listening"
 
     # -- lifecycle (called from the test thread) -------------------------------------------------
 
@@ -88,7 +88,7 @@ class FakeBackend:
         return fut.result(timeout)
 
     def set_tokenizer_listening(self, listening: bool) -> None:
-        """Subscribe to (or leave) TOKENIZER_STATUS, as a tokenizer that starts (or is gone) would."""
+        """Subscribe to (or leave) the tokenizer's subjects, as a tokenizer that starts (or is gone) would."""
         self._call(self._set_tokenizer_listening(listening))
 
     def wait_abort(self, request_id: str | None = None, timeout: float = 5.0) -> AbortRequest:
@@ -117,19 +117,20 @@ class FakeBackend:
 
     async def _start(self) -> None:
         self._bus = bus = await Bus.connect(self.nats_url, "fake-backend")
-        await bus.subscribe(subjects.TOKENIZER_GENERATE, self._on_generate, queue=subjects.QUEUE_TOKENIZER)
         await bus.subscribe(subjects.ABORT, self._on_abort)
         await bus.subscribe(subjects.SCHEDULER_STATUS, self._on_status)
         await self._set_tokenizer_listening(True)  # flushes
 
     async def _set_tokenizer_listening(self, listening: bool) -> None:
         assert self._bus is not None
-        if listening and self._tokenizer_status is None:
-            self._tokenizer_status = await self._bus.subscribe(
-                subjects.TOKENIZER_STATUS, self._on_tokenizer_status, queue=subjects.QUEUE_TOKENIZER)
-        elif not listening and self._tokenizer_status is not None:
-            await self._tokenizer_status.unsubscribe()
-            self._tokenizer_status = None
+        if listening and not self._tokenizer_subs:
+            self._tokenizer_subs = [
+                await self._bus.subscribe(subjects.TOKENIZER_GENERATE, self._on_generate, queue=subjects.QUEUE_TOKENIZER),
+                await self._bus.subscribe(subjects.TOKENIZER_STATUS, self._on_tokenizer_status, queue=subjects.QUEUE_TOKENIZER)]
+        elif not listening:
+            for sub in self._tokenizer_subs:
+                await sub.unsubscribe()
+            self._tokenizer_subs = []
         await self._bus.flush()
 
     async def _stop(self) -> None:
@@ -156,6 +157,7 @@ class FakeBackend:
 
     async def _on_generate(self, msg: Any) -> None:
         req = GENERATE_REQUEST.decode(msg.data)
+        await msg.respond(b"")
         self.requests[req.request_id] = req
         self._aborted.setdefault(req.request_id, asyncio.Event())
         task = asyncio.create_task(self._play(req))  # don't block the next request

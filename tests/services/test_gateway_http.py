@@ -149,6 +149,11 @@ def test_models_health_metrics(client, gateway, backend):
     try:
         r = httpx.get(gateway.base_url + "/health")
         assert r.status_code == 503 and r.json()["reason"] == "The tokenizer did not answer."
+        # A request fails at once instead of waiting out its timeout.
+        t0 = time.monotonic()
+        r = client.post("/v1/completions", json=completion())
+        assert r.status_code == 503 and r.json()["error"]["message"] == "No tokenizer is running.", r.text
+        assert time.monotonic() - t0 < 5
     finally:
         backend.set_tokenizer_listening(True)
     assert httpx.get(gateway.base_url + "/health").status_code == 200

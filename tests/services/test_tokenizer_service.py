@@ -86,11 +86,13 @@ def test_model_context_len_from_metadata(smollm2_path):
 # -- over NATS -----------------------------------------------------------------------------------
 
 async def _roundtrip(bus: Bus, req: GenerateRequest) -> tuple[str, object]:
-    """Publish like the gateway (stream subscribed first) and return where the answer went."""
+    """Send like the gateway (stream subscribed first, then a request the tokenizer acks) and return
+    where the answer went."""
     async with await bus.subscribe_iter(subjects.stream(req.request_id)) as stream, \
             await bus.subscribe_iter(subjects.SCHEDULER_SUBMIT) as submit:
-        await bus.publish(subjects.TOKENIZER_GENERATE, messages.GENERATE_REQUEST.encode(req),
-                          headers={"traceparent": "00-abc-def-01"})
+        ack = await bus.request(subjects.TOKENIZER_GENERATE, messages.GENERATE_REQUEST.encode(req), timeout=5,
+                                headers={"traceparent": "00-abc-def-01"})
+        assert ack == b""
         done, pending = await asyncio.wait([asyncio.ensure_future(stream.next(5)),
                                             asyncio.ensure_future(submit.next(5))],
                                            return_when=asyncio.FIRST_COMPLETED)
