@@ -12,7 +12,8 @@ TOKENIZER_GENERATE = f"{PREFIX}.tokenizer.generate"
 # Anyone → tokenizer (request/reply, queue group "tokenizer"): TokenizerStatusRequest → TokenizerStatus
 # (the gateway's /health).
 TOKENIZER_STATUS = f"{PREFIX}.tokenizer.status"
-# Tokenizer → scheduler (publish, queue group "scheduler"): TokenizedRequest.
+# Tokenizer → scheduler (request/reply, queue group "scheduler"): TokenizedRequest → an empty ack once
+# routed (dispatched, queued or failed on the request's stream); "no responders": no scheduler runs.
 SCHEDULER_SUBMIT = f"{PREFIX}.scheduler.submit"
 # Executor → scheduler (publish): RequestProgress, when a request streams its first token and when
 # it finishes, so in-flight load and fail-over know what each executor holds.

@@ -60,6 +60,8 @@ class SchedulerService:
     async def _on_submit(self, msg: Msg) -> None:
         req = messages.TOKENIZED_REQUEST.decode(msg.data)
         await self._apply(self.router.submit(req, time.monotonic(), time.time()), msg.headers)
+        if msg.reply:  # the tokenizer waits for this ack: "a scheduler has routed it"
+            await msg.respond(b"")
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         hb = messages.EXECUTOR_HEARTBEAT.decode(msg.data)

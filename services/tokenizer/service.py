@@ -1,6 +1,10 @@
 """The tokenizer actor: GenerateRequest (queue group) → TokenizedRequest to the scheduler, or a 400
 StreamError straight to the request's stream. Trace headers are passed along unchanged. It also
-answers TOKENIZER_STATUS, which the gateway's /health asks."""
+answers TOKENIZER_STATUS, which the gateway's /health asks.
+
+Both hand-offs are acknowledged: the tokenizer acks the gateway's request on receipt, and the
+scheduler acks each submit. So a request meets a missing service at once (NATS's "no responders"),
+as a 503 on its stream, instead of waiting out its timeout."""
 
 from __future__ import annotations
 
@@ -12,10 +16,13 @@ import msgspec
 
 from services.tokenizer.prompts import PromptError, PromptLimits, tokenize_request
 from shared import messages, subjects
-from shared.bus import Bus, Msg
+from shared.bus import Bus, BusNoResponders, BusTimeout, Msg
 from shared.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("llmserve.tokenizer")
+
+# A scheduler acks a submit as soon as it has routed it; a live one takes well under a millisecond.
+SUBMIT_ACK_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -61,17 +68,30 @@ class TokenizerService:
         try:
             tokenized = tokenize_request(req, self.tokenizer, self.limits)
         except PromptError as e:
-            await self.bus.publish(subjects.stream(req.request_id),
-                                   messages.STREAM_MESSAGE.encode(e.to_stream_error(req.request_id)))
+            await self._fail(e.to_stream_error(req.request_id))
             return
         except Exception as e:  # a tokenizer bug must still end the request, not leave it hanging
             log.exception("tokenizing %s failed", req.request_id)
-            error = messages.StreamError(request_id=req.request_id, status=500,
-                                         message=f"tokenizer failed: {e}")
-            await self.bus.publish(subjects.stream(req.request_id), messages.STREAM_MESSAGE.encode(error))
+            await self._fail(messages.StreamError(request_id=req.request_id, status=500,
+                                                  message=f"tokenizer failed: {e}"))
             return
-        await self.bus.publish(subjects.SCHEDULER_SUBMIT, messages.TOKENIZED_REQUEST.encode(tokenized),
-                               headers=msg.headers)
+        try:
+            await self.bus.request(subjects.SCHEDULER_SUBMIT, messages.TOKENIZED_REQUEST.encode(tokenized),
+                                   timeout=SUBMIT_ACK_TIMEOUT_S, headers=msg.headers)
+        except BusNoResponders:
+            await self._fail(messages.StreamError(request_id=req.request_id, status=503,
+                                                  message="No scheduler is running."))
+        except BusTimeout:
+            # A stuck scheduler may still route it later: the abort frees it wherever it lands.
+            log.error("the scheduler did not acknowledge %s within %.0f s", req.request_id, SUBMIT_ACK_TIMEOUT_S)
+            await self.bus.publish(subjects.ABORT, messages.ABORT_REQUEST.encode(messages.AbortRequest(
+                request_id=req.request_id, reason="the scheduler did not acknowledge it")))
+            await self._fail(messages.StreamError(
+                request_id=req.request_id, status=503,
+                message=f"The scheduler did not acknowledge the request within {SUBMIT_ACK_TIMEOUT_S:.0f} s."))
+
+    async def _fail(self, error: messages.StreamError) -> None:
+        await self.bus.publish(subjects.stream(error.request_id), messages.STREAM_MESSAGE.encode(error))
 
 
 async def serve(config: TokenizerConfig, tokenizer: Tokenizer, limits: PromptLimits,

@@ -104,7 +104,9 @@ class Harness:
         rid = rid or uuid.uuid4().hex
         req = TokenizedRequest(request_id=rid, prompt_token_ids=[1, 2, 3], block_hashes=[],
                                params=SamplingParams(max_tokens=4))
-        await self.client.publish(subjects.SCHEDULER_SUBMIT, messages.TOKENIZED_REQUEST.encode(req))
+        # As the tokenizer submits: a request the scheduler acks once it has routed it.
+        ack = await self.client.request(subjects.SCHEDULER_SUBMIT, messages.TOKENIZED_REQUEST.encode(req), timeout=2)
+        assert ack == b""
         return rid
 
     async def error_for(self, rid: str, timeout: float = 5.0) -> StreamError:

@@ -100,6 +100,7 @@ async def _roundtrip(bus: Bus, req: GenerateRequest) -> tuple[str, object]:
             t.cancel()
         msg = done.pop().result()
         if msg.subject == subjects.SCHEDULER_SUBMIT:
+            await msg.respond(b"")  # as the scheduler acks
             assert msg.headers and msg.headers.get("traceparent") == "00-abc-def-01"
             return "submit", messages.TOKENIZED_REQUEST.decode(msg.data)
         return "stream", messages.STREAM_MESSAGE.decode(msg.data)
@@ -129,6 +130,12 @@ def test_service_over_nats(nats_url, smollm2_tokenizer):
                 subjects.TOKENIZER_STATUS, messages.TOKENIZER_STATUS_REQUEST.encode(messages.TokenizerStatusRequest()),
                 timeout=5))
             assert (status.max_model_len, status.block_size) == (LIMITS.max_model_len, LIMITS.block_size)
+            # No scheduler listening: the request ends at once with a 503 on its stream.
+            req = gen(prompt="nobody routes this")
+            async with await client.subscribe_iter(subjects.stream(req.request_id)) as stream:
+                await client.request(subjects.TOKENIZER_GENERATE, messages.GENERATE_REQUEST.encode(req), timeout=5)
+                out = messages.STREAM_MESSAGE.decode((await stream.next(2)).data)
+            assert isinstance(out, StreamError) and (out.status, out.message) == (503, "No scheduler is running.")
         finally:
             await client.close()
             await service_bus.close()
