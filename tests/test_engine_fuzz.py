@@ -1,6 +1,7 @@
 """A randomized workload through the whole engine on the real SmolLM2: every feature that
 moves KV blocks at once. Requests arrive over time with shared prefixes, n > 1, seeds, stop strings,
-penalties, logprobs and priorities; some are aborted mid-flight; the pool is small enough to preempt.
+penalties, logprobs and priorities; some are aborted mid-flight; in fp32 the pool is small enough
+to preempt.
 
 Afterwards: every request that was not aborted finished, each choice reported its finish once and
 last, the pool is whole again, the KV event stream replays to exactly the engine's prefix cache, and
