@@ -1,10 +1,10 @@
 """Test support for the gateway: a FAKE backend on a real NATS server, and the real gateway process.
 
 ``FakeBackend`` plays tokenizer + scheduler + executor in one: it takes GenerateRequests on
-TOKENIZER_GENERATE (acking each, as the tokenizer does) and publishes scripted StreamOutput / StreamError on the request's stream
-subject, records AbortRequests, and answers SCHEDULER_STATUS and TOKENIZER_STATUS. It runs its own
-event loop in a thread, so tests stay synchronous (plain httpx / websockets clients against a real
-server).
+TOKENIZER_GENERATE (acking each, as the tokenizer does) and publishes scripted StreamOutput /
+StreamError on the request's stream subject, records AbortRequests, and answers SCHEDULER_STATUS and
+TOKENIZER_STATUS. It runs its own event loop in a thread, so tests stay synchronous (plain httpx /
+websockets clients against a real server).
 
 The script is chosen by a keyword in the prompt (completions) or last message (chat):
 
