@@ -15,6 +15,7 @@ import pytest
 
 from shared.block_hash import hash_block
 from shared.engine.engine import Engine, EngineConfig
+from shared.engine.llm import LLM
 from shared.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from shared.engine.sampling_params import SamplingParams
 
@@ -76,16 +77,6 @@ class EventReplay:
                 self.hashes.clear()
 
 
-def run_alone(engine: Engine, request_id: str, prompt: list[int], params: SamplingParams) -> dict[int, list[int]]:
-    engine.add_request(request_id, prompt, params)
-    tokens: dict[int, list[int]] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            for d in out.deltas:
-                tokens.setdefault(d.index, []).extend(d.token_ids)
-    return tokens
-
-
 # fp32 with a pool that preempts; bf16, the default dtype, with one that does not. Both must be exact:
 # each kernel computes a row the same way whatever else is in the batch, and a prompt always goes
 # through the prefill kernel however it is chunked or cached. Only a preemption breaks that in bf16:
@@ -95,8 +86,9 @@ def run_alone(engine: Engine, request_id: str, prompt: list[int], params: Sampli
     (2, "float32", 12, 128, 8), (3, "float32", 16, 48, 8), (4, "bfloat16", 400, 16, 8)])
 def test_random_workload_with_aborts_and_preemption(seed, dtype, num_blocks, batched_tokens, max_seqs):
     rng = random.Random(seed)
-    engine = Engine(EngineConfig(dtype=dtype, num_kv_blocks=num_blocks, block_size=BLOCK_SIZE,
-                                 max_num_seqs=max_seqs, max_num_batched_tokens=batched_tokens), progress=False)
+    llm = LLM(EngineConfig(dtype=dtype, num_kv_blocks=num_blocks, block_size=BLOCK_SIZE,
+                           max_num_seqs=max_seqs, max_num_batched_tokens=batched_tokens), progress=False)
+    engine = llm.engine
     requests = random_requests(rng)
     replay = EventReplay()
     tokens: dict[str, dict[int, list[int]]] = {}
@@ -146,5 +138,6 @@ def test_random_workload_with_aborts_and_preemption(seed, dtype, num_blocks, bat
         assert set(finish_reasons[request_id].values()) <= {"stop", "length"}
         if params.ignore_eos and not params.stop:
             assert all(len(t) == params.max_tokens for t in tokens[request_id].values())
-        assert run_alone(engine, request_id + "-alone", prompt, params) == tokens[request_id], request_id
+        alone = llm.generate(prompt, params)[0].outputs
+        assert {c.index: c.token_ids for c in alone} == tokens[request_id], request_id
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks

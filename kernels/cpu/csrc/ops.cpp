@@ -501,7 +501,8 @@ void decode_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cach
   // Per (item, head): head_dim sums, then max and normalizer (read only for split sequences).
   const int64_t partial_row = head_dim + 2, num_items = first_item[num_seqs];
   std::vector<int64_t> item_seq(num_items);
-  for (int64_t s = 0; s < num_seqs; ++s) std::fill(&item_seq[first_item[s]], &item_seq[0] + first_item[s + 1], s);
+  for (int64_t s = 0; s < num_seqs; ++s)
+    for (int64_t item = first_item[s]; item < first_item[s + 1]; ++item) item_seq[item] = s;
   std::vector<float> partials(num_items > num_seqs ? num_items * heads * partial_row : 0);
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, accs(heads * head_dim), q_scales(kInt8 ? heads : 0);
