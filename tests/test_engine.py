@@ -55,12 +55,16 @@ def test_sixteen_concurrent_greedy_requests_match_solo_runs(llm):
     assert_no_leak(llm.engine)
 
 
-def test_small_pool_forces_preemption_without_changing_output(llm):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_small_pool_forces_preemption_without_changing_output(llm, dtype):
+    """In bf16 too: the resumed sequences recompute their sampled tokens through the decode kernel,
+    so their logits are bit-identical to the first pass (see ScheduledChunk.decode_from)."""
     params = SamplingParams(max_tokens=48, ignore_eos=True, **GREEDY)
     prompts = PROMPTS[:8]
-    expected = _tokens(llm.generate(prompts, params))
+    large = llm if dtype == "float32" else LLM(EngineConfig(dtype=dtype), progress=False)
+    expected = _tokens(large.generate(prompts, params))
     # 8 sequences each growing to ~60 tokens (4 blocks) cannot all fit in 15 usable blocks.
-    small = LLM(EngineConfig(dtype="float32", num_kv_blocks=16, max_num_seqs=8), progress=False)
+    small = LLM(EngineConfig(dtype=dtype, num_kv_blocks=16, max_num_seqs=8), progress=False)
     got = _tokens(small.generate(prompts, params))
     assert got == expected
     assert small.engine.stats().num_preemptions > 0

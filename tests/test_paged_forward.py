@@ -175,12 +175,37 @@ def test_prompt_chunks_give_bit_identical_logits_in_bf16(runtime_bf16, last_chun
     other = random_ids(33, seed=10)
     runner.execute([ScheduledChunk(ids[:head], 0, two_table, need_logits=False),
                     ScheduledChunk(other[:32], 0, other_table)])
-    split = runner.execute([ScheduledChunk([other[32]], 32, other_table, decode=True),
-                            ScheduledChunk(ids[head:], head, two_table, decode=False)])[1]
+    split = runner.execute([ScheduledChunk([other[32]], 32, other_table, decode_from=32),
+                            ScheduledChunk(ids[head:], head, two_table, decode_from=len(ids))])[1]
     assert torch.equal(split, whole)
 
 
-def test_a_decode_chunk_has_one_token(model):
+@pytest.mark.parametrize("first_chunk", [48, 55, 30])
+def test_recomputed_sampled_tokens_give_bit_identical_logits_in_bf16(runtime_bf16, first_chunk):
+    """A preempted sequence recomputes its prompt and its sampled tokens, in one chunk or a few.
+    With ``decode_from`` at the prompt's end each sampled token attends through the decode kernel on
+    its own, as on its first pass, so the recomputed logits equal, to the bit, those of the decode
+    steps that first produced them (bf16, where the two kernels' rounding differs). ``first_chunk``:
+    where the recompute is split (past the prompt, the token budget's cut, inside the prompt)."""
+    prompt, sampled = random_ids(40, seed=21), random_ids(16, seed=22)
+    alloc = Allocator(24, seed=5)
+    first_table, again_table, other_table = alloc.take(4), alloc.take(4), alloc.take(4)
+    runner = make_runner(runtime_bf16, 24)
+    other = random_ids(60, seed=23)
+    runner.execute([ScheduledChunk(prompt, 0, first_table, decode_from=len(prompt)),
+                    ScheduledChunk(other[:40], 0, other_table, decode_from=40)])
+    for i, token in enumerate(sampled):  # decode steps next to another sequence's
+        position = len(prompt) + i
+        first_pass = runner.execute([ScheduledChunk([token], position, first_table, decode_from=len(prompt)),
+                                     ScheduledChunk([other[position]], position, other_table, decode_from=40)])[0]
+    ids = prompt + sampled
+    runner.execute([ScheduledChunk(ids[:first_chunk], 0, again_table, need_logits=False, decode_from=len(prompt))])
+    recomputed = runner.execute([ScheduledChunk(ids[first_chunk:], first_chunk, again_table,
+                                                decode_from=len(prompt))])[0]
+    assert torch.equal(recomputed, first_pass)
+
+
+def test_an_empty_chunk_is_refused(model):
     runner = make_runner(model, 4)
-    with pytest.raises(ValueError, match="decode chunk has one token"):
-        runner.execute([ScheduledChunk([1, 2], 0, [1], decode=True)])
+    with pytest.raises(ValueError, match="at least one new token"):
+        runner.execute([ScheduledChunk([], 0, [1])])

@@ -178,7 +178,7 @@ class Engine:
                 token_ids=seq.token_ids[start:start + num_new], num_computed=start,
                 block_table=self.block_manager.block_table(seq.seq_id),
                 need_logits=start + num_new == len(seq.token_ids),
-                decode=num_new == 1 and start >= seq.num_prompt_tokens))
+                decode_from=seq.num_prompt_tokens))
         logits = self.runner.execute(chunks)
         self._counters["num_computed_tokens"] += sched.num_tokens
 

@@ -15,23 +15,32 @@ from shared.engine.models.llama import LlamaModel
 class ScheduledChunk:
     """New tokens of one sequence for this step. ``num_computed`` tokens are already cached, so the
     chunk's first token sits at that position. ``need_logits``: the chunk ends at the sequence's
-    last known token, so its next token is sampled. ``decode``: attend with the decode kernel (one
-    token); None = whenever the chunk is one token.
+    last known token, so its next token is sampled.
 
-    The engine marks only a sampled token's first pass as a decode, and so runs every prompt token,
-    however the prompt was chunked or served from the prefix cache, through the prefill kernel: the
-    two kernels round differently, and a prompt whose last chunk happened to be one token (a budget
-    split, a prefix hit) would otherwise give slightly different logits than the same prompt alone."""
+    ``decode_from``: the tokens at this position and after are sampled tokens, and each attends
+    through the decode kernel on its own, as it did on its first pass; the tokens before it go
+    through the prefill kernel together. None: a one-token chunk is a decode, a longer one prefill.
+
+    The two kernels round differently, so the engine passes the prompt's length here. Then every
+    prompt token goes through the prefill kernel however the prompt was chunked or served from the
+    prefix cache (a prompt whose last chunk happened to be one token would otherwise give slightly
+    different logits), and a preempted sequence that recomputes its sampled tokens in one chunk
+    gets exactly the values its decode steps had."""
 
     token_ids: list[int]
     num_computed: int
     block_table: list[int]
     need_logits: bool = True
-    decode: bool | None = None
+    decode_from: int | None = None
 
-    @property
-    def is_decode(self) -> bool:
-        return len(self.token_ids) == 1 if self.decode is None else self.decode
+    def split(self) -> tuple[int, int]:
+        """(prefill tokens, decode tokens): the chunk's first tokens go to the prefill kernel, the rest
+        are one decode each."""
+        n = len(self.token_ids)
+        if self.decode_from is None:
+            return (0, 1) if n == 1 else (n, 0)
+        num_prefill = min(n, max(0, self.decode_from - self.num_computed))
+        return num_prefill, n - num_prefill
 
 
 class ModelRunner:
@@ -46,29 +55,39 @@ class ModelRunner:
             raise ValueError("execute() needs at least one chunk")
         max_len = self.model.config.max_position_embeddings
         for c in chunks:
+            if not c.token_ids:
+                raise ValueError("a chunk has at least one new token")
             if c.num_computed + len(c.token_ids) > max_len:
                 raise ValueError(f"prompt of {c.num_computed + len(c.token_ids)} tokens exceeds the "
                                  f"model's context of {max_len}")
-            if c.decode and len(c.token_ids) != 1:
-                raise ValueError(f"a decode chunk has one token, got {len(c.token_ids)}")
-        # Decodes go first so attention can batch them (see AttentionMetadata).
-        order = sorted(range(len(chunks)), key=lambda i: not chunks[i].is_decode)
-        ordered = [chunks[i] for i in order]
+        # One attention item per decode token, then one per prefill part: decodes go first so
+        # attention can batch them (see AttentionMetadata). Every token's K/V is written before any
+        # item attends, so a decode item at position p reads its sequence's first p + 1 tokens
+        # whichever item wrote them.
+        decodes: list[tuple[list[int], int, list[int]]] = []  # (token ids, position, block table)
+        prefills: list[tuple[list[int], int, list[int]]] = []
+        last_item: list[tuple[bool, int]] = []  # per chunk: (is a decode, index) of its last token's item
+        for c in chunks:
+            num_prefill, num_decode = c.split()
+            if num_prefill:
+                prefills.append((c.token_ids[:num_prefill], c.num_computed, c.block_table))
+            for i in range(num_prefill, num_prefill + num_decode):
+                decodes.append(([c.token_ids[i]], c.num_computed + i, c.block_table))
+            last_item.append((True, len(decodes) - 1) if num_decode else (False, len(prefills) - 1))
+        items = decodes + prefills
         meta = build_attention_metadata(
-            query_lens=[len(c.token_ids) for c in ordered],
-            num_decodes=sum(c.is_decode for c in ordered),
-            num_computed=[c.num_computed for c in ordered],
-            block_tables=[c.block_table for c in ordered],
+            query_lens=[len(ids) for ids, _, _ in items],
+            num_decodes=len(decodes),
+            num_computed=[start for _, start, _ in items],
+            block_tables=[table for _, _, table in items],
             block_size=self.kv_cache.block_size,
             device=self.device,
             dtype=self.model.dtype,
         )
-        input_ids = torch.tensor([t for c in ordered for t in c.token_ids], dtype=torch.int64,
-                                 device=self.device)
+        input_ids = torch.tensor([t for ids, _, _ in items for t in ids], dtype=torch.int64, device=self.device)
         hidden = self.model(input_ids, self.kv_cache.layers, meta)
-        # Row of each chunk's last token, in the caller's order.
-        last_row = {i: meta.query_start_loc[pos + 1] - 1 for pos, i in enumerate(order)}
-        rows = [last_row[i] for i, c in enumerate(chunks) if c.need_logits]
+        rows = [meta.query_start_loc[index + (0 if is_decode else len(decodes)) + 1] - 1
+                for (is_decode, index), c in zip(last_item, chunks) if c.need_logits]
         if not rows:
             return torch.empty(0, self.model.config.vocab_size)
         return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])

@@ -10,6 +10,10 @@ decodes first, then prefill chunks:
 A sequence's K/V live in fixed-size blocks of the KV cache named by its row of ``block_tables``;
 token ``t`` of a sequence is stored at slot ``block_tables[s][t // block_size] * block_size + t % block_size``.
 ``slot_mapping`` holds that slot for every new token, so the layer writes K/V before attending.
+
+"Sequences" here are attention items: a preempted sequence recomputing its sampled tokens appears as
+one decode item per token, each with the same block table and its own length (see
+``ScheduledChunk.decode_from``).
 """
 
 from __future__ import annotations
