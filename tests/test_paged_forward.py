@@ -186,7 +186,8 @@ def test_recomputed_sampled_tokens_give_bit_identical_logits_in_bf16(runtime_bf1
     With ``decode_from`` at the prompt's end each sampled token attends through the decode kernel on
     its own, as on its first pass, so the recomputed logits equal, to the bit, those of the decode
     steps that first produced them (bf16, where the two kernels' rounding differs). ``first_chunk``:
-    where the recompute is split (past the prompt, the token budget's cut, inside the prompt)."""
+    where a token budget splits the recompute: among the sampled tokens (48; 55, leaving one) or
+    inside the prompt (30)."""
     prompt, sampled = random_ids(40, seed=21), random_ids(16, seed=22)
     alloc = Allocator(24, seed=5)
     first_table, again_table, other_table = alloc.take(4), alloc.take(4), alloc.take(4)
