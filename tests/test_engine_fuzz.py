@@ -13,17 +13,15 @@ import random
 
 import pytest
 
-from kernels.cpu import cpu_ops
+from helpers.markers import needs_vnni
 from shared.block_hash import hash_block
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.llm import LLM
 from shared.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from shared.engine.models.int8_linear import int8_supported
 from shared.engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
 NUM_REQUESTS = 16
-needs_vnni = pytest.mark.skipif(not int8_supported(cpu_ops()), reason="needs the CPU kernels with AVX512-VNNI")
 
 
 def random_requests(rng: random.Random) -> list[tuple[str, list[int], SamplingParams, int, int]]:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from helpers.greedy import all_position_logits
+from helpers.markers import needs_vnni
 from kernels.cpu import cpu_ops
 from shared.engine.models.int8_linear import (
     Int8Linear,
@@ -19,7 +20,6 @@ from shared.engine.models.int8_linear import (
 from shared.engine.models.teacher_forcing import perplexity
 
 ops = cpu_ops()
-needs_vnni = pytest.mark.skipif(not int8_supported(ops), reason="needs the CPU kernels with AVX512-VNNI")
 
 
 def test_quantize_rows_is_symmetric_per_row_round_half_even():

@@ -69,23 +69,18 @@ def build_attention_metadata(
     num_computed: list[int],
     block_tables: list[list[int]],
     block_size: int,
+    num_decodes: int,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
-    num_decodes: int | None = None,
 ) -> AttentionMetadata:
     """Build metadata for sequences ordered decodes first. ``num_computed[i]`` tokens of sequence i
-    are already in the cache; its ``query_lens[i]`` new tokens follow them. ``num_decodes``: how many
-    leading one-token sequences take the decode path (default: all of them; a one-token prefill
-    chunk may follow them)."""
+    are already in the cache; its ``query_lens[i]`` new tokens follow them. The first ``num_decodes``
+    sequences have one new token each and take the decode path; the rest are prefill chunks (one
+    token too, possibly: see ``ScheduledChunk.decode_from``)."""
     if not (len(query_lens) == len(num_computed) == len(block_tables)):
         raise ValueError("query_lens, num_computed and block_tables must have one entry per sequence")
-    leading_singles = 0
-    while leading_singles < len(query_lens) and query_lens[leading_singles] == 1:
-        leading_singles += 1
-    if num_decodes is None:
-        num_decodes = leading_singles
-    elif not 0 <= num_decodes <= leading_singles:
-        raise ValueError(f"num_decodes={num_decodes}, but only the first {leading_singles} sequences have one new token")
+    if not 0 <= num_decodes <= len(query_lens) or any(n != 1 for n in query_lens[:num_decodes]):
+        raise ValueError(f"num_decodes={num_decodes}: the first num_decodes sequences must have one new token each")
     positions: list[int] = []
     slots: list[int] = []
     seq_lens: list[int] = []
