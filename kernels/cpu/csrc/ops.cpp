@@ -359,14 +359,35 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // Splitting by each sequence's own length instead (parts of up to 256 tokens, so that a sequence's
 // output is the same in any batch), in alternating runs with the batch-sized split: 1 x 4,096 tokens
 // 4.5-4.6 vs 4.7-5.7 ms, 32 x 400 14.4-16.4 vs 15.9-18.7 ms, 8 x 2,048 17.3-22.3 vs 16.9-23.0 ms.
+// Values two keys per dot product (weighted_values), against fp32 multiply-adds of one key, 32 x 400
+// tokens, three alternating runs each on a busy host (`python -m loadtests.bench_kernels --batches 32,8
+// --kv-cache-dtype ...`; "cached": every sequence reads the same blocks, so what is left is compute):
+// bf16 cached 11.0-11.4 -> 9.3-10.8 ms, from DRAM 15.1-18.7 -> 14.9-15.9 ms (bound by the scattered
+// blocks' bandwidth, ~17-21 GB/s of the ~28 a sequential read gets); int8 cached 11.2-12.6 -> 9.6-13.3
+// ms, from DRAM 13.7-15.6 -> 11.9-15.7 ms, at 8 x 400 3.6-4.4 -> 3.0-3.5 ms.
 
 // Blocks of a sequence sit anywhere in the pool, so the hardware prefetcher cannot see the next one
-// coming: ask for its rows into L2 while the current block is computed.
+// coming: ask for its rows into L2 while the current block is computed, kAheadBlocks ahead.
+constexpr int64_t kAheadBlocks = 2;
 template <typename T>
 inline void prefetch_rows(const T* first, int64_t rows, int64_t row_stride, int64_t row_len) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t off = 0; off < row_len * static_cast<int64_t>(sizeof(T)); off += 64)
       _mm_prefetch(reinterpret_cast<const char*>(first + r * row_stride) + off, _MM_HINT_T1);
+}
+
+// Runs body(rows, ahead, n, t0) over blocks b_lo..b_hi-1 of a sequence (block table `table`, `len` keys) in
+// `cache`: each block's rows, those of the block kAheadBlocks on (nullptr past b_hi: the body prefetches
+// them as it goes), its key count and its first key's index counted from block b_lo. The first
+// kAheadBlocks blocks are prefetched before the first call.
+template <typename C, typename Body>
+inline void for_each_block(const C* cache, const int64_t* table, int64_t b_lo, int64_t b_hi, int64_t len, int64_t block_size,
+                           int64_t kv_row, const Body& body) {
+  auto rows = [&](int64_t b) { return cache + table[b] * block_size * kv_row; };
+  for (int64_t b = b_lo; b < std::min(b_lo + kAheadBlocks, b_hi); ++b) prefetch_rows(rows(b), block_size, kv_row, kv_row);
+  for (int64_t b = b_lo; b < b_hi; ++b)
+    body(rows(b), b + kAheadBlocks < b_hi ? rows(b + kAheadBlocks) : nullptr, std::min(block_size, len - b * block_size),
+         (b - b_lo) * block_size);
 }
 
 // In place: x[i] = exp(x[i] - shift); returns the sum.
@@ -479,6 +500,189 @@ void prepare_query_int16(int32_t* dst, float* scales, const T* q, int64_t num_he
   }
 }
 
+// accs [kv_heads * G heads][head_dim] += the part's softmax weights (sc: [head][span], the part's
+// keys from block b_lo on) times its value rows, in fp32 products: four tokens at a time, then each
+// head's accumulators (kept in registers for those four tokens, in the buffer between them): fp32
+// values, and bf16 ones without AVX512-BF16. The overloads below take bf16 and int8 values.
+template <int G, int NV, typename C>
+void weighted_values(float* accs, const float* sc, int64_t span, const C* v_cache, const int64_t* table,
+                     int64_t b_lo, int64_t b_hi, int64_t len, int64_t block_size, int64_t kv_heads) {
+  constexpr int64_t head_dim = NV * 16, head_row = cache_row_len<C>(head_dim);
+  const int64_t kv_row = kv_heads * head_row;
+  for_each_block(v_cache, table, b_lo, b_hi, len, block_size, kv_row,
+                 [&](const C* vb, const C* ahead, int64_t n, int64_t t0) {
+    for (int64_t t = 0; t < n; t += 4) {
+      if (ahead != nullptr) prefetch_rows(ahead + t * kv_row, std::min<int64_t>(4, block_size - t), kv_row, kv_row);
+      const int64_t nt = std::min<int64_t>(4, n - t);
+      for (int64_t kh = 0; kh < kv_heads; ++kh) {
+        const float* sk = sc + kh * G * span + t0 + t;
+        float* ak = accs + kh * G * head_dim;
+        __m512 acc[G][NV];
+        for (int j = 0; j < G; ++j)
+          for (int v = 0; v < NV; ++v) acc[j][v] = _mm512_loadu_ps(ak + j * head_dim + v * 16);
+        for (int64_t u = 0; u < nt; ++u) {
+          const C* vr = vb + (t + u) * kv_row + kh * head_row;
+          for (int v = 0; v < NV; ++v) {
+            const __m512 val = load16(vr + v * 16);
+            for (int j = 0; j < G; ++j) acc[j][v] = _mm512_fmadd_ps(_mm512_set1_ps(sk[j * span + u]), val, acc[j][v]);
+          }
+        }
+        for (int j = 0; j < G; ++j)
+          for (int v = 0; v < NV; ++v) _mm512_storeu_ps(ak + j * head_dim + v * 16, acc[j][v]);
+      }
+    }
+  });
+}
+
+// The partner of a key without one (the odd last key of a block): a value row of zeros, as long as
+// the longest row (head_dim 128 in bf16).
+alignas(64) constexpr uint8_t kZeroRow[256] = {};
+
+// Two keys' value rows a, b interleaved by unpacklo/hi_epi16 into (a[d], b[d]) pairs give, for each
+// 32 dims, sums in the order 0-3, 8-11, 16-19, 24-27 (the unpacklo vector) | 4-7, 12-15, 20-23, 28-31
+// (the unpackhi one). Puts `count` such sums (a multiple of 32) back in order.
+inline void unpermute_pair_sums(float* sums, int64_t count) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (float* a = sums; a < sums + count; a += 32) {
+    const __m512 lo = _mm512_loadu_ps(a), hi = _mm512_loadu_ps(a + 16);
+    _mm512_storeu_ps(a, _mm512_permutex2var_ps(lo, first, hi));
+    _mm512_storeu_ps(a + 16, _mm512_permutex2var_ps(lo, second, hi));
+  }
+}
+
+// int8 values: a block's keys go 16 at a time. Their weights, times each value row's scale, are held as
+// int16 with one scale per head and 16 keys (round half to even; error 2^-16 of the largest, far
+// below the bf16 rounding of the bf16 path), and two keys go per instruction: their rows sign-extended
+// to int16 and interleaved into (V[u][d], V[u+1][d]) pairs against the broadcast pair of weights, 32
+// exact products into int32 sums (at most 16 x 127 x 32767 per lane: no overflow), converted and
+// scaled into the fp32 sums after each 16 keys. ~15 instructions a key instead of ~30.
+template <int G, int NV>
+void weighted_values(float* accs, const float* sc, int64_t span, const int8_t* v_cache, const int64_t* table,
+                     int64_t b_lo, int64_t b_hi, int64_t len, int64_t block_size, int64_t kv_heads) {
+  constexpr int64_t head_dim = NV * 16, head_row = cache_row_len<int8_t>(head_dim);
+  const int64_t kv_row = kv_heads * head_row;
+  for_each_block(v_cache, table, b_lo, b_hi, len, block_size, kv_row,
+                 [&](const int8_t* vb, const int8_t* ahead, int64_t n, int64_t t0) {
+    for (int64_t t = 0; t < n; t += 16) {
+      const int64_t nt = std::min<int64_t>(16, n - t), ahead_rows = std::min<int64_t>(16, block_size - t);
+      for (int64_t kh = 0; kh < kv_heads; ++kh) {
+        if (ahead != nullptr) {  // a share of the rows per head: a burst of 16 rows stalls
+          const int64_t r0 = ahead_rows * kh / kv_heads, r1 = ahead_rows * (kh + 1) / kv_heads;
+          prefetch_rows(ahead + (t + r0) * kv_row, r1 - r0, kv_row, kv_row);
+        }
+        const int8_t* v0 = vb + t * kv_row + kh * head_row;
+        alignas(64) float row_scales[16] = {};
+        for (int64_t u = 0; u < nt; ++u) row_scales[u] = row_scale(v0 + u * kv_row, head_dim);
+        const __m512 vs = _mm512_load_ps(row_scales);
+        alignas(64) int16_t w16[G][32] = {};  // the 16 keys' weights, then zeros (a key without a partner)
+        float w_scale[G];
+        for (int j = 0; j < G; ++j) {
+          const __m512 w = _mm512_mul_ps(_mm512_maskz_loadu_ps(tail_mask(nt), sc + (kh * G + j) * span + t0 + t), vs);
+          const float w_max = _mm512_reduce_max_ps(w);  // weights are >= 0
+          w_scale[j] = w_max / 32767.f;
+          if (w_max > 0.f)
+            _mm256_store_si256(reinterpret_cast<__m256i*>(w16[j]),
+                               _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(w, _mm512_set1_ps(32767.f / w_max)))));
+        }
+        __m512i acc[G][NV];
+        for (int j = 0; j < G; ++j)
+          for (int v = 0; v < NV; ++v) acc[j][v] = _mm512_setzero_si512();
+        for (int64_t u = 0; u < nt; u += 2) {
+          const int8_t* a_row = v0 + u * kv_row;
+          const int8_t* b_row = u + 1 < nt ? a_row + kv_row : reinterpret_cast<const int8_t*>(kZeroRow);
+          __m512i w[G];
+          for (int j = 0; j < G; ++j) {
+            int32_t bits;
+            std::memcpy(&bits, w16[j] + u, sizeof(bits));  // (w[u], w[u + 1])
+            w[j] = _mm512_set1_epi32(bits);
+          }
+          for (int c = 0; c < NV / 2; ++c) {
+            const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a_row + 32 * c)));
+            const __m512i z = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b_row + 32 * c)));
+            const __m512i lo = _mm512_unpacklo_epi16(a, z), hi = _mm512_unpackhi_epi16(a, z);
+            for (int j = 0; j < G; ++j) {
+              acc[j][2 * c] = add_dot_i16(acc[j][2 * c], lo, w[j]);
+              acc[j][2 * c + 1] = add_dot_i16(acc[j][2 * c + 1], hi, w[j]);
+            }
+          }
+        }
+        float* ak = accs + kh * G * head_dim;
+        for (int j = 0; j < G; ++j)
+          for (int v = 0; v < NV; ++v) {
+            float* a = ak + j * head_dim + v * 16;
+            _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[j][v]), _mm512_set1_ps(w_scale[j]), _mm512_loadu_ps(a)));
+          }
+      }
+    }
+  });
+  unpermute_pair_sums(accs, G * kv_heads * head_dim);
+}
+
+#if defined(__AVX512BF16__)
+// bf16 values: the weights are rounded to bf16 (relative error 2^-9 each, as the prefill kernel and
+// flash attention do; the normalizer stays the fp32 sum) and two keys go per dot product: their value
+// rows interleaved by unpacklo/hi_epi16 into (V[u][d], V[u+1][d]) pairs against the broadcast pair of
+// their weights, 32 products per instruction into fp32 sums. A key's work is ~12 instructions instead
+// of ~30 (value widening, G broadcasts, G * NV fused multiply-adds); the sums are put back in
+// order once, at the end (unpermute_pair_sums). Rows go four at a time, every head for them before
+// the next four, as the fp32 path reads them (a head's whole block at a time, with its share of the
+// prefetches in one burst, was slower from DRAM: 16.6-18.7 against 13.8-16.6 ms in alternating runs).
+template <int G, int NV>
+void weighted_values(float* accs, const float* sc, int64_t span, const c10::BFloat16* v_cache, const int64_t* table,
+                     int64_t b_lo, int64_t b_hi, int64_t len, int64_t block_size, int64_t kv_heads) {
+  constexpr int64_t head_dim = NV * 16;
+  const int64_t heads = G * kv_heads, kv_row = kv_heads * head_dim;
+  // [head][span + 1]: a key without a partner (odd tail of a block) reads the next weight, or this
+  // zero, against a zero value row.
+  const int64_t wstride = span + 1;
+  thread_local std::vector<uint16_t> weights;
+  weights.resize(heads * wstride);
+  for (int64_t r = 0; r < heads; ++r) {
+    for (int64_t t = 0; t < span; t += 16) {
+      const __mmask16 m = tail_mask(span - t);
+      _mm256_mask_storeu_epi16(weights.data() + r * wstride + t, m, to_bf16_bits(_mm512_maskz_loadu_ps(m, sc + r * span + t)));
+    }
+    weights[r * wstride + span] = 0;
+  }
+  for_each_block(v_cache, table, b_lo, b_hi, len, block_size, kv_row,
+                 [&](const c10::BFloat16* vb, const c10::BFloat16* ahead, int64_t n, int64_t t0) {
+    for (int64_t t = 0; t < n; t += 4) {
+      if (ahead != nullptr) prefetch_rows(ahead + t * kv_row, std::min<int64_t>(4, block_size - t), kv_row, kv_row);
+      for (int64_t kh = 0; kh < kv_heads; ++kh) {
+        float* ak = accs + kh * G * head_dim;
+        const uint16_t* wk = weights.data() + kh * G * wstride + t0;
+        __m512 acc[G][NV];
+        for (int j = 0; j < G; ++j)
+          for (int v = 0; v < NV; ++v) acc[j][v] = _mm512_loadu_ps(ak + j * head_dim + v * 16);
+        for (int64_t u = t; u < std::min<int64_t>(t + 4, n); u += 2) {
+          const c10::BFloat16* v0 = vb + u * kv_row + kh * head_dim;
+          const c10::BFloat16* v1 = u + 1 < n ? v0 + kv_row : reinterpret_cast<const c10::BFloat16*>(kZeroRow);
+          __m512i w[G];
+          for (int j = 0; j < G; ++j) {
+            uint32_t bits;
+            std::memcpy(&bits, wk + j * wstride + u, sizeof(bits));  // (w[u], w[u + 1])
+            w[j] = _mm512_set1_epi32(static_cast<int32_t>(bits));
+          }
+          for (int c = 0; c < NV / 2; ++c) {
+            const __m512i a = _mm512_loadu_si512(v0 + 32 * c);
+            const __m512i z = _mm512_loadu_si512(v1 + 32 * c);
+            const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, z), hi = (__m512bh)_mm512_unpackhi_epi16(a, z);
+            for (int j = 0; j < G; ++j) {
+              acc[j][2 * c] = _mm512_dpbf16_ps(acc[j][2 * c], lo, (__m512bh)w[j]);
+              acc[j][2 * c + 1] = _mm512_dpbf16_ps(acc[j][2 * c + 1], hi, (__m512bh)w[j]);
+            }
+          }
+        }
+        for (int j = 0; j < G; ++j)
+          for (int v = 0; v < NV; ++v) _mm512_storeu_ps(ak + j * head_dim + v * 16, acc[j][v]);
+      }
+    }
+  });
+  unpermute_pair_sums(accs, heads * head_dim);
+}
+#endif
+
 // G query heads share a KV head; NV = head_dim / 16 vectors per row. Both are compile-time so the
 // query and accumulator vectors (G * NV zmm) stay in registers. A work item is one part of a
 // sequence's keys for all its heads: each block's rows are read whole and in address order (25%
@@ -495,7 +699,7 @@ void decode_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cach
                            int64_t max_blocks, const int64_t* seq_lens, int64_t num_seqs, int64_t kv_heads,
                            const int64_t* first_item, int64_t block_size, float scale) {
   constexpr bool kInt8 = std::is_same_v<C, int8_t>;
-  constexpr int64_t head_dim = NV * 16, kAheadBlocks = 2;  // blocks prefetched ahead of the one computed
+  constexpr int64_t head_dim = NV * 16;
   constexpr int64_t head_row = cache_row_len<C>(head_dim);
   const int64_t heads = G * kv_heads, kv_row = kv_heads * head_row;
   // Per (item, head): head_dim sums, then max and normalizer (read only for split sequences).
@@ -519,14 +723,9 @@ void decode_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cach
       scores.resize(heads * std::max<int64_t>(span, 1));
       std::fill(accs.begin(), accs.end(), 0.f);
       float* sc = scores.data();  // [head][span]
-      auto block_rows = [&](const C* base, int64_t b) { return base + table[b] * block_size * kv_row; };
-      for (int64_t b = b_lo; b < std::min(b_lo + kAheadBlocks, b_hi); ++b) prefetch_rows(block_rows(k_cache, b), block_size, kv_row, kv_row);
       // Scores, 16 tokens at a time and every head for those tokens before the next 16, so the rows
       // are read in address order; the same rows of the block kAheadBlocks on are prefetched as we go.
-      for (int64_t b = b_lo; b < b_hi; ++b) {
-        const int64_t n = std::min(block_size, len - b * block_size), t0 = b * block_size - t_lo;
-        const C* kb = block_rows(k_cache, b);
-        const C* ahead = b + kAheadBlocks < b_hi ? block_rows(k_cache, b + kAheadBlocks) : nullptr;
+      for_each_block(k_cache, table, b_lo, b_hi, len, block_size, kv_row, [&](const C* kb, const C* ahead, int64_t n, int64_t t0) {
         for (int64_t t = 0; t < n; t += 16) {
           const int64_t nt = std::min<int64_t>(16, n - t);
           const int64_t ahead_rows = std::min<int64_t>(16, block_size - t);
@@ -554,43 +753,14 @@ void decode_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cach
             }
           }
         }
-      }
+      });
       std::vector<float> row_max(heads, -INFINITY), row_sum(heads, 0.f);
       for (int64_t r = 0; r < heads && span > 0; ++r) {
         float* sr = sc + r * span;
         for (int64_t t = 0; t < span; ++t) row_max[r] = std::max(row_max[r], sr[t]);
         row_sum[r] = exp_shifted_sum(sr, span, row_max[r]);
       }
-      // Weighted sum of values in the same order: four tokens, then each head's accumulators (kept
-      // in registers for those four tokens, in the per-thread buffer between them).
-      for (int64_t b = b_lo; b < std::min(b_lo + kAheadBlocks, b_hi); ++b) prefetch_rows(block_rows(v_cache, b), block_size, kv_row, kv_row);
-      for (int64_t b = b_lo; b < b_hi; ++b) {
-        const int64_t n = std::min(block_size, len - b * block_size), t0 = b * block_size - t_lo;
-        const C* vb = block_rows(v_cache, b);
-        const C* ahead = b + kAheadBlocks < b_hi ? block_rows(v_cache, b + kAheadBlocks) : nullptr;
-        for (int64_t t = 0; t < n; t += 4) {
-          if (ahead != nullptr) prefetch_rows(ahead + t * kv_row, std::min<int64_t>(4, block_size - t), kv_row, kv_row);
-          const int64_t nt = std::min<int64_t>(4, n - t);
-          for (int64_t kh = 0; kh < kv_heads; ++kh) {
-            const float* sk = sc + kh * G * span + t0 + t;
-            float* ak = accs.data() + kh * G * head_dim;
-            __m512 acc[G][NV];
-            for (int j = 0; j < G; ++j)
-              for (int v = 0; v < NV; ++v) acc[j][v] = _mm512_loadu_ps(ak + j * head_dim + v * 16);
-            for (int64_t u = 0; u < nt; ++u) {
-              const C* vr = vb + (t + u) * kv_row + kh * head_row;
-              float vs = 1.f;
-              if constexpr (kInt8) vs = row_scale(vr, head_dim);
-              for (int v = 0; v < NV; ++v) {
-                const __m512 val = load16(vr + v * 16);
-                for (int j = 0; j < G; ++j) acc[j][v] = _mm512_fmadd_ps(_mm512_set1_ps(sk[j * span + u] * vs), val, acc[j][v]);
-              }
-            }
-            for (int j = 0; j < G; ++j)
-              for (int v = 0; v < NV; ++v) _mm512_storeu_ps(ak + j * head_dim + v * 16, acc[j][v]);
-          }
-        }
-      }
+      weighted_values<G, NV>(accs.data(), sc, span, v_cache, table, b_lo, b_hi, len, block_size, kv_heads);
       if (parts == 1) {
         T* os = out + s * heads * head_dim;
         for (int64_t r = 0; r < heads; ++r)
