@@ -143,6 +143,53 @@ def test_service_over_nats(nats_url, smollm2_tokenizer):
     asyncio.run(main())
 
 
+def test_a_slow_scheduler_ack_does_not_hold_back_the_next_requests(nats_url, smollm2_tokenizer):
+    """Eight requests in a burst against a scheduler that acks each submit after 0.4 s: all eight
+    reach it within one ack delay (waiting for each ack in turn took eight), and ``stop`` returns
+    only once every ack is in, with no request ended by an error."""
+    ack_delay_s, count = 0.4, 8
+
+    async def main() -> None:
+        service_bus = await Bus.connect(nats_url, "tokenizer-test")
+        service = TokenizerService(service_bus, smollm2_tokenizer, LIMITS)
+        await service.start()
+        scheduler = await Bus.connect(nats_url, "scheduler-test")
+        client = await Bus.connect(nats_url, "gateway-test")
+        loop = asyncio.get_running_loop()
+        arrived: list[float] = []
+        acked: list[float] = []
+
+        async def ack_later(msg) -> None:
+            await asyncio.sleep(ack_delay_s)
+            await msg.respond(b"")
+            acked.append(loop.time())
+
+        try:
+            reqs = [gen(prompt=f"request {i}") for i in range(count)]
+            async with await scheduler.subscribe_iter(subjects.SCHEDULER_SUBMIT) as submit, \
+                    await client.subscribe_iter(subjects.STREAM_ALL) as streams:
+                acks = []
+                for req in reqs:  # as the gateway sends them: each acked by the tokenizer on receipt
+                    await client.request(subjects.TOKENIZER_GENERATE, messages.GENERATE_REQUEST.encode(req), timeout=5)
+                for _ in reqs:
+                    msg = await submit.next(5)
+                    arrived.append(loop.time())
+                    acks.append(asyncio.create_task(ack_later(msg)))
+                assert arrived[-1] - arrived[0] < ack_delay_s
+                await service.stop()
+                stopped = loop.time()
+                assert len(acked) == count and stopped >= max(acked)
+                await asyncio.gather(*acks)
+                with pytest.raises(TimeoutError):  # nothing was ended on its stream
+                    await streams.next(0.2)
+        finally:
+            await client.close()
+            await scheduler.close()
+            await service_bus.close()
+
+    asyncio.run(main())
+
+
 def test_process_serves_and_drains_on_sigterm(nats_url):
     env = {**os.environ, "NATS_URL": nats_url}
     proc = subprocess.Popen([sys.executable, "-m", "services.tokenizer", "--max-model-len", "32"],
