@@ -144,9 +144,11 @@ def test_service_over_nats(nats_url, smollm2_tokenizer):
 
 
 def test_a_slow_scheduler_ack_does_not_hold_back_the_next_requests(nats_url, smollm2_tokenizer):
-    """Eight requests in a burst against a scheduler that acks each submit after 0.4 s: all eight
-    reach it within one ack delay (waiting for each ack in turn took eight), and ``stop`` returns
-    only once every ack is in, with no request ended by an error."""
+    """Eight requests in a burst, against a scheduler that reads submits only after the burst and
+    acks each 0.4 s after it arrives: the tokenizer takes all eight and they reach the scheduler
+    within one ack delay (when it waited for each ack before taking the next request, the second
+    hand-off timed out here), and ``stop`` returns only once every ack is in, with no request ended
+    by an error."""
     ack_delay_s, count = 0.4, 8
 
     async def main() -> None:
