@@ -16,8 +16,8 @@ import pytest
 from helpers.markers import needs_vnni
 from shared.block_hash import hash_block
 from shared.engine.engine import Engine, EngineConfig
-from shared.engine.llm import LLM
 from shared.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
@@ -88,8 +88,7 @@ class EventReplay:
     pytest.param(6, "bfloat16", "int8", 14, 32, marks=needs_vnni), (4, "bfloat16", None, 400, 16)])
 def test_random_workload_with_aborts_and_preemption(seed, dtype, quantization, num_blocks, batched_tokens):
     rng = random.Random(seed)
-    int8 = quantization == "int8"
-    llm = LLM(EngineConfig(dtype=dtype, quantization=quantization, kv_cache_dtype="int8" if int8 else "auto",
+    llm = LLM(EngineConfig(dtype=dtype, quantization=quantization, kv_cache_dtype=quantization or "auto",
                            num_kv_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=8,
                            max_num_batched_tokens=batched_tokens), progress=False)
     engine = llm.engine

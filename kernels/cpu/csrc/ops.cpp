@@ -154,6 +154,13 @@ inline float row_scale(const int8_t* row, int64_t head_dim) {
   return s;
 }
 
+// The scales of nt <= 16 rows (stride apart from `first`) in lanes; 0 past nt.
+inline __m512 row_scales16(const int8_t* first, int64_t stride, int64_t nt, int64_t head_dim) {
+  alignas(64) float scales[16] = {};
+  for (int64_t u = 0; u < nt; ++u) scales[u] = row_scale(first + u * stride, head_dim);
+  return _mm512_load_ps(scales);
+}
+
 template <typename T>
 void quantize_row(int8_t* dst, const T* x, int64_t head_dim) {
   float amax = 0.f;
@@ -376,6 +383,15 @@ inline void prefetch_rows(const T* first, int64_t rows, int64_t row_stride, int6
       _mm_prefetch(reinterpret_cast<const char*>(first + r * row_stride) + off, _MM_HINT_T1);
 }
 
+// Head kh's share of the rows [t, t + rows) of the block ahead (nothing if none): spread over the
+// heads' turns, as a burst of 16 rows stalls on the fill buffers.
+template <typename C>
+inline void prefetch_share(const C* ahead, int64_t t, int64_t rows, int64_t kh, int64_t kv_heads, int64_t kv_row) {
+  if (ahead == nullptr) return;
+  const int64_t r0 = rows * kh / kv_heads, r1 = rows * (kh + 1) / kv_heads;
+  prefetch_rows(ahead + (t + r0) * kv_row, r1 - r0, kv_row, kv_row);
+}
+
 // Runs body(rows, ahead, n, t0) over blocks b_lo..b_hi-1 of a sequence (block table `table`, `len` keys) in
 // `cache`: each block's rows, those of the block kAheadBlocks on (nullptr past b_hi: the body prefetches
 // them as it goes), its key count and its first key's index counted from block b_lo. The first
@@ -567,14 +583,9 @@ void weighted_values(float* accs, const float* sc, int64_t span, const int8_t* v
     for (int64_t t = 0; t < n; t += 16) {
       const int64_t nt = std::min<int64_t>(16, n - t), ahead_rows = std::min<int64_t>(16, block_size - t);
       for (int64_t kh = 0; kh < kv_heads; ++kh) {
-        if (ahead != nullptr) {  // a share of the rows per head: a burst of 16 rows stalls
-          const int64_t r0 = ahead_rows * kh / kv_heads, r1 = ahead_rows * (kh + 1) / kv_heads;
-          prefetch_rows(ahead + (t + r0) * kv_row, r1 - r0, kv_row, kv_row);
-        }
+        prefetch_share(ahead, t, ahead_rows, kh, kv_heads, kv_row);
         const int8_t* v0 = vb + t * kv_row + kh * head_row;
-        alignas(64) float row_scales[16] = {};
-        for (int64_t u = 0; u < nt; ++u) row_scales[u] = row_scale(v0 + u * kv_row, head_dim);
-        const __m512 vs = _mm512_load_ps(row_scales);
+        const __m512 vs = row_scales16(v0, kv_row, nt, head_dim);
         alignas(64) int16_t w16[G][32] = {};  // the 16 keys' weights, then zeros (a key without a partner)
         float w_scale[G];
         for (int j = 0; j < G; ++j) {
@@ -730,18 +741,13 @@ void decode_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cach
           const int64_t nt = std::min<int64_t>(16, n - t);
           const int64_t ahead_rows = std::min<int64_t>(16, block_size - t);
           for (int64_t kh = 0; kh < kv_heads; ++kh) {
-            if (ahead != nullptr) {  // a share of the rows per head: a burst of 16 rows stalls
-              const int64_t r0 = ahead_rows * kh / kv_heads, r1 = ahead_rows * (kh + 1) / kv_heads;
-              prefetch_rows(ahead + (t + r0) * kv_row, r1 - r0, kv_row, kv_row);
-            }
+            prefetch_share(ahead, t, ahead_rows, kh, kv_heads, kv_row);
             const C* k16 = kb + t * kv_row + kh * head_row;
             __m512 dot[G];
             __m512 key_scales = _mm512_set1_ps(scale);  // per score: scale, times the key row's for int8
             if constexpr (kInt8) {
               key_scores<G, NV>(dot, q_pairs.data() + kh * G * head_dim / 2, k16, kv_row, nt);
-              alignas(64) float ks[16] = {};
-              for (int64_t u = 0; u < nt; ++u) ks[u] = row_scale(k16 + u * kv_row, head_dim);
-              key_scales = _mm512_mul_ps(key_scales, _mm512_load_ps(ks));
+              key_scales = _mm512_mul_ps(key_scales, row_scales16(k16, kv_row, nt, head_dim));
             } else {
               key_scores<G, NV>(dot, qs + kh * G * head_dim, k16, kv_row, nt);
             }
