@@ -85,6 +85,27 @@ def test_silu_mul(dtype):
     torch.testing.assert_close(ops.silu_mul(gu), F.silu(gate) * up, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_rows_is_torch_argmax_ties_and_nan_included(dtype):
+    g = torch.Generator().manual_seed(3)
+    for rows, n in [(32, 49152), (1, 1), (3, 17), (5, 15), (2, 100003)]:
+        x = torch.randn(rows, n, generator=g).to(dtype)
+        assert torch.equal(ops.argmax_rows(x), x.argmax(-1)), (rows, n)
+    ties = torch.randint(-2, 2, (64, 1000), generator=g).to(dtype)  # every maximum repeats: the first wins
+    assert torch.equal(ops.argmax_rows(ties), ties.argmax(-1))
+    x = torch.full((5, 40), float("-inf"), dtype=dtype)
+    x[1, 33] = x[2, 5] = x[2, 3] = float("nan")  # NaN is the maximum, the first one
+    x[3, 39], x[4, 0], x[4, 16] = 1.0, -0.0, 0.0  # -0.0 == 0.0: a tie
+    assert ops.argmax_rows(x).tolist() == x.argmax(-1).tolist() == [0, 33, 3, 39, 0]
+
+
+def test_argmax_rows_rejects_what_it_cannot_read():
+    with pytest.raises(RuntimeError, match="must be \\[rows"):
+        ops.argmax_rows(torch.randn(3))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.argmax_rows(torch.randn(4, 6).t())
+
+
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("heads,kv_heads,d", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)

