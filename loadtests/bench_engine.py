@@ -52,6 +52,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 import msgspec  # noqa: E402
 import torch  # noqa: E402
 
+from loadtests import ceiling
 from loadtests.kv_accounting import KVSample, summarize_kv
 from loadtests.results import write_json
 from loadtests.workloads import (
@@ -284,10 +285,30 @@ def bench_engine_offline(args, prompts: list[list[int]]) -> dict[str, Any]:
                 best_outputs = [r.outputs[0].token_ids for r in results]
             reset_prefix_cache(llm)
             del results
+        model_config = engine.model.config
         del llm, engine
         gc.collect()
     best = max(runs, key=lambda r: r["output_tokens_per_s"])
-    return {"runs": runs, "best": best, "outputs": best_outputs}
+    return {"runs": runs, "best": best, "outputs": best_outputs, "model_config": model_config}
+
+
+def offline_ceiling(args, model_config, prompt_lens: list[int], best_tok_s: float) -> dict[str, Any]:
+    """The run's arithmetic at this host's measured peak (loadtests/ceiling.py): the most output
+    tokens/s any engine could reach here (bf16 models; int8 decoder linears at the int8 peak)."""
+    if args.dtype != "bfloat16":
+        return dict(skipped=f"computed for bfloat16 only, not {args.dtype}")
+    flops = ceiling.run_flops(model_config, prompt_lens, args.output_len)
+    try:
+        bf16 = ceiling.bf16_peak_gflops(args.threads)
+        int8 = ceiling.int8_peak_gops(args.threads) if args.quantization == "int8" else None
+    except RuntimeError as exc:
+        return dict(skipped=str(exc))
+    seconds = ceiling.ceiling_seconds(flops, bf16, int8)
+    tok_s = len(prompt_lens) * args.output_len / seconds
+    log(f"(a) ceiling: {sum(flops.values()) / 1e12:.2f} TFLOP at bf16 {bf16:.0f} GFLOP/s"
+        + (f", int8 {int8:.0f} GOPS" if int8 else "") + f" peak: >= {seconds:.2f} s, <= {tok_s:.0f} tok/s")
+    return dict(flops=flops, bf16_peak_gflops=bf16, int8_peak_gops=int8, seconds=seconds,
+                output_tokens_per_s=tok_s, best_fraction=best_tok_s / tok_s)
 
 
 def bench_hf_offline(args, prompts: list[list[int]], pad_token_id: int, dtype_name: str) -> dict[str, Any]:
@@ -612,6 +633,22 @@ def decode_scaling(llm: LLM, prompts: list[list[int]], max_seqs: int, *, context
 # ---- report ----------------------------------------------------------------------------------------
 
 
+def print_ceiling(c: dict[str, Any], hf_runs: list[dict[str, Any]]) -> None:
+    if "skipped" in c:
+        print(f"    ceiling: not computed ({c['skipped']})")
+        return
+    f = c["flops"]
+    peaks = f"bf16 {c['bf16_peak_gflops']:.0f} GFLOP/s" + (
+        f", int8 {c['int8_peak_gops']:.0f} GOPS" if c["int8_peak_gops"] else "")
+    versus = "".join(f", {c['output_tokens_per_s'] / hf['output_tokens_per_s']:.2f}x transformers {hf['dtype']}"
+                     for hf in hf_runs)
+    print(f"    ceiling: the run's {sum(f.values()) / 1e12:.2f} TFLOP (decoder linears {f['decoder_linears'] / 1e12:.2f}, "
+          f"lm_head {f['lm_head'] / 1e12:.2f}, attention {f['attention'] / 1e12:.2f}) at this host's\n"
+          f"    measured peak ({peaks}, loadtests/ceiling.py) take >= {c['seconds']:.2f} s: at most "
+          f"{c['output_tokens_per_s']:.0f} output tok/s{versus};\n"
+          f"    the best engine run reached {100 * c['best_fraction']:.0f}% of it")
+
+
 def print_report(res: dict[str, Any]) -> None:
     line = "-" * 96
     print(line)
@@ -661,6 +698,7 @@ def print_report(res: dict[str, Any]) -> None:
                   f"{ag['num_prompts']} identical, median common prefix {ag['median_common_prefix']}")
         else:
             print("    transformers baseline skipped")
+        print_ceiling(a["ceiling"], hf_runs or [])
     b = res.get("mix")
     if b:
         t = b["trace"]
@@ -751,6 +789,7 @@ def main(argv: list[str] | None = None) -> int:
                                  prompts_fingerprint=fingerprint(prompts))
         eng = bench_engine_offline(args, prompts)
         a["engine"] = {"runs": eng["runs"], "best": eng["best"]}
+        a["ceiling"] = offline_ceiling(args, eng["model_config"], lens, eng["best"]["output_tokens_per_s"])
         if not args.skip_hf:
             pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_ids[0]
             a["hf_runs"] = []
