@@ -643,10 +643,10 @@ def print_ceiling(c: dict[str, Any], hf_runs: list[dict[str, Any]]) -> None:
     versus = "".join(f", {c['output_tokens_per_s'] / hf['output_tokens_per_s']:.2f}x transformers {hf['dtype']}"
                      for hf in hf_runs)
     print(f"    ceiling: the run's {sum(f.values()) / 1e12:.2f} TFLOP (decoder linears {f['decoder_linears'] / 1e12:.2f}, "
-          f"lm_head {f['lm_head'] / 1e12:.2f}, attention {f['attention'] / 1e12:.2f}) at this host's\n"
-          f"    measured peak ({peaks}, loadtests/ceiling.py) take >= {c['seconds']:.2f} s: at most "
-          f"{c['output_tokens_per_s']:.0f} output tok/s{versus};\n"
-          f"    the best engine run reached {100 * c['best_fraction']:.0f}% of it")
+          f"lm_head {f['lm_head'] / 1e12:.2f}, attention {f['attention'] / 1e12:.2f})\n"
+          f"    take >= {c['seconds']:.2f} s at this host's measured peak ({peaks}; python -m loadtests.ceiling):\n"
+          f"    at most {c['output_tokens_per_s']:.0f} output tok/s{versus}; the best engine run reached "
+          f"{100 * c['best_fraction']:.0f}% of it")
 
 
 def print_report(res: dict[str, Any]) -> None:
