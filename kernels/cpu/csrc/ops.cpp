@@ -1298,6 +1298,21 @@ inline __mmask16 column_mask(int64_t c, int64_t n) {
   return c >= n ? 0 : tail_mask(n - c);
 }
 
+// The rows of the next panel a tile prefetches into L2: row kk at its step kk for kk = next,
+// next + step, ...; a tile without any has next past every row. A decode-sized call's passes over a
+// panel share its successor's rows (pass p of P takes rows p, p + P, ...), so the stream from DRAM
+// runs through the whole panel's compute instead of its first pass alone.
+struct PanelPrefetch {
+  const uint32_t* panel = nullptr;
+  int64_t next = std::numeric_limits<int64_t>::max(), step = 1;
+
+  inline void at(int64_t kk) {
+    if (kk != next) return;
+    for (int j = 0; j < kNR; ++j) _mm_prefetch(reinterpret_cast<const char*>(panel + kk * kPanel + j * 16), _MM_HINT_T1);
+    next += step;
+  }
+};
+
 // Runs tile(std::integral_constant<int, MR>, r0, n0, panel, prefetch) over y[m, n] = x[m, :] W^T for a
 // weight packed in panels of `units` 32-bit units: threads take (panel, chunk of kMChunk rows) items; a
 // chunk goes in passes of at most kMR rows, as even as possible (20 rows: 7 7 6, not 8 8 4).
@@ -1314,7 +1329,7 @@ void for_each_linear_tile(int64_t m, int64_t n, int64_t units, const uint32_t* w
       const int64_t passes = (rows + kMR - 1) / kMR;
       for (int64_t pass = 0, r0 = m_begin; pass < passes; ++pass) {
         const int64_t mr = rows / passes + (pass < rows % passes ? 1 : 0);
-        const uint32_t* pf = pass == 0 ? next : nullptr;
+        const PanelPrefetch pf = next == nullptr ? PanelPrefetch{} : PanelPrefetch{next, pass, passes};
         switch (mr) {
           case 1: tile(std::integral_constant<int, 1>{}, r0, n0, panel, pf); break;
           case 2: tile(std::integral_constant<int, 2>{}, r0, n0, panel, pf); break;
@@ -1335,13 +1350,12 @@ void for_each_linear_tile(int64_t m, int64_t n, int64_t units, const uint32_t* w
 // MR rows (x: MR x pairs, row-major) x one panel -> y rows (n apart), columns n0..n0+47 (those < n).
 template <int MR>
 inline void linear_tile(c10::BFloat16* y, int64_t n, int64_t n0, const uint32_t* x, int64_t pairs, const uint32_t* panel,
-                        const uint32_t* prefetch, const __m512 (&bias)[kNR]) {
+                        PanelPrefetch prefetch, const __m512 (&bias)[kNR]) {
   __m512 acc[MR][kNR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < kNR; ++j) acc[i][j] = bias[j];
   for (int64_t kk = 0; kk < pairs; ++kk) {
-    if (prefetch != nullptr)  // the same row of the next panel: one line per 16 columns
-      for (int j = 0; j < kNR; ++j) _mm_prefetch(reinterpret_cast<const char*>(prefetch + kk * kPanel + j * 16), _MM_HINT_T1);
+    prefetch.at(kk);
     __m512bh wv[kNR];
     for (int j = 0; j < kNR; ++j) wv[j] = (__m512bh)_mm512_load_si512(panel + kk * kPanel + j * 16);
     for (int i = 0; i < MR; ++i) {
@@ -1359,7 +1373,7 @@ inline void linear_tile(c10::BFloat16* y, int64_t n, int64_t n0, const uint32_t*
 void linear_bf16_impl(c10::BFloat16* y, const c10::BFloat16* x, const uint32_t* w, const c10::BFloat16* bias, int64_t m,
                       int64_t n, int64_t pairs) {
   const uint32_t* xs = reinterpret_cast<const uint32_t*>(x);
-  for_each_linear_tile(m, n, pairs, w, [&](auto mr, int64_t r0, int64_t n0, const uint32_t* panel, const uint32_t* pf) {
+  for_each_linear_tile(m, n, pairs, w, [&](auto mr, int64_t r0, int64_t n0, const uint32_t* panel, const PanelPrefetch& pf) {
     __m512 bv[kNR];
     for (int j = 0; j < kNR; ++j) {
       const __mmask16 mk = bias == nullptr ? 0 : column_mask(n0 + j * 16, n);
@@ -1449,7 +1463,7 @@ void quantize_rows_u8(uint8_t* q, float* scale, const T* x, const float* smooth,
 // stack (measured 0.66x the bf16 linear instead of 1.8x).
 template <int MR, typename T>
 inline void linear_int8_tile(T* y, int64_t n, int64_t n0, const uint32_t* xq, const float* xscale, int64_t quads,
-                             const uint32_t* panel, const uint32_t* prefetch, const float* wscale,
+                             const uint32_t* panel, PanelPrefetch prefetch, const float* wscale,
                              const int32_t* colsum, const T* bias) {
   __m512i acc[MR][kNR];
 #pragma GCC unroll 4
@@ -1460,8 +1474,7 @@ inline void linear_int8_tile(T* y, int64_t n, int64_t n0, const uint32_t* xq, co
     for (int i = 0; i < MR; ++i) acc[i][j] = start;
   }
   for (int64_t kk = 0; kk < quads; ++kk) {
-    if (prefetch != nullptr)
-      for (int j = 0; j < kNR; ++j) _mm_prefetch(reinterpret_cast<const char*>(prefetch + kk * kPanel + j * 16), _MM_HINT_T1);
+    prefetch.at(kk);
     __m512i wv[kNR];
 #pragma GCC unroll 4
     for (int j = 0; j < kNR; ++j) wv[j] = _mm512_load_si512(panel + kk * kPanel + j * 16);
@@ -1494,7 +1507,7 @@ void linear_int8_impl(T* y, const T* x, const uint32_t* w, const float* wscale, 
   uint32_t* xqs = reinterpret_cast<uint32_t*>(xq.data_ptr<int32_t>());
   float* xs = xscale.data_ptr<float>();
   quantize_rows_u8(reinterpret_cast<uint8_t*>(xqs), xs, x, smooth, m, k);
-  for_each_linear_tile(m, n, quads, w, [&](auto mr, int64_t r0, int64_t n0, const uint32_t* panel, const uint32_t* pf) {
+  for_each_linear_tile(m, n, quads, w, [&](auto mr, int64_t r0, int64_t n0, const uint32_t* panel, const PanelPrefetch& pf) {
     linear_int8_tile<decltype(mr)::value>(y + r0 * n, n, n0, xqs + r0 * quads, xs + r0, quads, panel, pf, wscale, colsum,
                                           bias);
   });
