@@ -1301,7 +1301,8 @@ inline __mmask16 column_mask(int64_t c, int64_t n) {
 // The rows of the next panel a tile prefetches into L2: row kk at its step kk for kk = next,
 // next + step, ...; a tile without any has next past every row. A decode-sized call's passes over a
 // panel share its successor's rows (pass p of P takes rows p, p + P, ...), so the stream from DRAM
-// runs through the whole panel's compute instead of its first pass alone.
+// runs through the whole panel's compute instead of its first pass alone (bf16, 30 layers' linears
+// at 32 rows: 18.1-18.6 -> 17.2-17.8 ms in four alternating runs; int8, less bound by DRAM, unchanged).
 struct PanelPrefetch {
   const uint32_t* panel = nullptr;
   int64_t next = std::numeric_limits<int64_t>::max(), step = 1;
