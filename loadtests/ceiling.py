@@ -6,11 +6,11 @@ each token fed through the model (the prompt, then each output token but the las
 each sampled token, and causal attention (QK^T and PV) over every fed token's context. Decode
 attention's KV reads (a bandwidth cost) are left out, so the ceiling is generous.
 
-The peak: each thread runs independent chains of the instruction the linear kernels are built on (AVX512-BF16
-``vdpbf16ps``: 32 bf16 products summed into 16 fp32 lanes, 64 FLOP; AVX512-VNNI ``vpdpbusd``: 64
-u8 x s8 products into 16 int32 lanes, 128 ops) on registers only: no loads, no dependencies
-between chains, so it runs at the units' throughput. A C file compiled by the system's compiler and
-called through ctypes (no torch headers: it builds in well under a second).
+The peak: each thread runs independent chains of the instruction the linear kernels are built on
+(AVX512-BF16 ``vdpbf16ps``: 32 bf16 products summed into 16 fp32 lanes, 64 FLOP; AVX512-VNNI
+``vpdpbusd``: 64 u8 x s8 products into 16 int32 lanes, 128 ops) on registers only: no loads, no
+dependencies between chains, so it runs at the units' throughput. A C file compiled by the system's
+compiler and called through ctypes (no torch headers: it builds in well under a second).
 
     python -m loadtests.ceiling          # this host's bf16 GFLOP/s and int8 GOPS peaks
 """
@@ -96,16 +96,19 @@ def _library() -> ctypes.CDLL:
     missing = {"avx512_bf16", "avx512_vnni"} - _cpu_flags()
     if missing:
         raise RuntimeError(f"the peak microbenchmark needs {', '.join(sorted(missing))}, which this CPU lacks")
-    build = tempfile.mkdtemp(prefix="llmserve_peak_")
-    src, lib = os.path.join(build, "peak.c"), os.path.join(build, "peak.so")
-    with open(src, "w") as f:
-        f.write(_SOURCE)
-    cc = os.environ.get("CC", "cc")
-    cmd = [cc, "-O2", "-march=native", "-mavx512bf16", "-mavx512vnni", "-fopenmp", "-shared", "-fPIC", src, "-o", lib]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"could not build the peak microbenchmark ({' '.join(cmd)}): {proc.stderr.strip()}")
-    dll = ctypes.CDLL(lib)
+    with tempfile.TemporaryDirectory(prefix="llmserve_peak_") as build:  # loaded, the file can go
+        src, lib = os.path.join(build, "peak.c"), os.path.join(build, "peak.so")
+        with open(src, "w") as f:
+            f.write(_SOURCE)
+        cmd = [os.environ.get("CC", "cc"), "-O2", "-march=native", "-mavx512bf16", "-mavx512vnni", "-fopenmp",
+               "-shared", "-fPIC", src, "-o", lib]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as exc:  # no compiler
+            raise RuntimeError(f"could not build the peak microbenchmark: {exc}") from exc
+        if proc.returncode != 0:
+            raise RuntimeError(f"could not build the peak microbenchmark ({' '.join(cmd)}): {proc.stderr.strip()}")
+        dll = ctypes.CDLL(lib)
     for name in ("bf16_dot_gflops", "int8_dot_gops"):
         fn = getattr(dll, name)
         fn.argtypes, fn.restype = [ctypes.c_long, ctypes.c_int], ctypes.c_double
