@@ -354,7 +354,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // ---- Argmax of each row --------------------------------------------------------------------------------
 // torch.argmax's answer (the first index of the row's maximum, or of its first NaN: NaN counts as the
 // maximum), for greedy sampling. torch's bf16 argmax is scalar: ~2.9 ms for a decode step's 32 x
-// 49,152 logits on this host, where a lane-wise pass takes well under one.
+// 49,152 logits on this host, against 0.12 ms for this lane-wise pass (0.7 ms for torch's fp32 one).
 
 template <typename T>
 int64_t argmax_row(const T* x, int64_t n) {
@@ -1298,8 +1298,8 @@ inline __mmask16 column_mask(int64_t c, int64_t n) {
   return c >= n ? 0 : tail_mask(n - c);
 }
 
-// The rows of the next panel a tile prefetches into L2: row kk at its step kk for kk = next,
-// next + step, ...; a tile without any has next past every row. A decode-sized call's passes over a
+// The rows of the next panel a tile prefetches into L2 (a line per 16 columns), each at the step of
+// the same index: rows next, next + step, ...; none by default. A decode-sized call's passes over a
 // panel share its successor's rows (pass p of P takes rows p, p + P, ...), so the stream from DRAM
 // runs through the whole panel's compute instead of its first pass alone (bf16, 30 layers' linears
 // at 32 rows: 18.1-18.6 -> 17.2-17.8 ms in four alternating runs; int8, less bound by DRAM, unchanged).
