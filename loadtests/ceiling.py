@@ -24,6 +24,9 @@ import os
 import subprocess
 import tempfile
 
+from shared.engine.memory import decoder_linear_shapes
+from shared.engine.models.config import ModelConfig
+
 _SOURCE = r"""
 #include <immintrin.h>
 #include <omp.h>
@@ -139,11 +142,10 @@ def int8_peak_gops(threads: int, repeats: int = 20) -> float:
     return _peak(_library().int8_dot_gops, threads, repeats)
 
 
-def run_flops(cfg, prompt_lens: list[int], output_len: int) -> dict[str, float]:
-    """FLOPs of generating `output_len` tokens after each prompt (`cfg`: a ModelConfig), by part."""
+def run_flops(cfg: ModelConfig, prompt_lens: list[int], output_len: int) -> dict[str, float]:
+    """FLOPs of generating `output_len` tokens after each prompt, by part."""
     h, hd, layers = cfg.hidden_size, cfg.head_dim, cfg.num_layers
-    q, kv, inter = cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.intermediate_size
-    params_per_layer = h * (q + 2 * kv) + q * h + h * 2 * inter + inter * h  # QKV, O, gate-up, down
+    params_per_layer = sum(n * k for n, k in decoder_linear_shapes(cfg))  # QKV, O, gate-up, down
     fed = [n + output_len - 1 for n in prompt_lens]  # the last sampled token is never fed back
     # The token at position p attends p + 1 keys: 2 * head_dim FLOPs per key for QK^T, as many for PV.
     attended = sum(m * (m + 1) // 2 for m in fed)
