@@ -36,7 +36,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 
 import torch  # noqa: E402
 
-from kernels.cpu import cpu_ops  # noqa: E402
+from kernels.cpu import cpu_ops, isa  # noqa: E402
 from loadtests.results import write_json  # noqa: E402
 from shared.engine import huge_pages  # noqa: E402
 from shared.engine.kv_cache import quantize_kv  # noqa: E402
@@ -124,29 +124,28 @@ def bench_prefill(ops, dtype, repeats: int, kv_cache_dtype: str) -> dict:
 def bench_linear(ops, rows: list[int], repeats: int) -> list[dict]:
     g = torch.Generator().manual_seed(2)
     weights = [[torch.randn(n, k, generator=g).bfloat16() for n, k in LINEARS] for _ in range(LAYERS)]
-    packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in layer] for layer in weights]
+    onednn = isa.onednn_bf16_usable()  # the CPU's (or the cap's) oneDNN bf16, as a baseline
+    packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in layer] for layer in weights] if onednn else []
     ours_packed = [[ops.pack_linear_bf16(w) for w in layer] for layer in weights]
-    int8 = None
-    if ops.has_avx512_vnni():
-        int8 = []
-        for layer in weights:
-            int8.append([])
-            for w in layer:
-                q, scale = quantize_rows(w.float())
-                int8[-1].append((ops.pack_linear_int8(q), scale, q.sum(1, dtype=torch.int32), torch.ones(w.shape[1])))
+    int8 = []
+    for layer in weights:
+        int8.append([])
+        for w in layer:
+            q, scale = quantize_rows(w.float())
+            int8[-1].append((ops.pack_linear_int8(q), scale, q.sum(1, dtype=torch.int32), torch.ones(w.shape[1])))
     flops_per_row = 2 * LAYERS * sum(n * k for n, k in LINEARS)
     out = []
     for m in rows:
         xs = [torch.randn(m, k, generator=g).bfloat16() for _, k in LINEARS]
         ours = median_ms(lambda: [ops.linear_bf16(x, w, n, None) for layer in ours_packed
                                   for x, w, (n, _) in zip(xs, layer, LINEARS)], repeats)
-        onednn = median_ms(lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        row = dict(rows=m, linear_bf16_ms=ours, linear_bf16_gflops=flops_per_row * m / ours / 1e6)
+        if onednn:
+            ms = median_ms(lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
                                     for layer in packed for x, w in zip(xs, layer)], repeats)
-        row = dict(rows=m, linear_bf16_ms=ours, onednn_packed_ms=onednn,
-                   linear_bf16_gflops=flops_per_row * m / ours / 1e6, onednn_gflops=flops_per_row * m / onednn / 1e6)
-        if int8 is not None:
-            ms = median_ms(lambda: [ops.linear_int8(x, *w, None) for layer in int8 for x, w in zip(xs, layer)], repeats)
-            row.update(linear_int8_ms=ms, linear_int8_gops=flops_per_row * m / ms / 1e6)
+            row.update(onednn_packed_ms=ms, onednn_gflops=flops_per_row * m / ms / 1e6)
+        ms = median_ms(lambda: [ops.linear_int8(x, *w, None) for layer in int8 for x, w in zip(xs, layer)], repeats)
+        row.update(linear_int8_ms=ms, linear_int8_gops=flops_per_row * m / ms / 1e6)
         out.append(row)
     return out
 
@@ -168,9 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    res: dict = dict(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, threads=args.threads,
+    res: dict = dict(isa=isa.best_level().name, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, threads=args.threads,
                      repeats=args.repeats, layers=LAYERS)
-    print(f"bench_kernels  {args.dtype}  kv cache {args.kv_cache_dtype}  threads={args.threads}  "
+    print(f"bench_kernels  {res['isa']}  {args.dtype}  kv cache {args.kv_cache_dtype}  threads={args.threads}  "
           f"SmolLM2-135M shapes x {LAYERS} layers  load avg {os.getloadavg()[0]:.2f}")
     res["decode_attention"] = []
     for b in (int(x) for x in args.batches.split(",")):
@@ -181,14 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     r = res["prefill_attention"] = bench_prefill(ops, dtype, args.repeats, args.kv_cache_dtype)
     print(f"  prefill attention {r['tokens']} new tokens in {len(PROMPTS)} prompts: {r['ms']:7.1f} ms  "
           f"({r['gflops']:.0f} GFLOP/s causal)")
-    if ops.has_avx512_bf16():
-        res["linear"] = bench_linear(ops, [int(x) for x in args.rows.split(",")], args.repeats)
-        for r in res["linear"]:
-            print(f"  linear M={r['rows']:<5} linear_bf16 {r['linear_bf16_ms']:8.2f} ms ({r['linear_bf16_gflops']:3.0f} "
-                  f"GFLOP/s)   oneDNN {r['onednn_packed_ms']:8.2f} ms ({r['onednn_gflops']:3.0f} GFLOP/s)   "
-                  f"{r['onednn_packed_ms'] / r['linear_bf16_ms']:.2f}x" + (
-                      f"   linear_int8 {r['linear_int8_ms']:8.2f} ms ({r['linear_int8_gops']:3.0f} GOP/s, "
-                      f"{r['linear_bf16_ms'] / r['linear_int8_ms']:.2f}x bf16)" if "linear_int8_ms" in r else ""))
+    res["linear"] = bench_linear(ops, [int(x) for x in args.rows.split(",")], args.repeats)
+    for r in res["linear"]:
+        onednn = (f"   oneDNN {r['onednn_packed_ms']:8.2f} ms ({r['onednn_gflops']:3.0f} GFLOP/s)   "
+                  f"{r['onednn_packed_ms'] / r['linear_bf16_ms']:.2f}x" if "onednn_packed_ms" in r else "")
+        print(f"  linear M={r['rows']:<5} linear_bf16 {r['linear_bf16_ms']:8.2f} ms ({r['linear_bf16_gflops']:3.0f} "
+              f"GFLOP/s){onednn}   linear_int8 {r['linear_int8_ms']:8.2f} ms ({r['linear_int8_gops']:3.0f} GOP/s, "
+              f"{r['linear_bf16_ms'] / r['linear_int8_ms']:.2f}x bf16)")
     print(f"wrote {write_json(args.out, res)}")
     return 0
 

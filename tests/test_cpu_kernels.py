@@ -149,12 +149,8 @@ def test_decode_attention_rejects_lengths_beyond_the_block_table():
                              torch.tensor([[1]]), torch.tensor([3]), 1, 1.0)
 
 
-needs_bf16 = pytest.mark.skipif(ops is None or not ops.has_avx512_bf16(), reason="needs AVX512-BF16")
-
-
 # Rows: decode sizes, tile remainders (passes of at most 8), more than one 48-row chunk; columns: a
 # part-filled last panel of 48, fewer than one panel.
-@needs_bf16
 @pytest.mark.parametrize("m,n,k,bias", [(1, 960, 576, False), (3, 577, 1536, True), (2, 5, 40, False), (4, 200, 64, True),
                                          (7, 96, 100, False), (32, 131, 576, True), (101, 70, 64, True)])
 def test_linear_bf16_is_an_fp32_accumulated_matmul(m, n, k, bias):
@@ -167,7 +163,6 @@ def test_linear_bf16_is_an_fp32_accumulated_matmul(m, n, k, bias):
     torch.testing.assert_close(ops.linear_bf16(x, ops.pack_linear_bf16(w), n, b).float(), expected, atol=1e-2, rtol=8e-3)
 
 
-@needs_bf16
 def test_linear_bf16_rejects_mismatched_inputs():
     w = ops.pack_linear_bf16(torch.ones(70, 64, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="even in_features"):
@@ -178,7 +173,6 @@ def test_linear_bf16_rejects_mismatched_inputs():
         ops.linear_bf16(torch.ones(2, 64, dtype=torch.bfloat16), w, 200, None)
 
 
-@needs_bf16
 def test_packed_linear_switches_layouts_without_loss():
     """The kernels' pair layout and oneDNN's hold the same weight bit for bit, and give the same
     results up to summation order."""

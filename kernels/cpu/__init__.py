@@ -1,69 +1,66 @@
-"""Fused CPU kernels (``csrc/ops.cpp``), compiled once per machine and loaded as ``torch.ops.llmserve_cpu``.
+"""Fused CPU kernels (``csrc/``), built per ISA level and chosen at run time by what the CPU has.
 
-``cpu_ops()`` returns the op namespace, or None when the kernels are switched off
-(``LLMSERVE_CPU_KERNELS=0``) or cannot be built (no C++ compiler, no AVX-512): callers take the unfused
-torch path, which computes the same thing and is what the kernels are tested against.
-
-The build uses ``-march=native``, so the library is keyed by this CPU's feature flags as well as by
-the source (torch's extension cache rebuilds when the source changes). The first build takes under a
-minute; later processes load the cached library in milliseconds. Concurrent first builds (several
-executors starting together) wait on torch's build lock.
+``cpu_ops()`` returns the op namespace of the highest level this CPU runs (``torch.ops.
+llmserve_cpu_<level>``, capped by ``LLMSERVE_CPU_ISA``), or None when the kernels are switched off
+(``LLMSERVE_CPU_KERNELS=0``), the CPU has no level (not x86-64, or no AVX2+FMA) or the build failed:
+callers then take the unfused torch path, which computes the same thing and is what the kernels are
+tested against. ``python -m kernels.cpu`` prints which path each op takes here, and why.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
-import platform
-import time
 
-import torch
+from kernels.cpu import isa
+from kernels.cpu.build import KernelBuildError, load
 
 log = logging.getLogger(__name__)
 
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "ops.cpp")
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c++17"]
-
-
-def _cpu_key() -> str:
-    """A short digest of what ``-march=native`` will target on this host."""
-    flags = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "model name")):
-                    flags += line
-    except OSError:
-        pass
-    return hashlib.sha256(flags.encode()).hexdigest()[:10]
+KERNELS_ENV = "LLMSERVE_CPU_KERNELS"
 
 
 def enabled() -> bool:
-    return os.environ.get("LLMSERVE_CPU_KERNELS", "1").lower() not in ("0", "false", "no", "off")
+    return os.environ.get(KERNELS_ENV, "1").lower() not in ("0", "false", "no", "off")
 
 
-def _load():
-    from torch.utils import cpp_extension
+def unavailable_reason() -> str:
+    """Why ``cpu_ops()`` is None (empty when it is not)."""
+    if not enabled():
+        return f"switched off ({KERNELS_ENV}=0)"
+    best = isa.best_level()
+    if best is None:
+        return f"no kernel level runs on this CPU: {isa.why_not(isa.LEVELS[0])}"
+    try:
+        load(best)
+    except KernelBuildError as exc:
+        return str(exc)
+    return ""
 
-    name = f"llmserve_cpu_{_cpu_key()}"
-    t0 = time.perf_counter()
-    log.info("loading CPU kernels %s (compiled on first use: under a minute)", name)
-    cpp_extension.load(name=name, sources=[_SOURCE], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
-                       is_python_module=False, verbose=False)
-    log.info("CPU kernels ready in %.1f s", time.perf_counter() - t0)
-    return torch.ops.llmserve_cpu
+
+@functools.lru_cache(maxsize=None)
+def ops_at(level_name: str):
+    """The ops of one level (raises KernelBuildError, or ValueError if the CPU cannot run it)."""
+    lv = isa.level(level_name)
+    missing = isa.missing_flags(lv)
+    if missing:
+        raise ValueError(f"this CPU cannot run the {level_name} kernels: it lacks {', '.join(missing)}")
+    return load(lv)
 
 
 @functools.lru_cache(maxsize=None)
 def cpu_ops():
-    """``torch.ops.llmserve_cpu`` or None (switched off, or the build failed). Decided once per
-    process; ``cpu_ops.cache_clear()`` re-reads ``LLMSERVE_CPU_KERNELS``."""
+    """The best level's ops, or None (see ``unavailable_reason``). Decided once per process;
+    ``cpu_ops.cache_clear()`` re-reads the environment."""
     if not enabled():
         return None
+    best = isa.best_level()
+    if best is None:
+        log.warning("CPU kernels unavailable, using the unfused torch path: %s", isa.why_not(isa.LEVELS[0]))
+        return None
     try:
-        return _load()
-    except Exception as exc:  # no compiler, headers or ninja: the torch path still works
+        return ops_at(best.name)
+    except KernelBuildError as exc:
         log.warning("CPU kernels unavailable, using the unfused torch path: %s", exc)
         return None

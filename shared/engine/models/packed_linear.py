@@ -37,7 +37,7 @@ class PackedLinear(nn.Module):
 
     def _usable(self, ops, dtype: torch.dtype):
         """``ops`` if its bf16 linear can take this weight here, else None."""
-        fits = ops is not None and ops.has_avx512_bf16() and dtype == torch.bfloat16 and self.in_features % 2 == 0
+        fits = ops is not None and dtype == torch.bfloat16 and self.in_features % 2 == 0
         return ops if fits else None
 
     def _pack(self, weight: torch.Tensor, ops) -> None:

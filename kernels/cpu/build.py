@@ -1,0 +1,100 @@
+"""Compiles the kernels of one ISA level into a library (once per machine) and loads it.
+
+Each level's library is named by a digest of the sources, the level's flags, the compiler and torch,
+and kept under ``LLMSERVE_KERNEL_CACHE`` (default ``~/.cache/llmserve/kernels``): later processes load
+it in milliseconds; a changed source builds anew. A build that fails leaves ``build.failed`` beside it
+with the compiler's message, and every later process raises that message at once instead of compiling
+again (delete the file, or change the sources, to retry). Processes building the same library at once
+wait on torch's build lock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kernels.cpu.isa import Level
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+CACHE_ENV = "LLMSERVE_KERNEL_CACHE"
+_COMMON_FLAGS = ("-O3", "-fno-math-errno", "-fopenmp")
+_FAILED = "build.failed"
+
+
+class KernelBuildError(RuntimeError):
+    """The kernels of a level could not be built here; the message says why."""
+
+
+def sources() -> list[Path]:
+    return sorted(CSRC.glob("*.cpp"))
+
+
+def namespace(level: Level) -> str:
+    return f"llmserve_cpu_{level.name}"
+
+
+def _compiler_version() -> str:
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        raise KernelBuildError(f"no C++ compiler ({cxx!r} is not on PATH): install g++ to build the CPU kernels")
+    out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+    return out.splitlines()[0] if out else cxx
+
+
+def _flags(level: Level) -> list[str]:
+    return [*_COMMON_FLAGS, *level.cflags, f"-DLLMSERVE_NAMESPACE={namespace(level)}"]
+
+
+def library_name(level: Level) -> str:
+    import torch
+
+    h = hashlib.sha256()
+    for path in sorted(CSRC.iterdir()):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    h.update(" ".join(_flags(level)).encode() + _compiler_version().encode() + torch.__version__.encode())
+    h.update(sys.version.encode())
+    return f"{namespace(level)}_{h.hexdigest()[:12]}"
+
+
+def build_dir(level: Level) -> Path:
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "llmserve" / "kernels")
+    return root / library_name(level)
+
+
+def load(level: Level):
+    """``torch.ops.llmserve_cpu_<level>``, compiling the library first if this machine has none.
+    Raises KernelBuildError if it cannot be built (now or by an earlier process)."""
+    import torch
+    from torch.utils import cpp_extension
+
+    ns = namespace(level)
+    if hasattr(torch.ops, ns) and hasattr(getattr(torch.ops, ns), "paths"):
+        return getattr(torch.ops, ns)  # loaded already by this process
+    directory = build_dir(level)
+    failed = directory / _FAILED
+    if failed.exists():
+        raise KernelBuildError(f"{level.name} kernels failed to build earlier ({failed}): "
+                               f"{failed.read_text().strip()[-2000:]}")
+    directory.mkdir(parents=True, exist_ok=True)
+    name = directory.name
+    t0 = time.perf_counter()
+    if not any(directory.glob(f"{name}*.so")):
+        log.info("building the %s CPU kernels (once per machine, about a minute)", level.name)
+    try:
+        cpp_extension.load(name=name, sources=[str(p) for p in sources()], extra_cflags=_flags(level),
+                           extra_include_paths=[str(CSRC)], extra_ldflags=["-fopenmp"], build_directory=str(directory),
+                           is_python_module=False, verbose=False)
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
+        message = str(exc)
+        failed.write_text(message)
+        raise KernelBuildError(f"{level.name} kernels failed to build ({failed}): {message[-2000:]}") from exc
+    log.info("%s CPU kernels ready in %.1f s", level.name, time.perf_counter() - t0)
+    return getattr(torch.ops, ns)

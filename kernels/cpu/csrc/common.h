@@ -1,0 +1,109 @@
+// What every kernel file shares: scalar conversions, argument checks, the dtype dispatch and the int8
+// KV-cache row format. Each file is compiled once per ISA level (kernels/cpu/isa.py), into its own
+// library; everything here is inline, so nothing is shared between levels at link time.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "vec.h"
+
+namespace llmserve {
+
+using namespace vec;
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+template <typename T> inline T from_float(float x) { return static_cast<T>(x); }  // BFloat16: round to nearest even
+
+inline void check_cpu_contiguous(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// Both dtypes the engine runs on CPU; the body sees scalar_t.
+#define LLMSERVE_DISPATCH(TYPE, NAME, ...) \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+// Every block a sequence reads must exist: checked on the raw values (a torch reduction per layer
+// would cost more than some of the ops).
+inline void check_block_tables(const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size, int64_t num_blocks) {
+  for (int64_t s = 0; s < seq_lens.numel(); ++s) {
+    const int64_t len = seq_lens.data_ptr<int64_t>()[s];
+    TORCH_CHECK(len >= 1 && len <= block_tables.size(1) * block_size, "sequence ", s, " length ", len, " does not fit its block table");
+    const int64_t* table = block_tables.data_ptr<int64_t>() + s * block_tables.size(1);
+    for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "block id ", table[b], " outside the cache");
+  }
+}
+
+// ---- int8 KV-cache rows ------------------------------------------------------------------------------
+// An int8 cache (kv_cache_dtype="int8") holds each (token, KV head) row as head_dim int8 values followed
+// by their fp32 scale (4 bytes, unaligned): x ~= scale * q, scale = max|x| / 127 (0 for an all-zero row),
+// q = x * (127 / max|x|) rounded half to even (the int8 linear's rounding of its inputs). One scale per
+// row makes a dot product with the row scale * (sum of integer products), so decode attention scales
+// whole scores and softmax weights, not elements. Half the bytes of bf16 (plus 4 per row). The same
+// rounding as shared/engine/kv_cache.quantize_kv, bit for bit.
+constexpr int64_t kScaleBytes = 4;
+
+inline float row_scale(const int8_t* row, int64_t head_dim) {
+  float s;
+  std::memcpy(&s, row + head_dim, sizeof(s));
+  return s;
+}
+
+// The scales of nt <= 16 rows (stride apart from `first`) in lanes; 0 past nt.
+LLMSERVE_INLINE vf row_scales16(const int8_t* first, int64_t stride, int64_t nt, int64_t head_dim) {
+  alignas(64) float scales[16] = {};
+  for (int64_t u = 0; u < nt; ++u) scales[u] = row_scale(first + u * stride, head_dim);
+  return load(scales);
+}
+
+template <typename T>
+void quantize_row(int8_t* dst, const T* x, int64_t head_dim) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < head_dim; ++i) amax = std::max(amax, std::fabs(to_float(x[i])));
+  const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<int8_t>(std::nearbyint(to_float(x[i]) * inv));
+  std::memcpy(dst + head_dim, &scale, sizeof(scale));
+}
+
+// A row back in the model dtype, (q * scale) rounded once, as the torch reference dequantizes;
+// head_dim a multiple of 16.
+template <typename T>
+void dequantize_row(T* dst, const int8_t* row, int64_t head_dim) {
+  const vf scale = set1(row_scale(row, head_dim));
+  for (int64_t i = 0; i < head_dim; i += 16) store16(dst + i, mul(load16(row + i), scale));
+}
+
+// Elements per (token, KV head) row of a cache of C: the values, then for int8 the scale's bytes.
+template <typename C>
+constexpr int64_t cache_row_len(int64_t head_dim) { return head_dim + (std::is_same_v<C, int8_t> ? kScaleBytes : 0); }
+
+// A paged cache in q's dtype, or int8 rows with their scales; returns whether it is int8.
+inline bool check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, at::ScalarType dtype, int64_t kv_heads,
+                        int64_t head_dim, const char* op) {
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
+              op, ": caches must be alike, [blocks, block_size, kv_heads, head_dim (+ 4 for int8)]");
+  TORCH_CHECK(int8 || k_cache.scalar_type() == dtype, op, ": cache dtype must be int8 or the dtype of q/qkv");
+  TORCH_CHECK(k_cache.size(2) == kv_heads && k_cache.size(3) == head_dim + (int8 ? kScaleBytes : 0), op,
+              ": cache rows must be [kv_heads, head_dim", int8 ? " + 4]" : "]");
+  return int8;
+}
+
+}  // namespace llmserve

@@ -1,0 +1,306 @@
+// Causal attention of prefill chunks over the paged KV cache.
+#include "common.h"
+#include "ops.h"
+
+namespace llmserve {
+namespace {
+
+// ---- Causal attention of prefill chunks over the paged cache -----------------------------------------
+// Sequence s has q_len = query_start[s+1] - query_start[s] new tokens, the last q_len of its seq_lens[s]
+// (their K/V already written). Work item = (sequence, KV head, tile of kTile query tokens); its rows
+// are the tile's tokens x the KV head's query heads, so each key block is converted once for all of
+// them. The rows go 16 at a time, one per vector lane (a pass), against 16 keys at a time (one cache
+// block when block_size is 16): a key's scores for the pass are a run of broadcast multiply-adds into
+// one vector, and the online softmax (running max and sum per row) is then lane-wise arithmetic across
+// the 16 key vectors: no horizontal reductions, no branches, one exp for a pass's rescaling. Blocks
+// past a pass's last position are never read: the causal half of the work is skipped, not masked.
+//
+// Two layouts (KeyBlock): fp32 products for any T, and for bf16 with AVX512-BF16, pairs (queries as
+// [D/2][16 rows][2 dims], V as [8][D][2 keys]) for bf16 dot products, 32 per instruction: the scores
+// are exact products summed in fp32; the softmax weights are rounded to bf16 for P.V (relative error
+// 2^-9 per weight, as flash attention does on GPUs; the sums and the normalizer stay fp32). Measured on
+// this host, SmolLM2 shapes, 2,048 new tokens in five prompts x 30 layers (`python -m
+// loadtests.bench_kernels`): 430 ms as first written (fp32 products, a row per pass, every row rescaled
+// every block); 215-250 ms with bf16 pairs, a row per pass, rows rescaled only when their max grows
+// (about 30% of the two cores' 464 GFLOP/s bf16 peak: each row's max, exp and sum were horizontal
+// and latency-bound); 125-155 ms with rows in lanes (210-260 GFLOP/s; on an int8 cache 130-165 ms,
+// was 230-265). Of the 125, scores and P.V take ~95 ms, about what their dot products need at one per
+// cycle, and the 17 exps of a pass ~30 ms.
+
+constexpr int64_t kKeys = 16, kLanes = 16;
+
+// Slot of position pos in a sequence's block table.
+inline int64_t slot_of(const int64_t* table, int64_t pos, int64_t block_size) {
+  return table[pos / block_size] * block_size + pos % block_size;
+}
+
+template <typename T, int NV>
+struct KeyBlock {
+  static constexpr int64_t D = NV * 16;
+  using QType = float;                      // a pass's queries: [D][16 rows]
+  static constexpr int64_t kQUnits = D;     // QType values per row
+  alignas(64) float kf[kKeys][D];
+  alignas(64) float vf[kKeys][D];
+
+  // Up to 16 query rows (nullptr: padding, zero) into lanes.
+  static void load_queries(float* qt, const T* const* rows) {
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      __m512 r[kLanes];
+      for (int64_t lane = 0; lane < kLanes; ++lane)
+        r[lane] = rows[lane] != nullptr ? load16(rows[lane] + d0) : _mm512_setzero_ps();
+      transpose16(r);
+      for (int64_t j = 0; j < 16; ++j) _mm512_store_ps(qt + (d0 + j) * kLanes, r[j]);
+    }
+  }
+  // The block's nk key and value rows; the rest of the 16 read as zero.
+  void load(const T* const* k_rows, const T* const* v_rows, int64_t nk) {
+    for (int64_t t = 0; t < kKeys; ++t)
+      for (int v = 0; v < NV; ++v) {
+        _mm512_store_ps(kf[t] + v * 16, t < nk ? load16(k_rows[t] + v * 16) : _mm512_setzero_ps());
+        _mm512_store_ps(vf[t] + v * 16, t < nk ? load16(v_rows[t] + v * 16) : _mm512_setzero_ps());
+      }
+  }
+  // s[k] = the pass's 16 rows . key k (16 independent chains share each query load).
+  void scores(__m512 (&s)[kKeys], const float* qt) const {
+    __m512 a[kKeys];  // local, so the compiler keeps it in registers (s is stored once, at the end)
+    for (int64_t k = 0; k < kKeys; ++k) a[k] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < D; ++i) {
+      const __m512 qi = _mm512_load_ps(qt + i * kLanes);
+      for (int64_t k = 0; k < kKeys; ++k) a[k] = _mm512_fmadd_ps(qi, _mm512_set1_ps(kf[k][i]), a[k]);
+    }
+    for (int64_t k = 0; k < kKeys; ++k) s[k] = a[k];
+  }
+  // acc ([D][16 rows]) = acc * corr + sum over keys of p[k] * V[k], 16 dims at a time in registers.
+  void add_pv(float* acc, const __m512 (&p)[kKeys], __m512 corr) const {
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      __m512 a[16];
+      for (int j = 0; j < 16; ++j) a[j] = _mm512_mul_ps(_mm512_load_ps(acc + (d0 + j) * kLanes), corr);
+      for (int64_t k = 0; k < kKeys; ++k)
+        for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(p[k], _mm512_set1_ps(vf[k][d0 + j]), a[j]);
+      for (int j = 0; j < 16; ++j) _mm512_store_ps(acc + (d0 + j) * kLanes, a[j]);
+    }
+  }
+};
+
+#if defined(__AVX512BF16__)
+template <int NV>
+struct KeyBlock<c10::BFloat16, NV> {
+  static constexpr int64_t D = NV * 16;
+  using QType = uint32_t;                   // a pass's queries: [D/2][16 rows] bf16 pairs (q[2i], q[2i+1])
+  static constexpr int64_t kQUnits = D / 2;
+  alignas(64) uint32_t kp[kKeys][D / 2];    // K rows as bf16 pairs
+  alignas(64) uint32_t vp[kKeys / 2][D];    // [key pair][dim]: bf16 (V[2t][d], V[2t+1][d])
+
+  static void load_queries(uint32_t* qt, const c10::BFloat16* const* rows) {
+    for (int64_t i0 = 0; i0 < D / 2; i0 += 16) {  // 16 pairs of each row at a time, moved as fp32 bits
+      __m512 r[kLanes];
+      for (int64_t lane = 0; lane < kLanes; ++lane)
+        r[lane] = rows[lane] != nullptr ? _mm512_loadu_ps(reinterpret_cast<const uint32_t*>(rows[lane]) + i0)
+                                        : _mm512_setzero_ps();
+      transpose16(r);
+      for (int64_t j = 0; j < 16; ++j) _mm512_store_ps(reinterpret_cast<float*>(qt + (i0 + j) * kLanes), r[j]);
+    }
+  }
+  void load(const c10::BFloat16* const* k_rows, const c10::BFloat16* const* v_rows, int64_t nk) {
+    static const c10::BFloat16 zeros[D] = {};
+    const c10::BFloat16* vr[kKeys];
+    for (int64_t t = 0; t < kKeys; ++t) {
+      std::memcpy(kp[t], t < nk ? k_rows[t] : zeros, D * sizeof(c10::BFloat16));
+      vr[t] = t < nk ? v_rows[t] : zeros;
+    }
+    // Interleave value rows two by two: 16 dims of key 2t and of key 2t+1 -> 16 pairs.
+    for (int64_t t = 0; t < kKeys / 2; ++t)
+      for (int v = 0; v < NV; ++v) {
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr[2 * t] + v * 16));
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr[2 * t + 1] + v * 16));
+        const __m512i wa = _mm512_cvtepu16_epi32(a), wb = _mm512_cvtepu16_epi32(b);
+        _mm512_store_si512(vp[t] + v * 16, _mm512_or_si512(wa, _mm512_slli_epi32(wb, 16)));
+      }
+  }
+  void scores(__m512 (&s)[kKeys], const uint32_t* qt) const {
+    __m512 a[kKeys];
+    for (int64_t k = 0; k < kKeys; ++k) a[k] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < D / 2; ++i) {
+      const __m512bh qi = (__m512bh)_mm512_load_si512(qt + i * kLanes);
+      for (int64_t k = 0; k < kKeys; ++k) a[k] = _mm512_dpbf16_ps(a[k], qi, (__m512bh)_mm512_set1_epi32(kp[k][i]));
+    }
+    for (int64_t k = 0; k < kKeys; ++k) s[k] = a[k];
+  }
+  void add_pv(float* acc, const __m512 (&p)[kKeys], __m512 corr) const {
+    __m512i pairs[kKeys / 2];  // lane r: bf16 (p[2t][r], p[2t+1][r])
+    for (int64_t t = 0; t < kKeys / 2; ++t)
+      pairs[t] = _mm512_or_si512(_mm512_cvtepu16_epi32(to_bf16_bits(p[2 * t])),
+                                 _mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_bits(p[2 * t + 1])), 16));
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      __m512 a[16];
+      for (int j = 0; j < 16; ++j) a[j] = _mm512_mul_ps(_mm512_load_ps(acc + (d0 + j) * kLanes), corr);
+      for (int64_t t = 0; t < kKeys / 2; ++t)
+        for (int j = 0; j < 16; ++j)
+          a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)pairs[t], (__m512bh)_mm512_set1_epi32(vp[t][d0 + j]));
+      for (int j = 0; j < 16; ++j) _mm512_store_ps(acc + (d0 + j) * kLanes, a[j]);
+    }
+  }
+};
+#endif
+
+// C: the cache's element type, T or int8_t (each block's rows are dequantized to T as they are loaded:
+// the attention is then the one over the dequantized cache that the torch reference computes).
+template <typename T, typename C, int NV>
+void prefill_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
+                            int64_t max_blocks, const int64_t* query_start, const int64_t* seq_lens, int64_t num_seqs,
+                            int64_t heads, int64_t kv_heads, int64_t block_size, float scale) {
+  using Block = KeyBlock<T, NV>;
+  using Q = typename Block::QType;
+  constexpr int64_t D = NV * 16, kTile = 32, head_row = cache_row_len<C>(D), kQPass = Block::kQUnits * kLanes;
+  const int64_t group = heads / kv_heads, kv_row = kv_heads * head_row;
+  const int64_t passes_max = (kTile * group + kLanes - 1) / kLanes;
+  struct Item { int64_t seq, kh, tok0; };
+  std::vector<Item> items;
+  for (int64_t s = 0; s < num_seqs; ++s)
+    for (int64_t t0 = 0; t0 < query_start[s + 1] - query_start[s]; t0 += kTile)
+      for (int64_t kh = 0; kh < kv_heads; ++kh) items.push_back({s, kh, t0});
+  const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
+  // Later tiles see more keys: threads take items round-robin so each gets a mix of costs.
+  at::parallel_for(0, num_threads, 1, [&](int64_t tbegin, int64_t tend) {
+    // Per pass: queries in lanes, the accumulators [D][16], each lane's position, max and sum.
+    // Scratch from torch's CPU allocator, which aligns to 64 bytes: aligned vector loads, and none
+    // straddles a cache line. Q is 4 bytes (fp32 or a bf16 pair).
+    static_assert(sizeof(Q) == 4);
+    const at::Tensor qt_buf = at::empty({passes_max * kQPass}, at::kInt);
+    const at::Tensor acc_buf = at::empty({passes_max * D * kLanes}, at::kFloat);
+    Q* qt = reinterpret_cast<Q*>(qt_buf.data_ptr<int32_t>());
+    float* acc = acc_buf.data_ptr<float>();
+    std::vector<float> row_max(passes_max * kLanes), row_sum(passes_max * kLanes);
+    std::vector<int32_t> row_pos(passes_max * kLanes);
+    std::vector<T> dequantized(std::is_same_v<C, int8_t> ? 2 * kKeys * D : 0);  // K rows, then V rows
+    const T* k_rows[kKeys];
+    const T* v_rows[kKeys];
+    Block block;
+    for (int64_t tid = tbegin; tid < tend; ++tid) {
+      for (size_t it = tid; it < items.size(); it += num_threads) {
+        const Item item = items[it];
+        const int64_t s = item.seq, kh = item.kh, len = seq_lens[s];
+        const int64_t q_len = query_start[s + 1] - query_start[s], first_pos = len - q_len;
+        const int64_t ntok = std::min(kTile, q_len - item.tok0), rows = ntok * group;
+        const int64_t passes = (rows + kLanes - 1) / kLanes, pos0 = first_pos + item.tok0;
+        const int64_t* table = block_tables + s * max_blocks;
+        // Row r = token r / group, head r % group of the KV head's group; padding lanes repeat the
+        // last row's position (their results are never stored).
+        for (int64_t pass = 0; pass < passes; ++pass) {
+          const T* q_rows[kLanes];
+          for (int64_t lane = 0; lane < kLanes; ++lane) {
+            const int64_t r = pass * kLanes + lane, rc = std::min(r, rows - 1);
+            q_rows[lane] = r < rows ? q + (query_start[s] + item.tok0 + r / group) * heads * D + (kh * group + r % group) * D
+                                    : nullptr;
+            row_pos[pass * kLanes + lane] = static_cast<int32_t>(pos0 + rc / group);
+          }
+          Block::load_queries(qt + pass * kQPass, q_rows);
+        }
+        std::fill(acc, acc + passes * D * kLanes, 0.f);
+        std::fill(row_max.begin(), row_max.begin() + passes * kLanes, -INFINITY);
+        std::fill(row_sum.begin(), row_sum.begin() + passes * kLanes, 0.f);
+        const int64_t last_pos = pos0 + (rows - 1) / group;  // keys 0..last_pos are needed
+        const __m512 vscale = _mm512_set1_ps(scale), neg_inf = _mm512_set1_ps(-INFINITY);
+        for (int64_t k0 = 0; k0 <= last_pos; k0 += kKeys) {
+          const int64_t nk = std::min(kKeys, last_pos + 1 - k0);
+          for (int64_t t = 0; t < nk; ++t) {
+            const int64_t row_at = slot_of(table, k0 + t, block_size) * kv_row + kh * head_row;
+            if constexpr (std::is_same_v<C, int8_t>) {
+              T* kd = dequantized.data() + t * D;
+              T* vd = kd + kKeys * D;
+              dequantize_row(kd, k_cache + row_at, D);
+              dequantize_row(vd, v_cache + row_at, D);
+              k_rows[t] = kd;
+              v_rows[t] = vd;
+            } else {
+              k_rows[t] = k_cache + row_at;
+              v_rows[t] = v_cache + row_at;
+            }
+          }
+          block.load(k_rows, v_rows, nk);
+          for (int64_t pass = 0; pass < passes; ++pass) {
+            const int64_t last_row = std::min(rows, (pass + 1) * kLanes) - 1;
+            if (pos0 + last_row / group < k0) continue;  // every row of the pass ends before the block
+            const __m512i pos = _mm512_loadu_si512(row_pos.data() + pass * kLanes);
+            __m512 sc[kKeys];
+            block.scores(sc, qt + pass * kQPass);
+            const __m512 old_max = _mm512_loadu_ps(row_max.data() + pass * kLanes);
+            __m512 m = old_max;
+            __mmask16 valid[kKeys];
+            for (int64_t k = 0; k < kKeys; ++k) {  // key k0 + k counts for lanes at or after it
+              valid[k] = k < nk ? _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(k0 + k))) : 0;
+              sc[k] = _mm512_mask_mul_ps(neg_inf, valid[k], sc[k], vscale);
+              m = _mm512_max_ps(m, sc[k]);
+            }
+            // Every lane has seen key 0 by now, so m is finite; on the first block old_max is -inf and
+            // corr ~0 multiplies zeros.
+            const __m512 corr = exp16(_mm512_sub_ps(old_max, m));
+            __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(row_sum.data() + pass * kLanes), corr);
+            for (int64_t k = 0; k < kKeys; ++k) {
+              sc[k] = _mm512_maskz_mov_ps(valid[k], exp16(_mm512_sub_ps(sc[k], m)));
+              sum = _mm512_add_ps(sum, sc[k]);
+            }
+            _mm512_storeu_ps(row_max.data() + pass * kLanes, m);
+            _mm512_storeu_ps(row_sum.data() + pass * kLanes, sum);
+            block.add_pv(acc + pass * D * kLanes, sc, corr);
+          }
+        }
+        for (int64_t pass = 0; pass < passes; ++pass) {  // normalized, then back from lanes to rows
+          const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_loadu_ps(row_sum.data() + pass * kLanes));
+          for (int64_t d0 = 0; d0 < D; d0 += 16) {
+            __m512 r[kLanes];
+            for (int64_t j = 0; j < 16; ++j) r[j] = _mm512_mul_ps(_mm512_load_ps(acc + (pass * D + d0 + j) * kLanes), inv);
+            transpose16(r);
+            for (int64_t lane = 0; lane < kLanes && pass * kLanes + lane < rows; ++lane) {
+              const int64_t row = pass * kLanes + lane;
+              store16(out + (query_start[s] + item.tok0 + row / group) * heads * D + (kh * group + row % group) * D + d0, r[lane]);
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& seq_lens,
+                             int64_t heads, double scale) {
+  for (auto* t : {&q, &k_cache, &v_cache, &block_tables, &query_start, &seq_lens}) check_cpu_contiguous(*t, "prefill_attention input");
+  TORCH_CHECK(k_cache.dim() == 4, "caches must be [blocks, block_size, kv_heads, head_dim (+ 4 for int8)]");
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  const int64_t head_dim = k_cache.size(3) - (k_cache.scalar_type() == at::kChar ? kScaleBytes : 0);
+  const int64_t num_seqs = seq_lens.numel();
+  TORCH_CHECK(attention_supports(heads, kv_heads, head_dim), "prefill_attention: unsupported shape: ", heads,
+              " heads, ", kv_heads, " KV heads, head_dim ", head_dim);
+  for (auto* t : {&block_tables, &query_start, &seq_lens}) TORCH_CHECK(t->scalar_type() == at::kLong, "index tensors must be int64");
+  TORCH_CHECK(query_start.numel() == num_seqs + 1 && block_tables.dim() == 2 && block_tables.size(0) == num_seqs,
+              "query_start must be [num_seqs + 1] and block_tables [num_seqs, max_blocks]");
+  TORCH_CHECK(q.dim() == 2 && q.size(1) == heads * head_dim, "q must be [tokens, heads * head_dim]");
+  const bool int8 = check_cache(k_cache, v_cache, q.scalar_type(), kv_heads, head_dim, "prefill_attention");
+  const int64_t* qs = query_start.data_ptr<int64_t>();
+  TORCH_CHECK(num_seqs == 0 || (qs[0] == 0 && qs[num_seqs] == q.size(0)), "query_start must run from 0 to the number of q rows");
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t len = seq_lens.data_ptr<int64_t>()[s], q_len = qs[s + 1] - qs[s];
+    TORCH_CHECK(q_len >= 1 && q_len <= len, "sequence ", s, ": ", q_len, " new tokens but length ", len);
+  }
+  check_block_tables(block_tables, seq_lens, block_size, k_cache.size(0));
+  at::Tensor out = at::empty_like(q);
+  const float sc = static_cast<float>(scale);
+  LLMSERVE_DISPATCH(q.scalar_type(), "prefill_attention", [&] {
+    auto run = [&](auto* k, auto* v) {
+      using C = std::remove_pointer_t<decltype(k)>;
+      auto fn = head_dim == 64 ? prefill_attention_impl<scalar_t, C, 4> : prefill_attention_impl<scalar_t, C, 8>;
+      fn(out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k, v, block_tables.data_ptr<int64_t>(), block_tables.size(1),
+         qs, seq_lens.data_ptr<int64_t>(), num_seqs, heads, kv_heads, block_size, sc);
+    };
+    if (int8) run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
+    else run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
+std::vector<std::string> prefill_attention_paths() { return {"prefill_attention: TODO"}; }
+
+}  // namespace llmserve
