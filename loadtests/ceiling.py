@@ -6,13 +6,20 @@ each token fed through the model (the prompt, then each output token but the las
 each sampled token, and causal attention (QK^T and PV) over every fed token's context. Decode
 attention's KV reads (a bandwidth cost) are left out, so the ceiling is generous.
 
-The peak: each thread runs independent chains of the instruction the linear kernels are built on
-(AVX512-BF16 ``vdpbf16ps``: 32 bf16 products summed into 16 fp32 lanes, 64 FLOP; AVX512-VNNI
-``vpdpbusd``: 64 u8 x s8 products into 16 int32 lanes, 128 ops) on registers only: no loads, no
-dependencies between chains, so it runs at the units' throughput. A C file compiled by the system's
-compiler and called through ctypes (no torch headers: it builds in well under a second).
+The peak, per kernel level (kernels/cpu/isa.py): each thread runs independent chains of the instruction
+that level's linear kernels are built on, on registers only (no loads, no dependencies between chains),
+so it runs at the units' throughput:
 
-    python -m loadtests.ceiling          # this host's bf16 GFLOP/s and int8 GOPS peaks
+- ``avx512_bf16``: ``vdpbf16ps`` (32 bf16 products summed into 16 fp32 lanes, 64 FLOP) and
+  ``vpdpbusd`` (64 u8 x s8 products into 16 int32 lanes, 128 ops);
+- ``avx2``: ``vfmadd231ps`` on 8 fp32 lanes (16 FLOP; bf16 runs as fp32 after widening) and
+  ``vpmaddwd`` + ``vpaddd`` on 16 int16 products (32 ops).
+
+A C file per level compiled by the system's compiler with that level's flags and called through ctypes
+(no torch headers: it builds in well under a second).
+
+    python -m loadtests.ceiling                     # this host's peaks at its best level
+    LLMSERVE_CPU_ISA=avx2 python -m loadtests.ceiling  # ... at the AVX2 level
 """
 
 from __future__ import annotations
@@ -24,20 +31,25 @@ import os
 import subprocess
 import tempfile
 
+from kernels.cpu import isa
 from shared.engine.memory import decoder_linear_shapes
 from shared.engine.models.config import ModelConfig
 
-_SOURCE = r"""
+_HEADER = r"""
 #include <immintrin.h>
 #include <omp.h>
 
+"""
+
+# Each function: (iters, threads) -> G(FL)OP/s, or -1 if its sums came out wrong.
+_SOURCES = {
+    "avx512_bf16": (["-mavx512f", "-mavx512bw", "-mavx512bf16", "-mavx512vnni"], r"""
 /* 16 independent accumulators: enough chains to hide the instruction's latency (5-6 cycles) at
-   up to two issues per cycle. */
+   up to two issues per cycle, with registers to spare (32 zmm). */
 #define CHAINS 16
 
-double bf16_dot_gflops(long iters, int threads) {
-  double t0 = 0, t1 = 0;
-  double sink = 0;
+double bf16_peak(long iters, int threads) {
+  double t0 = 0, t1 = 0, sink = 0;
 #pragma omp parallel num_threads(threads) reduction(+ : sink)
   {
     __m512 acc[CHAINS];
@@ -60,7 +72,7 @@ double bf16_dot_gflops(long iters, int threads) {
   return 64.0 * CHAINS * (double)iters * threads / (t1 - t0) / 1e9;
 }
 
-double int8_dot_gops(long iters, int threads) {
+double int8_peak(long iters, int threads) {
   double t0 = 0, t1 = 0;
   long sink = 0;
 #pragma omp parallel num_threads(threads) reduction(+ : sink)
@@ -83,28 +95,90 @@ double int8_dot_gops(long iters, int threads) {
   if (sink != (long)threads * CHAINS * 16 * 4 * iters) return -1.0;
   return 128.0 * CHAINS * (double)iters * threads / (t1 - t0) / 1e9;
 }
-"""
+"""),
+    "avx2": (["-mavx2", "-mfma"], r"""
+/* 12 chains: 16 ymm registers hold them and the constant operand without spilling; 12 still hide
+   a 4-cycle latency at two issues per cycle. */
+#define CHAINS 12
+
+static double hsum(__m256 v) {
+  float x[8];
+  _mm256_storeu_ps(x, v);
+  return (double)x[0] + x[1] + x[2] + x[3] + x[4] + x[5] + x[6] + x[7];
+}
+
+double bf16_peak(long iters, int threads) {  /* fp32 FMA: what bf16 runs as at this level */
+  double t0 = 0, t1 = 0, sink = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+  {
+    __m256 acc[CHAINS];
+    for (int i = 0; i < CHAINS; ++i) acc[i] = _mm256_setzero_ps();
+    const __m256 one = _mm256_set1_ps(1.f);
+#pragma omp barrier
+#pragma omp master
+    t0 = omp_get_wtime();
+    for (long it = 0; it < iters; ++it) {
+#pragma GCC unroll 12
+      for (int i = 0; i < CHAINS; ++i) acc[i] = _mm256_fmadd_ps(one, one, acc[i]);
+    }
+#pragma omp barrier
+#pragma omp master
+    t1 = omp_get_wtime();
+    for (int i = 0; i < CHAINS; ++i) sink += hsum(acc[i]);
+  }
+  if (sink != (double)threads * CHAINS * 8 * iters) return -1.0;
+  return 16.0 * CHAINS * (double)iters * threads / (t1 - t0) / 1e9;
+}
+
+double int8_peak(long iters, int threads) {  /* int16 pair products, as the AVX2 int8 linear runs */
+  double t0 = 0, t1 = 0;
+  long sink = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+  {
+    __m256i acc[CHAINS];
+    for (int i = 0; i < CHAINS; ++i) acc[i] = _mm256_setzero_si256();
+    const __m256i one = _mm256_set1_epi16(1);
+#pragma omp barrier
+#pragma omp master
+    t0 = omp_get_wtime();
+    for (long it = 0; it < iters; ++it) {
+#pragma GCC unroll 12
+      for (int i = 0; i < CHAINS; ++i) acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(one, one));
+    }
+#pragma omp barrier
+#pragma omp master
+    t1 = omp_get_wtime();
+    int x[8];
+    for (int i = 0; i < CHAINS; ++i) {
+      _mm256_storeu_si256((__m256i*)x, acc[i]);
+      for (int j = 0; j < 8; ++j) sink += x[j];
+    }
+  }
+  if (sink != (long)threads * CHAINS * 8 * 2 * iters) return -1.0;
+  return 32.0 * CHAINS * (double)iters * threads / (t1 - t0) / 1e9;
+}
+"""),
+}
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        return set()
+def peak_level() -> str:
+    """The level whose peak a ceiling uses: the one the kernels run at here (``LLMSERVE_CPU_ISA``
+    caps it), measured with the instructions of the nearest level below that has a microbenchmark."""
+    best = isa.best_level()
+    if best is None:
+        raise RuntimeError("no kernel level runs on this CPU: " + isa.why_not(isa.LEVELS[0]))
+    names = [lv.name for lv in isa.LEVELS]
+    return next(n for n in reversed(names[: names.index(best.name) + 1]) if n in _SOURCES)
 
 
 @functools.lru_cache(maxsize=None)
-def _library() -> ctypes.CDLL:
-    missing = {"avx512_bf16", "avx512_vnni"} - _cpu_flags()
-    if missing:
-        raise RuntimeError(f"the peak microbenchmark needs {', '.join(sorted(missing))}, which this CPU lacks")
+def _library(level: str) -> ctypes.CDLL:
+    flags, body = _SOURCES[level]
     with tempfile.TemporaryDirectory(prefix="llmserve_peak_") as build:  # loaded, the file can go
         src, lib = os.path.join(build, "peak.c"), os.path.join(build, "peak.so")
         with open(src, "w") as f:
-            f.write(_SOURCE)
-        cmd = [os.environ.get("CC", "cc"), "-O2", "-march=native", "-mavx512bf16", "-mavx512vnni", "-fopenmp",
-               "-shared", "-fPIC", src, "-o", lib]
+            f.write(_HEADER + body)
+        cmd = [os.environ.get("CC", "cc"), "-O2", *flags, "-fopenmp", "-shared", "-fPIC", src, "-o", lib]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True)
         except OSError as exc:  # no compiler
@@ -112,14 +186,14 @@ def _library() -> ctypes.CDLL:
         if proc.returncode != 0:
             raise RuntimeError(f"could not build the peak microbenchmark ({' '.join(cmd)}): {proc.stderr.strip()}")
         dll = ctypes.CDLL(lib)
-    for name in ("bf16_dot_gflops", "int8_dot_gops"):
+    for name in ("bf16_peak", "int8_peak"):
         fn = getattr(dll, name)
         fn.argtypes, fn.restype = [ctypes.c_long, ctypes.c_int], ctypes.c_double
     return dll
 
 
 def _best_rate(fn, threads: int, repeats: int) -> float:
-    rates = [fn(4_000_000, threads) for _ in range(repeats)]  # ~20 ms a run at ~230 GFLOP/s a thread
+    rates = [fn(4_000_000, threads) for _ in range(repeats)]  # tens of ms a run
     if min(rates) <= 0:
         raise RuntimeError("the peak microbenchmark's sums came out wrong")
     return max(rates)  # noise (another process, a busy sibling vCPU) only ever slows a run down
@@ -132,14 +206,14 @@ def _peak(fn, threads: int, repeats: int) -> float:
     return max(threads * _best_rate(fn, 1, repeats), _best_rate(fn, threads, repeats))
 
 
-def bf16_peak_gflops(threads: int, repeats: int = 20) -> float:
-    """``vdpbf16ps`` chains on `threads` threads: GFLOP/s."""
-    return _peak(_library().bf16_dot_gflops, threads, repeats)
+def bf16_peak_gflops(threads: int, repeats: int = 20, level: str | None = None) -> float:
+    """bf16 GFLOP/s on `threads` threads at `level` (default: ``peak_level()``)."""
+    return _peak(_library(level or peak_level()).bf16_peak, threads, repeats)
 
 
-def int8_peak_gops(threads: int, repeats: int = 20) -> float:
-    """``vpdpbusd`` chains on `threads` threads: GOPS (multiply + add)."""
-    return _peak(_library().int8_dot_gops, threads, repeats)
+def int8_peak_gops(threads: int, repeats: int = 20, level: str | None = None) -> float:
+    """int8 GOPS (multiply + add) on `threads` threads at `level` (default: ``peak_level()``)."""
+    return _peak(_library(level or peak_level()).int8_peak, threads, repeats)
 
 
 def run_flops(cfg: ModelConfig, prompt_lens: list[int], output_len: int) -> dict[str, float]:
@@ -165,11 +239,14 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = p.parse_args(argv)
-    lib = _library()
-    for threads in sorted({1, args.threads}):
-        print(f"{threads} thread(s) at once, best of 20: bf16 {_best_rate(lib.bf16_dot_gflops, threads, 20):7.1f} "
-              f"GFLOP/s   int8 {_best_rate(lib.int8_dot_gops, threads, 20):7.1f} GOPS")
-    print(f"peak used for ceilings, {args.threads} threads: bf16 {bf16_peak_gflops(args.threads):7.1f} GFLOP/s   "
+    top = peak_level()
+    levels = [n for n in _SOURCES if isa.LEVEL_NAMES.index(n) <= isa.LEVEL_NAMES.index(top)]
+    for level in sorted(levels, key=isa.LEVEL_NAMES.index):
+        lib = _library(level)
+        for threads in sorted({1, args.threads}):
+            print(f"{level:<12} {threads} thread(s) at once, best of 20: bf16 {_best_rate(lib.bf16_peak, threads, 20):7.1f} "
+                  f"GFLOP/s   int8 {_best_rate(lib.int8_peak, threads, 20):7.1f} GOPS")
+    print(f"peak used for ceilings ({top}, {args.threads} threads): bf16 {bf16_peak_gflops(args.threads):7.1f} GFLOP/s   "
           f"int8 {int8_peak_gops(args.threads):7.1f} GOPS")
 
 

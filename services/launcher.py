@@ -15,10 +15,12 @@ Process invariants:
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -103,14 +105,22 @@ class StackConfig:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
 
 
+_TAIL_LINES = 40  # a service's last output lines kept for the message when it dies
+
+
 @dataclass
 class ServiceProcess:
     name: str                          # e.g. "executor-0"
     argv: list[str]
-    process: subprocess.Popen[bytes]
     log_path: str | None
     env: dict[str, str] = field(repr=False, default_factory=dict)
     num_restarts: int = 0
+    # Without a log file the output is relayed to our stderr and its last lines kept here.
+    tail: collections.deque[str] = field(repr=False, default_factory=lambda: collections.deque(maxlen=_TAIL_LINES))
+    process: subprocess.Popen[bytes] = field(init=False, repr=False)
+
+    def spawn(self) -> None:
+        self.process = _spawn(self.argv, self.env, self.log_path, self.tail)
 
     @property
     def pid(self) -> int:
@@ -120,8 +130,9 @@ class ServiceProcess:
         return self.process.poll() is None
 
     def log_tail(self, max_chars: int = 4000) -> str:
+        """The service's last output (what it printed before dying, when it dies)."""
         if self.log_path is None:
-            return "(logs went to the launcher's stderr)"
+            return "".join(self.tail)[-max_chars:]
         return read_log_tail(self.log_path, max_chars)
 
     def signal_group(self, sig: int) -> None:
@@ -158,7 +169,8 @@ class Stack:
     def start_service(self, name: str, module: str, args: list[str], env: dict[str, str]) -> ServiceProcess:
         argv = [sys.executable, "-m", module, *args]
         log_path = os.path.join(self.config.log_dir, f"{name}.log") if self.config.log_dir else None
-        svc = ServiceProcess(name, argv, _spawn(argv, env, log_path), log_path, env)
+        svc = ServiceProcess(name, argv, log_path, env)
+        svc.spawn()
         self.services[name] = svc
         return svc
 
@@ -172,14 +184,14 @@ class Stack:
                 continue
             svc.num_restarts += 1
             note(f"{svc.name} exited with code {svc.process.returncode}; restarting it "
-                 f"(restart #{svc.num_restarts})\n{svc.log_tail(1500) if svc.log_path else ''}".rstrip())
+                 f"(restart #{svc.num_restarts}); its last output:\n{svc.log_tail(1500)}".rstrip())
             svc.signal_group(signal.SIGKILL)   # leftovers of the old process group, if any
-            svc.process = _spawn(svc.argv, svc.env, svc.log_path)
+            svc.spawn()
 
     def check_alive(self) -> None:
         for svc in self.services.values():
             if not svc.alive():
-                raise StackStartError(f"{svc.name} exited with code {svc.process.returncode}:\n"
+                raise StackStartError(f"{svc.name} exited with code {svc.process.returncode}; its last output:\n"
                                       f"{svc.log_tail()}")
 
     def wait_ready(self, progress: Callable[[str], None] | None = None) -> None:
@@ -262,15 +274,31 @@ async def _scheduler_has_executor(nats_url: str) -> bool:
         await bus.close()
 
 
-def _spawn(argv: list[str], env: dict[str, str], log_path: str | None) -> subprocess.Popen[bytes]:
+def _spawn(argv: list[str], env: dict[str, str], log_path: str | None,
+           tail: collections.deque[str]) -> subprocess.Popen[bytes]:
+    """Start a service with its stdout and stderr in ``log_path``, or, without one, relayed line by
+    line to our stderr with the last lines kept in ``tail``."""
     log_file = open(log_path, "ab") if log_path else None
     try:
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file or None,
-                                stderr=subprocess.STDOUT if log_file else None, env=env,
-                                preexec_fn=detach_child)
+        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file or subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, env=env, preexec_fn=detach_child)
     finally:
         if log_file:
             log_file.close()
+    if log_file is None:
+        tail.clear()
+        threading.Thread(target=_relay, args=(process.stdout, tail), daemon=True).start()
+    return process
+
+
+def _relay(stream, tail: collections.deque[str]) -> None:
+    """Copy a child's output to our stderr until it closes, keeping its last lines."""
+    with stream:
+        for raw in stream:
+            line = raw.decode(errors="replace")
+            tail.append(line)
+            sys.stderr.write(line)
+    sys.stderr.flush()
 
 
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"

@@ -53,3 +53,19 @@ def runtime_bf16(smollm2_path):
     return load_model(smollm2_path, dtype="bfloat16", progress=False)
 
 # ============================================================================ end model runtime
+
+
+# =============================================================================================
+# CPU kernel levels (tests/helpers/levels.py): `ops` runs a test once per level this CPU has.
+# =============================================================================================
+from helpers.levels import LEVELS, ops_at_level, unavailable  # noqa: E402
+
+
+@pytest.fixture(params=LEVELS or ["none"])
+def ops(request):
+    """The kernel ops of one ISA level (torch.ops.llmserve_cpu_<level>)."""
+    if request.param == "none":
+        from kernels.cpu import isa
+
+        unavailable(f"no CPU kernel level runs here: {isa.why_not(isa.LEVELS[0])}")
+    return ops_at_level(request.param)

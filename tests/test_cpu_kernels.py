@@ -10,10 +10,8 @@ import torch.nn.functional as F
 
 from helpers.greedy import mixed_batch_logits
 from helpers.paged import BLOCK_SIZES, SHAPES, scattered_tables
-from kernels.cpu import cpu_ops
+from kernels.cpu import cpu_ops, unavailable_reason
 
-ops = cpu_ops()
-pytestmark = pytest.mark.skipif(ops is None, reason="CPU kernels not built (LLMSERVE_CPU_KERNELS=0 or no compiler)")
 
 DTYPES = [torch.float32, torch.bfloat16]
 # bf16 results may differ from the unfused ops by rounding order: one bf16 ulp of the value's scale.
@@ -21,7 +19,7 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_with_and_without_residual(dtype):
+def test_rms_norm_with_and_without_residual(ops, dtype):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(7, 576, generator=g).to(dtype)
     w = (1 + 0.1 * torch.randn(576, generator=g)).to(dtype)
@@ -42,7 +40,7 @@ def _rope_reference(x, pos, cos, sin):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_and_cache_rotates_q_k_and_writes_k_v_slots(dtype):
+def test_rope_and_cache_rotates_q_k_and_writes_k_v_slots(ops, dtype):
     heads, kv_heads, d, block_size, num_blocks = 6, 2, 16, 4, 9
     g = torch.Generator().manual_seed(1)
     tokens = 5
@@ -68,7 +66,7 @@ def test_rope_and_cache_rotates_q_k_and_writes_k_v_slots(dtype):
     assert not flat_k[untouched].any() and not flat_v[untouched].any()
 
 
-def test_rope_and_cache_rejects_out_of_range_slots():
+def test_rope_and_cache_rejects_out_of_range_slots(ops):
     qkv = torch.randn(1, 4 * 8)
     cos = sin = torch.ones(4, 4)
     cache = torch.zeros(2, 2, 1, 8)
@@ -79,14 +77,14 @@ def test_rope_and_cache_rejects_out_of_range_slots():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul(dtype):
+def test_silu_mul(ops, dtype):
     gu = torch.randn(3, 2 * 96, generator=torch.Generator().manual_seed(2)).to(dtype)
     gate, up = gu.split(96, dim=-1)
     torch.testing.assert_close(ops.silu_mul(gu), F.silu(gate) * up, **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_argmax_rows_is_torch_argmax_ties_and_nan_included(dtype):
+def test_argmax_rows_is_torch_argmax_ties_and_nan_included(ops, dtype):
     g = torch.Generator().manual_seed(3)
     for rows, n in [(32, 49152), (1, 1), (3, 17), (5, 15), (2, 100003)]:
         x = torch.randn(rows, n, generator=g).to(dtype)
@@ -99,7 +97,7 @@ def test_argmax_rows_is_torch_argmax_ties_and_nan_included(dtype):
     assert ops.argmax_rows(x).tolist() == x.argmax(-1).tolist() == [0, 33, 3, 39, 0]
 
 
-def test_argmax_rows_rejects_what_it_cannot_read():
+def test_argmax_rows_rejects_what_it_cannot_read(ops):
     with pytest.raises(RuntimeError, match="must be \\[rows"):
         ops.argmax_rows(torch.randn(3))
     with pytest.raises(RuntimeError, match="contiguous"):
@@ -109,7 +107,7 @@ def test_argmax_rows_rejects_what_it_cannot_read():
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("heads,kv_heads,d", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_attention_reads_paged_blocks_in_place(dtype, heads, kv_heads, d, block_size):
+def test_decode_attention_reads_paged_blocks_in_place(ops, dtype, heads, kv_heads, d, block_size):
     g = torch.Generator().manual_seed(3)
     seq_lens = [1, 16, 17, 100, 1000]
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 4
@@ -138,7 +136,7 @@ def test_decode_attention_reads_paged_blocks_in_place(dtype, heads, kv_heads, d,
         assert torch.equal(alone[0], out[s])
 
 
-def test_decode_attention_rejects_lengths_beyond_the_block_table():
+def test_decode_attention_rejects_lengths_beyond_the_block_table(ops):
     cache = torch.zeros(4, 16, 1, 64)
     with pytest.raises(RuntimeError, match="does not fit its block table"):
         ops.decode_attention(torch.zeros(1, 64), cache, cache, torch.tensor([[1]]), torch.tensor([17]), 1, 1.0)
@@ -153,7 +151,7 @@ def test_decode_attention_rejects_lengths_beyond_the_block_table():
 # part-filled last panel of 48, fewer than one panel.
 @pytest.mark.parametrize("m,n,k,bias", [(1, 960, 576, False), (3, 577, 1536, True), (2, 5, 40, False), (4, 200, 64, True),
                                          (7, 96, 100, False), (32, 131, 576, True), (101, 70, 64, True)])
-def test_linear_bf16_is_an_fp32_accumulated_matmul(m, n, k, bias):
+def test_linear_bf16_is_an_fp32_accumulated_matmul(ops, m, n, k, bias):
     g = torch.Generator().manual_seed(4)
     x = torch.randn(m, k, generator=g).bfloat16()
     w = torch.randn(n, k, generator=g).bfloat16()
@@ -163,7 +161,7 @@ def test_linear_bf16_is_an_fp32_accumulated_matmul(m, n, k, bias):
     torch.testing.assert_close(ops.linear_bf16(x, ops.pack_linear_bf16(w), n, b).float(), expected, atol=1e-2, rtol=8e-3)
 
 
-def test_linear_bf16_rejects_mismatched_inputs():
+def test_linear_bf16_rejects_mismatched_inputs(ops):
     w = ops.pack_linear_bf16(torch.ones(70, 64, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="even in_features"):
         ops.pack_linear_bf16(torch.ones(8, 63, dtype=torch.bfloat16))
@@ -215,7 +213,7 @@ def test_fused_forward_matches_the_torch_path(runtime_fp32, runtime_bf16):
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("heads,kv_heads,d", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_prefill_attention_is_causal_over_cached_context(dtype, heads, kv_heads, d, block_size):
+def test_prefill_attention_is_causal_over_cached_context(ops, dtype, heads, kv_heads, d, block_size):
     """Three prefill chunks in one call: a fresh prompt (longer than one query tile), a chunk that
     continues 37 cached tokens (not block aligned) and a one-token chunk; blocks scattered."""
     g = torch.Generator().manual_seed(6)
@@ -239,11 +237,13 @@ def test_prefill_attention_is_causal_over_cached_context(dtype, heads, kv_heads,
 
 
 def test_kernels_can_be_switched_off(monkeypatch):
+    before = cpu_ops()
     monkeypatch.setenv("LLMSERVE_CPU_KERNELS", "0")
     cpu_ops.cache_clear()
     try:
         assert cpu_ops() is None
+        assert unavailable_reason() == "switched off (LLMSERVE_CPU_KERNELS=0)"
     finally:
         monkeypatch.delenv("LLMSERVE_CPU_KERNELS")
         cpu_ops.cache_clear()
-    assert cpu_ops() is not None
+    assert cpu_ops() is before

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from helpers.levels import best_ops
 from shared.engine import huge_pages
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux-only")
@@ -44,9 +45,8 @@ def test_model_weights_live_in_one_buffer_and_are_counted_once(runtime_bf16):
     are the parameters plus exactly that buffer."""
     from shared.engine.models.packed_linear import PackedLinear
 
+    best_ops()
     packed = [m.packed for m in runtime_bf16.modules() if isinstance(m, PackedLinear) and m.ops is not None]
-    if not packed:
-        pytest.skip("the kernels' bf16 layout is not in use here (no AVX512-BF16)")
     storages = {t.untyped_storage().data_ptr() for t in packed}
     assert len(storages) == 1
     arena = packed[0].untyped_storage().nbytes()

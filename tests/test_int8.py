@@ -7,19 +7,17 @@ import pytest
 import torch
 
 from helpers.greedy import all_position_logits
-from helpers.markers import needs_vnni
+from helpers.levels import best_ops, needs_kernels
 from kernels.cpu import cpu_ops
 from shared.engine.models.int8_linear import (
     Int8Linear,
     calibration_text,
     int8_linear_reference,
-    int8_supported,
     quantize_model_int8,
     quantize_rows,
 )
 from shared.engine.models.teacher_forcing import perplexity
 
-ops = cpu_ops()
 
 
 def test_quantize_rows_is_symmetric_per_row_round_half_even():
@@ -44,12 +42,11 @@ def _inputs(m, n, k, dtype, bias, smooth, seed=7):
 
 # Rows: decode sizes, tile remainders (passes of at most 8), more than one 48-row chunk; columns: a
 # part-filled last panel of 48, fewer than one panel.
-@needs_vnni
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k,bias,smooth", [(1, 960, 576, False, True), (3, 577, 1536, True, False),
                                                (2, 5, 40, False, False), (7, 96, 100, True, True),
                                                (32, 131, 576, True, True), (101, 70, 64, False, True)])
-def test_linear_int8_matches_its_reference(dtype, m, n, k, bias, smooth):
+def test_linear_int8_matches_its_reference(ops, dtype, m, n, k, bias, smooth):
     """The same quantized inputs and exact integer sums; only the fp32 epilogue may differ (fused
     multiply-add): fp32 outputs within 1e-6 relative, bf16 outputs within one bf16 rounding."""
     x, q, scale, s, b = _inputs(m, n, k, dtype, bias, smooth)
@@ -64,8 +61,7 @@ def test_linear_int8_matches_its_reference(dtype, m, n, k, bias, smooth):
         assert torch.equal(ours[1], b if bias else torch.zeros(n, dtype=dtype))
 
 
-@needs_vnni
-def test_linear_int8_rejects_mismatched_inputs():
+def test_linear_int8_rejects_mismatched_inputs(ops):
     q = torch.ones(70, 64, dtype=torch.int8)
     packed, scale, colsum = ops.pack_linear_int8(q), torch.ones(70), q.sum(1, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="multiple of 4"):
@@ -99,8 +95,7 @@ def test_smoothing_keeps_the_product_and_tames_an_outlier_feature():
     assert err_smooth * 3 < err_plain
 
 
-@needs_vnni
-def test_int8_linear_switches_between_kernel_and_reference():
+def test_int8_linear_switches_between_kernel_and_reference(ops):
     g = torch.Generator().manual_seed(6)
     w, b = torch.randn(130, 96, generator=g), torch.randn(130, generator=g).bfloat16()
     x = torch.randn(3, 5, 96, generator=g).bfloat16()
@@ -115,7 +110,7 @@ def test_int8_linear_switches_between_kernel_and_reference():
     assert torch.equal(layer(x), ours)
 
 
-def test_quantize_model_int8_on_an_fp32_model():
+def test_quantize_model_int8_on_an_fp32_model(ops):
     """An fp32 model keeps plain nn.Linear layers (nothing is pre-packed): those are quantized too,
     calibrated on the unquantized model; the kernel and the torch reference give the same logits."""
     from shared.engine.models.config import ModelConfig
@@ -125,7 +120,7 @@ def test_quantize_model_int8_on_an_fp32_model():
                          num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=128)
     torch.manual_seed(0)
     model = LlamaModel(config).eval()
-    model.enable_cpu_kernels(int8_supported(ops))
+    model.enable_cpu_kernels(ops=ops)
     ids = torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     exact = all_position_logits(model, ids)
     assert quantize_model_int8(model, list(range(64))) == 8
@@ -133,8 +128,7 @@ def test_quantize_model_int8_on_an_fp32_model():
     rel = ((quantized - exact).norm() / exact.norm()).item()
     print(f"tiny fp32 model, int8 relative logit error {rel:.4f}")
     assert 0 < rel < 0.05
-    if int8_supported(ops):
-        model.enable_cpu_kernels(False)
+    model.enable_cpu_kernels(False)
         torch.testing.assert_close(all_position_logits(model, ids), quantized, rtol=1e-4, atol=1e-4)
 
 
@@ -142,8 +136,7 @@ def test_quantize_model_int8_on_an_fp32_model():
 
 @pytest.fixture(scope="module")
 def runtime_int8(smollm2_path, smollm2_tokenizer):
-    if not int8_supported(ops):
-        pytest.skip("needs the CPU kernels with AVX512-VNNI")
+    best_ops()
     from shared.engine.models.loader import load_model
 
     model = load_model(smollm2_path, dtype="bfloat16", progress=False)
@@ -179,7 +172,7 @@ def test_int8_model_stays_close_to_fp32(runtime_fp32, runtime_bf16, runtime_int8
     assert ppl_int8 <= 1.04 * ppl_fp32
 
 
-@needs_vnni
+@needs_kernels
 def test_int8_engine_is_batch_invariant_and_holds_less_memory(smollm2_path):
     """Int8 sums are exact, and every row is quantized on its own, so the linears give each sequence
     the same result in any batch: concurrent greedy requests equal each alone. The ledger counts the

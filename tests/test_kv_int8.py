@@ -12,14 +12,12 @@ import torch.nn.functional as F
 
 from helpers.greedy import all_position_logits, make_runner, mixed_batch_logits
 from helpers.paged import BLOCK_SIZES, SHAPES, scattered_tables
-from kernels.cpu import cpu_ops
+from helpers.levels import best_ops
 from shared.engine.kv_cache import KVCache, dequantize_kv, quantize_kv
 from shared.engine.memory import kv_bytes_per_token
 from shared.engine.models.known_configs import KNOWN_CONFIGS
 from shared.engine.models.teacher_forcing import perplexity
 
-ops = cpu_ops()
-needs_kernels = pytest.mark.skipif(ops is None, reason="CPU kernels not built")
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -41,9 +39,8 @@ def test_dequantized_rows_are_within_half_a_step():
     assert torch.equal(quantize_kv(x.bfloat16())[..., :64].abs().amax(-1), torch.full((50, 3), 127, dtype=torch.int8))
 
 
-@needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_and_cache_quantizes_bit_for_bit_like_the_reference(dtype):
+def test_rope_and_cache_quantizes_bit_for_bit_like_the_reference(ops, dtype):
     heads, kv_heads, d = 6, 2, 64
     g = torch.Generator().manual_seed(1)
     qkv = torch.randn(5, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
@@ -72,11 +69,10 @@ def _gathered(cache, table, n, kv_heads, group, dtype):
     return dequantize_kv(rows, dtype).float().transpose(0, 1).repeat_interleave(group, 0)
 
 
-@needs_kernels
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("heads,kv_heads,d", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_attention_reads_int8_blocks(dtype, heads, kv_heads, d, block_size):
+def test_decode_attention_reads_int8_blocks(ops, dtype, heads, kv_heads, d, block_size):
     """Against SDPA over the dequantized cache. The kernel multiplies integer keys by the query held in
     int16 and applies the row scales to whole scores and weights: fp32 outputs within 1e-4 (measured
     up to 5e-5), bf16 within a bf16 rounding."""
@@ -99,11 +95,10 @@ def test_decode_attention_reads_int8_blocks(dtype, heads, kv_heads, d, block_siz
         torch.testing.assert_close(alone[0].float(), expected, **tol)
 
 
-@needs_kernels
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 2, 128)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_prefill_attention_reads_int8_blocks(dtype, heads, kv_heads, d, block_size):
+def test_prefill_attention_reads_int8_blocks(ops, dtype, heads, kv_heads, d, block_size):
     """A fresh prompt, a chunk over 37 cached tokens and a one-token chunk, against causal SDPA over
     the cache dequantized to the model dtype (what the kernel reads)."""
     g = torch.Generator().manual_seed(6)
@@ -124,8 +119,7 @@ def test_prefill_attention_reads_int8_blocks(dtype, heads, kv_heads, d, block_si
                                    atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-2)
 
 
-@needs_kernels
-def test_kernels_refuse_malformed_int8_caches():
+def test_kernels_refuse_malformed_int8_caches(ops):
     q, lens, table = torch.zeros(1, 64), torch.tensor([3]), torch.tensor([[1]])
     no_scale = torch.zeros(4, 16, 1, 64, dtype=torch.int8)
     with pytest.raises(RuntimeError, match=r"cache rows must be \[kv_heads, head_dim \+ 4\]"):
@@ -148,8 +142,7 @@ def test_fused_forward_on_int8_cache_matches_the_torch_path(runtime_fp32, runtim
     step, so in fp32 the paths differ by a fraction of what quantizing costs (measured mean/max |logit
     diff|: fused vs torch 0.033/0.14, int8 vs fp32 cache 0.082/0.55). bf16 is held to the distance
     from the fp32 int8 reference, as test_cpu_kernels holds the bf16 cache."""
-    if ops is None:
-        pytest.skip("CPU kernels not built")
+    best_ops()
     exact = mixed_batch_logits(runtime_fp32, False, "auto")
     ref = mixed_batch_logits(runtime_fp32, False, "int8")
     paths, quantizing = (mixed_batch_logits(runtime_fp32, True, "int8") - ref).abs(), (ref - exact).abs()

@@ -69,6 +69,13 @@ def build_dir(level: Level) -> Path:
     return root / library_name(level)
 
 
+def _summary(output: str) -> str:
+    """The compiler's first error lines, or the output's last line if it names none."""
+    errors = [line.strip() for line in output.splitlines() if "error" in line and ("error:" in line or "Error" in line)]
+    lines = errors[:3] or output.strip().splitlines()[-1:]
+    return " | ".join(lines)[:1000]
+
+
 def load(level: Level):
     """``torch.ops.llmserve_cpu_<level>``, compiling the library first if this machine has none.
     Raises KernelBuildError if it cannot be built (now or by an earlier process)."""
@@ -81,8 +88,8 @@ def load(level: Level):
     directory = build_dir(level)
     failed = directory / _FAILED
     if failed.exists():
-        raise KernelBuildError(f"{level.name} kernels failed to build earlier ({failed}): "
-                               f"{failed.read_text().strip()[-2000:]}")
+        raise KernelBuildError(f"{level.name} kernels failed to build earlier: {_summary(failed.read_text())} "
+                               f"(the compiler's output: {failed}; delete it to try again)")
     directory.mkdir(parents=True, exist_ok=True)
     name = directory.name
     t0 = time.perf_counter()
@@ -95,6 +102,7 @@ def load(level: Level):
     except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
         message = str(exc)
         failed.write_text(message)
-        raise KernelBuildError(f"{level.name} kernels failed to build ({failed}): {message[-2000:]}") from exc
+        raise KernelBuildError(f"{level.name} kernels failed to build: {_summary(message)} "
+                               f"(the compiler's output: {failed})") from exc
     log.info("%s CPU kernels ready in %.1f s", level.name, time.perf_counter() - t0)
     return getattr(torch.ops, ns)

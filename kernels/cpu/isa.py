@@ -117,9 +117,10 @@ def why_not(lv: Level) -> str:
     return ""
 
 
-def onednn_bf16_usable() -> bool:
-    """Whether oneDNN's packed bf16 matmul runs here: it needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT,
-    and a cap below ``avx512`` stands for a CPU without them."""
+def onednn_usable(dtype) -> bool:
+    """Whether oneDNN's packed matmul runs in `dtype` (torch.bfloat16 or torch.float16) here: it needs
+    AVX-512 (BW/VL/DQ; fp16 also AVX512-FP16) or AVX-NE-CONVERT, and a cap below ``avx512`` stands
+    for a CPU without them."""
     import torch
 
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
@@ -127,4 +128,8 @@ def onednn_bf16_usable() -> bool:
     limit = cap()
     if limit is not None and LEVEL_NAMES.index(limit) < LEVEL_NAMES.index("avx512"):
         return False
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return False

@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "names the live executors report)")
     p.add_argument("--api-key", default=os.environ.get("LLMSERVE_API_KEY") or None,
                    help="require 'Authorization: Bearer <key>' on /v1/* (env LLMSERVE_API_KEY)")
+    p.add_argument("--access-log", action="store_true",
+                   default=os.environ.get("LLMSERVE_ACCESS_LOG", "").lower() in ("1", "true", "yes", "on"),
+                   help="log every HTTP request (env LLMSERVE_ACCESS_LOG=1); off by default, as the "
+                        "launcher's readiness polls of /health would fill the log")
     p.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="abort a request (504) that has not finished after this long")
     p.add_argument("--max-tokens-default", type=int, default=None,
@@ -75,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     uvicorn.run(create_app(config), host=config.host, port=config.port,
                 log_level=args.log_level.lower(), timeout_graceful_shutdown=args.drain_timeout,
+                access_log=args.access_log,
                 # Our SSE stream sends its own bytes often enough; uvicorn's keep-alive is for idle
                 # connections between requests.
                 timeout_keep_alive=30)

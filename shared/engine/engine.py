@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.cpu import unavailable_reason
 from shared.engine.block_manager import BlockManager
 from shared.engine.kv_cache import KVCache
 from shared.engine.memory import parse_bytes, plan_memory
@@ -47,7 +48,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None    # torch intra-op threads; None leaves torch's default
     seed: int = 0
-    quantization: str | None = None   # "int8": W8A8 decoder linears (CPU, AVX512-VNNI); see int8_linear
+    quantization: str | None = None   # "int8": W8A8 decoder linears (CPU kernels); see int8_linear
     kv_cache_dtype: str = "auto"      # "int8": K/V rows in int8 with a scale each; see kv_cache
 
     def __post_init__(self) -> None:
@@ -79,8 +80,8 @@ class Engine:
         self.model = load_model(path, dtype=config.dtype, device=config.device, progress=progress)
         if config.quantization == "int8":
             if not int8_supported(self.model.cpu_ops):
-                raise ValueError("quantization='int8' needs the CPU kernels (kernels/cpu) on a CPU with "
-                                 "AVX512-VNNI; they are switched off or unavailable here")
+                raise ValueError("quantization='int8' needs the CPU kernels (kernels/cpu), which are unavailable "
+                                 f"here: {unavailable_reason()}")
             quantize_model_int8(self.model, self.tokenizer.encode(calibration_text()))
         self.model_config = self.model.config
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,

@@ -6,7 +6,7 @@
 an fp32 scale per (token, KV head) row, see ``shared/engine/kv_cache.py``."""
 
 QUANTIZATIONS = ("int8",)
-QUANTIZATION_HELP = "int8: int8 weights and activations in the decoder linears (CPU with AVX512-VNNI; faster, slightly less exact)"
+QUANTIZATION_HELP = "int8: int8 weights and activations in the decoder linears (the CPU kernels; faster, slightly less exact)"
 
 KV_CACHE_DTYPES = ("auto", "int8")
 KV_SCALE_BYTES = 4  # the fp32 scale after the values of each (token, KV head) row of an int8 cache

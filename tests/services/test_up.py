@@ -23,7 +23,8 @@ import time
 import httpx
 import pytest
 
-from services.launcher import EXECUTOR_OPENMP_ENV, gateway_available, set_executor_openmp_policy
+from services.launcher import (EXECUTOR_OPENMP_ENV, StackConfig, StackStartError, gateway_available, launch,
+                               set_executor_openmp_policy)
 from shared.servers import (ServerStartError, detach_child, ephemeral_port_range, free_port, start_nats,
                             start_redis)
 
@@ -101,6 +102,17 @@ def test_server_start_error_shows_its_log():
 
 
 # -- the stack, through the fixture ------------------------------------------------------------------
+
+@needs_gateway
+def test_a_service_dying_at_start_is_reported_with_its_last_output(tmp_path, capfd):
+    """Without a log directory each service's output goes to our stderr; when one dies its last
+    lines are the error's message, not a pointer to a stream full of other services' lines."""
+    missing = str(tmp_path / "no-such-model.gguf")
+    with pytest.raises(StackStartError) as err:
+        launch(StackConfig(model=missing, ready_timeout_s=120))
+    assert re.search(r"(executor|tokenizer)-0 exited with code \d+; its last output:", str(err.value))
+    assert "no-such-model.gguf" in str(err.value)
+    assert "/health" not in capfd.readouterr().err  # no access-log line for the readiness polls
 
 @needs_gateway
 def test_stack_serves_sheds_load_and_survives_an_executor_kill(stack, pid_alive):

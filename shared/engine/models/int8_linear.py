@@ -1,8 +1,9 @@
 """Int8 weights and activations (W8A8) for a model's linear layers on the CPU: ``quantization="int8"``.
 
 Why: on a CPU, bf16 prefill linears run at ~90% of the bf16 dot-product peak and decode streams the
-weights at the DRAM bandwidth. AVX512-VNNI multiplies int8 at twice the bf16 rate and the weights are
-half the bytes (``llmserve_cpu::linear_int8``, figures in ``kernels/cpu/csrc/ops.cpp``).
+weights at the DRAM bandwidth. int8 dot products run at twice the bf16 rate (AVX512-VNNI; AVX2's
+``vpmaddwd`` at the AVX2 level) and the weights are half the bytes (the kernels' ``linear_int8``;
+figures in ``loadtests/RESULTS.md``).
 
 The scheme, chosen by measurement on SmolLM2-135M (``python -m loadtests.bench_quality``):
 
@@ -74,7 +75,7 @@ def int8_linear_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 
 class Int8Linear(nn.Module):
     """A linear layer holding int8 weights (``W diag(smooth⁻¹)`` quantized per output row) that
-    quantizes its input per row. ``ops``: the CPU kernel namespace (AVX512-VNNI), else None (torch
+    quantizes its input per row. ``ops``: the CPU kernel namespace (any level), else None (torch
     reference: exact, slow). ``input_maxima``: max|x| per input feature from calibration (None: no
     smoothing)."""
 
@@ -98,9 +99,9 @@ class Int8Linear(nn.Module):
         self.use_cpu_kernels(ops)
 
     def use_cpu_kernels(self, ops) -> None:
-        """Run on the kernels' int8 linear (``ops`` with AVX512-VNNI) or on the torch reference."""
+        """Run on the kernels' int8 linear (``ops``, any level) or on the torch reference."""
         ops = ops if int8_supported(ops) else None
-        if (ops is None) != (self.ops is None):
+        if ops is not self.ops:
             q = self.row_major()
             self.ops = ops
             self.weight = q if ops is None else ops.pack_linear_int8(q)
@@ -185,5 +186,5 @@ def quantize_model_int8(model, calibration_ids: list[int], alpha: float | None =
                 count += 1
     model.relocate_packed_weights()
     log.info("quantized %d linears to int8 (W8A8, SmoothQuant alpha %s, %d calibration tokens, %s)",
-             count, alpha, len(calibration_ids), "VNNI kernels" if int8_supported(ops) else "torch reference")
+             count, alpha, len(calibration_ids), "CPU kernels" if int8_supported(ops) else "torch reference")
     return count

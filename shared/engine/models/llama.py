@@ -235,7 +235,7 @@ class LlamaModel(nn.Module):
         head gets a packed copy; the embedding keeps the original for lookups. Call after
         ``enable_cpu_kernels`` so the weights are laid out for the kernels' bf16 linear."""
         count = prepack_linears(self.layers, self.cpu_ops)
-        if can_prepack(self.lm_head_weight):
+        if can_prepack(self.lm_head_weight, self.cpu_ops):
             self._packed_head = PackedLinear(self.lm_head_weight, None, self.cpu_ops)
             if not self.config.tie_word_embeddings:
                 del self.lm_head
@@ -269,13 +269,14 @@ class LlamaModel(nn.Module):
                 seen[storage.data_ptr()] = storage.nbytes()
         return sum(seen.values())
 
-    def enable_cpu_kernels(self, enabled: bool = True) -> bool:
-        """Route the forward through the fused CPU kernels (kernels/cpu) when the weights live on the
-        CPU in fp32 or bf16 and the kernels could be built (``enabled=False``: the plain torch path,
-        the reference the kernels are tested against); returns whether they are in use."""
+    def enable_cpu_kernels(self, enabled: bool = True, ops=None) -> bool:
+        """Route the forward through the fused CPU kernels (kernels/cpu: ``ops``, default the best
+        level here) when the weights live on the CPU in fp32 or bf16 and the kernels could be built
+        (``enabled=False``: the plain torch path, the reference the kernels are tested against);
+        returns whether they are in use."""
         w = self.embed_tokens.weight
         usable = enabled and w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
-        ops = load_cpu_ops() if usable else None
+        ops = (ops or load_cpu_ops()) if usable else None
         self.cpu_ops = ops
         if isinstance(self.backend, TorchAttentionBackend):
             self.backend.use_cpu_ops(ops)

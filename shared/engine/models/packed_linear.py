@@ -1,33 +1,38 @@
-"""CPU fast path for reduced-precision linears: each weight packed once, in the layout its matmul reads.
+"""CPU fast path for reduced-precision linears: each weight held once, in the layout its matmul reads.
 
-- With the CPU kernels on an AVX512-BF16 host (bf16 weights, even ``in_features``): panels of 48
-  output columns of bf16 pairs (``llmserve_cpu::pack_linear_bf16``), read by ``linear_bf16`` at every
-  batch size. Decode streams the weight at the DRAM bandwidth and prefill runs level with oneDNN
-  (figures in ``kernels/cpu/csrc/ops.cpp``).
-- Otherwise oneDNN's blocked layout. A plain ``F.linear`` on a bf16 CPU weight re-lays the weight out
-  on every call; for single-token decode that copy cost as much as the matmul itself.
+- With the CPU kernels (bf16 weights, even ``in_features``): panels of bf16 pairs
+  (``pack_linear_bf16``), read by ``linear_bf16`` at every batch size, at every kernel level.
+- Otherwise oneDNN's blocked layout, where oneDNN runs this dtype on this CPU (``kernels.cpu.isa.
+  onednn_usable``): a plain ``F.linear`` on a bf16 CPU weight re-lays the weight out on every call.
+- Otherwise the weight as it is, through ``F.linear`` (torch's own reduced-precision matmul).
 
-Either way a layer holds one copy of its weight; ``row_major()`` recovers the original exactly.
+Whatever the layout, ``row_major()`` recovers the original exactly.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu import isa
 
-def can_prepack(weight: torch.Tensor) -> bool:
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype in (torch.bfloat16, torch.float16)
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+KERNELS, ONEDNN, DENSE = "kernels", "onednn", "dense"
+
+
+def _kernels_fit(ops, dtype: torch.dtype, in_features: int) -> bool:
+    return ops is not None and dtype == torch.bfloat16 and in_features % 2 == 0
+
+
+def can_prepack(weight: torch.Tensor, ops=None) -> bool:
+    """Whether a packed layout (the kernels' or oneDNN's) serves this weight better than ``nn.Linear``."""
+    return (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
+            and (_kernels_fit(ops, weight.dtype, weight.shape[1]) or isa.onednn_usable(weight.dtype)))
 
 
 class PackedLinear(nn.Module):
     """Drop-in for ``nn.Linear`` in inference. ``ops``: the CPU kernel namespace, or None; the kernels'
-    layout is used when their bf16 linear runs here (AVX512-BF16) and fits the weight, else oneDNN's."""
+    layout is used when it fits the weight, else oneDNN's where it runs, else the dense weight."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops=None) -> None:
         super().__init__()
@@ -35,27 +40,32 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().clone()
         self._pack(weight.detach().contiguous(), ops)
 
-    def _usable(self, ops, dtype: torch.dtype):
-        """``ops`` if its bf16 linear can take this weight here, else None."""
-        fits = ops is not None and dtype == torch.bfloat16 and self.in_features % 2 == 0
-        return ops if fits else None
+    def _layout(self, ops, dtype: torch.dtype) -> str:
+        if _kernels_fit(ops, dtype, self.in_features):
+            return KERNELS
+        return ONEDNN if isa.onednn_usable(dtype) else DENSE
 
     def _pack(self, weight: torch.Tensor, ops) -> None:
-        self.ops = self._usable(ops, weight.dtype)
-        if self.ops is not None:
-            self.packed = self.ops.pack_linear_bf16(weight)
-        else:
+        self.layout = self._layout(ops, weight.dtype)
+        self.ops = ops if self.layout == KERNELS else None
+        if self.layout == KERNELS:
+            self.packed = ops.pack_linear_bf16(weight)
+        elif self.layout == ONEDNN:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        else:
+            self.packed = weight
 
     def use_cpu_kernels(self, ops) -> None:
-        """Re-lay the weight out for the kernels' bf16 linear (``ops``, where it can run) or for oneDNN."""
+        """Re-lay the weight out for the kernels' bf16 linear (``ops``, where it fits) or the fallbacks."""
         weight = self.row_major()
-        if (self._usable(ops, weight.dtype) is None) != (self.ops is None):
+        if self._layout(ops, weight.dtype) != self.layout or (self.layout == KERNELS and ops is not self.ops):
             self._pack(weight, ops)
 
     def row_major(self) -> torch.Tensor:
         """The [out_features, in_features] weight, bit for bit."""
-        if self.ops is None:
+        if self.layout == DENSE:
+            return self.packed
+        if self.layout == ONEDNN:
             return self.packed.to_dense()
         panels, pairs, width = self.packed.shape  # int32 pairs: low half = even input feature
         pairs_bf16 = self.packed.view(torch.bfloat16).view(panels, pairs, width, 2)
@@ -66,9 +76,11 @@ class PackedLinear(nn.Module):
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """``forward`` for x [rows, in_features], contiguous: no reshaping on the way."""
-        if self.ops is not None:
+        if self.layout == KERNELS:
             return self.ops.linear_bf16(x, self.packed, self.out_features, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.layout == ONEDNN:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.packed, self.bias)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this layer holds (for memory accounting)."""
@@ -79,7 +91,7 @@ def prepack_linears(module: nn.Module, ops=None) -> int:
     """Replace every eligible ``nn.Linear`` under ``module`` by a ``PackedLinear``; returns how many."""
     count = 0
     for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear) and can_prepack(child.weight):
+        if isinstance(child, nn.Linear) and can_prepack(child.weight, ops):
             setattr(module, name, PackedLinear(child.weight, child.bias, ops))
             count += 1
         else:
