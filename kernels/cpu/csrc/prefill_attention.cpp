@@ -15,19 +15,35 @@ namespace {
 // the 16 key vectors: no horizontal reductions, no branches, one exp for a pass's rescaling. Blocks
 // past a pass's last position are never read: the causal half of the work is skipped, not masked.
 //
-// Two layouts (KeyBlock): fp32 products for any T, and for bf16 with AVX512-BF16, pairs (queries as
-// [D/2][16 rows][2 dims], V as [8][D][2 keys]) for bf16 dot products, 32 per instruction: the scores
-// are exact products summed in fp32; the softmax weights are rounded to bf16 for P.V (relative error
-// 2^-9 per weight, as flash attention does on GPUs; the sums and the normalizer stay fp32). Measured on
-// this host, SmolLM2 shapes, 2,048 new tokens in five prompts x 30 layers (`python -m
-// loadtests.bench_kernels`): 430 ms as first written (fp32 products, a row per pass, every row rescaled
-// every block); 215-250 ms with bf16 pairs, a row per pass, rows rescaled only when their max grows
-// (about 30% of the two cores' 464 GFLOP/s bf16 peak: each row's max, exp and sum were horizontal
-// and latency-bound); 125-155 ms with rows in lanes (210-260 GFLOP/s; on an int8 cache 130-165 ms,
-// was 230-265). Of the 125, scores and P.V take ~95 ms, about what their dot products need at one per
-// cycle, and the 17 exps of a pass ~30 ms.
+// Two layouts (KeyBlock): fp32 products for any T (bf16 widened to fp32 as the block is loaded), and
+// for bf16 with AVX512-BF16, pairs (queries as [D/2][16 rows][2 dims], V as [8][D][2 keys]) for bf16
+// dot products, 32 per instruction: the scores are exact products summed in fp32; the softmax weights
+// are rounded to bf16 for P.V (relative error 2^-9 per weight, as flash attention does on GPUs; the
+// sums and the normalizer stay fp32). Without AVX512-BF16 (AVX2, plain AVX-512) bf16 takes the fp32
+// layout: the weights stay fp32.
 
 constexpr int64_t kKeys = 16, kLanes = 16;
+
+// Register blocking of the fp32-product KeyBlock's two loops (scores: keys at a time; P.V: dims at a
+// time), sized to the register file so that the sums stay in registers. AVX-512 (32 zmm): all 16 keys'
+// sums in 16 registers; P.V 16 dims' sums beside the 16 weight vectors. AVX2 (16 ymm, a vf being two):
+// 6 keys (12 ymm of sums, the query's two halves, a broadcast key element: 8 loads per 12 multiply-
+// adds), then the rest; P.V 6 dims (12 ymm of sums, a weight vector's two halves, a broadcast value),
+// then the rest. Twice as many sums would not fit: they would go to the stack and back every step.
+#if defined(__AVX512F__)
+constexpr int64_t kScoreKeys = 16, kPvDims = 16;
+#else
+constexpr int64_t kScoreKeys = 6, kPvDims = 6;
+#endif
+
+// Keeps a weight vector in registers for the P.V multiply-adds that share it. Under AVX2 GCC otherwise
+// reads it again from the stack as a memory operand of each multiply-add (three loads per two
+// multiply-adds instead of two per three); with 32 zmm it is in registers anyway.
+#if defined(__AVX512F__)
+LLMSERVE_INLINE void in_registers(vf&) {}
+#else
+LLMSERVE_INLINE void in_registers(vf& v) { asm("" : "+x"(v.lo), "+x"(v.hi)); }
+#endif
 
 // Slot of position pos in a sequence's block table.
 inline int64_t slot_of(const int64_t* table, int64_t pos, int64_t block_size) {
@@ -39,46 +55,61 @@ struct KeyBlock {
   static constexpr int64_t D = NV * 16;
   using QType = float;                      // a pass's queries: [D][16 rows]
   static constexpr int64_t kQUnits = D;     // QType values per row
-  alignas(64) float kf[kKeys][D];
-  alignas(64) float vf[kKeys][D];
+  alignas(64) float k32[kKeys][D];  // K rows as fp32
+  alignas(64) float v32[kKeys][D];  // V rows as fp32
 
   // Up to 16 query rows (nullptr: padding, zero) into lanes.
   static void load_queries(float* qt, const T* const* rows) {
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
-      __m512 r[kLanes];
-      for (int64_t lane = 0; lane < kLanes; ++lane)
-        r[lane] = rows[lane] != nullptr ? load16(rows[lane] + d0) : _mm512_setzero_ps();
+      vf r[kLanes];
+      for (int64_t lane = 0; lane < kLanes; ++lane) r[lane] = rows[lane] != nullptr ? load16(rows[lane] + d0) : zero();
       transpose16(r);
-      for (int64_t j = 0; j < 16; ++j) _mm512_store_ps(qt + (d0 + j) * kLanes, r[j]);
+      for (int64_t j = 0; j < 16; ++j) store(qt + (d0 + j) * kLanes, r[j]);
     }
   }
-  // The block's nk key and value rows; the rest of the 16 read as zero.
+  // The block's nk key and value rows as fp32; the rest of the 16 read as zero.
   void load(const T* const* k_rows, const T* const* v_rows, int64_t nk) {
     for (int64_t t = 0; t < kKeys; ++t)
       for (int v = 0; v < NV; ++v) {
-        _mm512_store_ps(kf[t] + v * 16, t < nk ? load16(k_rows[t] + v * 16) : _mm512_setzero_ps());
-        _mm512_store_ps(vf[t] + v * 16, t < nk ? load16(v_rows[t] + v * 16) : _mm512_setzero_ps());
+        store(k32[t] + v * 16, t < nk ? load16(k_rows[t] + v * 16) : zero());
+        store(v32[t] + v * 16, t < nk ? load16(v_rows[t] + v * 16) : zero());
       }
   }
-  // s[k] = the pass's 16 rows . key k (16 independent chains share each query load).
-  void scores(__m512 (&s)[kKeys], const float* qt) const {
-    __m512 a[kKeys];  // local, so the compiler keeps it in registers (s is stored once, at the end)
-    for (int64_t k = 0; k < kKeys; ++k) a[k] = _mm512_setzero_ps();
+  // s[k] = the pass's 16 rows . key k for keys k0 .. k0 + N - 1: N sums in registers (independent
+  // chains sharing each query load), stored once at the end.
+  template <int64_t N>
+  void score_keys(vf* s, const float* qt, int64_t k0) const {
+    vf a[N];
+    for (int64_t k = 0; k < N; ++k) a[k] = zero();
     for (int64_t i = 0; i < D; ++i) {
-      const __m512 qi = _mm512_load_ps(qt + i * kLanes);
-      for (int64_t k = 0; k < kKeys; ++k) a[k] = _mm512_fmadd_ps(qi, _mm512_set1_ps(kf[k][i]), a[k]);
+      const vf qi = vec::load(qt + i * kLanes);
+      for (int64_t k = 0; k < N; ++k) a[k] = fmadd(qi, set1(k32[k0 + k][i]), a[k]);
     }
-    for (int64_t k = 0; k < kKeys; ++k) s[k] = a[k];
+    for (int64_t k = 0; k < N; ++k) s[k0 + k] = a[k];
   }
-  // acc ([D][16 rows]) = acc * corr + sum over keys of p[k] * V[k], 16 dims at a time in registers.
-  void add_pv(float* acc, const __m512 (&p)[kKeys], __m512 corr) const {
-    for (int64_t d0 = 0; d0 < D; d0 += 16) {
-      __m512 a[16];
-      for (int j = 0; j < 16; ++j) a[j] = _mm512_mul_ps(_mm512_load_ps(acc + (d0 + j) * kLanes), corr);
-      for (int64_t k = 0; k < kKeys; ++k)
-        for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(p[k], _mm512_set1_ps(vf[k][d0 + j]), a[j]);
-      for (int j = 0; j < 16; ++j) _mm512_store_ps(acc + (d0 + j) * kLanes, a[j]);
+  void scores(vf (&s)[kKeys], const float* qt) const {
+    constexpr int64_t whole = kKeys / kScoreKeys * kScoreKeys;
+    for (int64_t k0 = 0; k0 < whole; k0 += kScoreKeys) score_keys<kScoreKeys>(s, qt, k0);
+    if constexpr (whole < kKeys) score_keys<kKeys - whole>(s, qt, whole);
+  }
+  // acc[d] ([16 rows]) = acc[d] * corr + sum over keys of p[k] * V[k][d] for dims d0 .. d0 + N - 1,
+  // their sums in registers.
+  template <int64_t N>
+  void pv_dims(float* acc, const vf (&p)[kKeys], vf corr, int64_t d0) const {
+    vf a[N];
+    for (int64_t j = 0; j < N; ++j) a[j] = mul(vec::load(acc + (d0 + j) * kLanes), corr);
+    for (int64_t k = 0; k < kKeys; ++k) {
+      vf pk = p[k];
+      in_registers(pk);
+      for (int64_t j = 0; j < N; ++j) a[j] = fmadd(pk, set1(v32[k][d0 + j]), a[j]);
     }
+    for (int64_t j = 0; j < N; ++j) store(acc + (d0 + j) * kLanes, a[j]);
+  }
+  // acc ([D][16 rows]) = acc * corr + sum over keys of p[k] * V[k].
+  void add_pv(float* acc, const vf (&p)[kKeys], vf corr) const {
+    constexpr int64_t whole = D / kPvDims * kPvDims;
+    for (int64_t d0 = 0; d0 < whole; d0 += kPvDims) pv_dims<kPvDims>(acc, p, corr, d0);
+    if constexpr (whole < D) pv_dims<D - whole>(acc, p, corr, whole);
   }
 };
 
@@ -200,7 +231,7 @@ void prefill_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cac
         std::fill(row_max.begin(), row_max.begin() + passes * kLanes, -INFINITY);
         std::fill(row_sum.begin(), row_sum.begin() + passes * kLanes, 0.f);
         const int64_t last_pos = pos0 + (rows - 1) / group;  // keys 0..last_pos are needed
-        const __m512 vscale = _mm512_set1_ps(scale), neg_inf = _mm512_set1_ps(-INFINITY);
+        const vf vscale = set1(scale), neg_inf = set1(-INFINITY);
         for (int64_t k0 = 0; k0 <= last_pos; k0 += kKeys) {
           const int64_t nk = std::min(kKeys, last_pos + 1 - k0);
           for (int64_t t = 0; t < nk; ++t) {
@@ -221,35 +252,35 @@ void prefill_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cac
           for (int64_t pass = 0; pass < passes; ++pass) {
             const int64_t last_row = std::min(rows, (pass + 1) * kLanes) - 1;
             if (pos0 + last_row / group < k0) continue;  // every row of the pass ends before the block
-            const __m512i pos = _mm512_loadu_si512(row_pos.data() + pass * kLanes);
-            __m512 sc[kKeys];
+            const vi pos = loadu_i32(row_pos.data() + pass * kLanes);
+            vf sc[kKeys];
             block.scores(sc, qt + pass * kQPass);
-            const __m512 old_max = _mm512_loadu_ps(row_max.data() + pass * kLanes);
-            __m512 m = old_max;
-            __mmask16 valid[kKeys];
+            const vf old_max = loadu(row_max.data() + pass * kLanes);
+            vf m = old_max;
+            vm valid[kKeys];
             for (int64_t k = 0; k < kKeys; ++k) {  // key k0 + k counts for lanes at or after it
-              valid[k] = k < nk ? _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(k0 + k))) : 0;
-              sc[k] = _mm512_mask_mul_ps(neg_inf, valid[k], sc[k], vscale);
-              m = _mm512_max_ps(m, sc[k]);
+              valid[k] = k < nk ? greater_equal_i32(pos, set1_i32(static_cast<int32_t>(k0 + k))) : no_lanes();
+              sc[k] = where(valid[k], mul(sc[k], vscale), neg_inf);
+              m = max(m, sc[k]);
             }
             // Every lane has seen key 0 by now, so m is finite; on the first block old_max is -inf and
             // corr ~0 multiplies zeros.
-            const __m512 corr = exp16(_mm512_sub_ps(old_max, m));
-            __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(row_sum.data() + pass * kLanes), corr);
+            const vf corr = exp16(sub(old_max, m));
+            vf sum = mul(loadu(row_sum.data() + pass * kLanes), corr);
             for (int64_t k = 0; k < kKeys; ++k) {
-              sc[k] = _mm512_maskz_mov_ps(valid[k], exp16(_mm512_sub_ps(sc[k], m)));
-              sum = _mm512_add_ps(sum, sc[k]);
+              sc[k] = maskz(valid[k], exp16(sub(sc[k], m)));
+              sum = add(sum, sc[k]);
             }
-            _mm512_storeu_ps(row_max.data() + pass * kLanes, m);
-            _mm512_storeu_ps(row_sum.data() + pass * kLanes, sum);
+            storeu(row_max.data() + pass * kLanes, m);
+            storeu(row_sum.data() + pass * kLanes, sum);
             block.add_pv(acc + pass * D * kLanes, sc, corr);
           }
         }
         for (int64_t pass = 0; pass < passes; ++pass) {  // normalized, then back from lanes to rows
-          const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_loadu_ps(row_sum.data() + pass * kLanes));
+          const vf inv = div(set1(1.f), loadu(row_sum.data() + pass * kLanes));
           for (int64_t d0 = 0; d0 < D; d0 += 16) {
-            __m512 r[kLanes];
-            for (int64_t j = 0; j < 16; ++j) r[j] = _mm512_mul_ps(_mm512_load_ps(acc + (pass * D + d0 + j) * kLanes), inv);
+            vf r[kLanes];
+            for (int64_t j = 0; j < 16; ++j) r[j] = mul(load(acc + (pass * D + d0 + j) * kLanes), inv);
             transpose16(r);
             for (int64_t lane = 0; lane < kLanes && pass * kLanes + lane < rows; ++lane) {
               const int64_t row = pass * kLanes + lane;
@@ -301,6 +332,16 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   return out;
 }
 
-std::vector<std::string> prefill_attention_paths() { return {"prefill_attention: TODO"}; }
+std::vector<std::string> prefill_attention_paths() {
+  const std::string fma = std::string("FMA, ") + kVectorName;
+  return {
+#if defined(__AVX512BF16__)
+      "prefill_attention bf16: AVX512-BF16 pair dot products (vdpbf16ps), softmax weights rounded to bf16 for P.V",
+#else
+      "prefill_attention bf16: widened to fp32, " + fma,
+#endif
+      "prefill_attention fp32: " + fma,
+      "prefill_attention int8 cache: rows dequantized to the model dtype per block of 16 keys"};
+}
 
 }  // namespace llmserve
