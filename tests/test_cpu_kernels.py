@@ -147,10 +147,12 @@ def test_decode_attention_rejects_lengths_beyond_the_block_table(ops):
                              torch.tensor([[1]]), torch.tensor([3]), 1, 1.0)
 
 
-# Rows: decode sizes, tile remainders (passes of at most 8), more than one 48-row chunk; columns: a
-# part-filled last panel of 48, fewer than one panel.
+# Rows: decode sizes, tile remainders (passes of at most 8, or 6), more than one 48- or 96-row chunk;
+# columns: a part-filled last panel of 48, fewer than one panel; inputs: more than one block of 256
+# features (the AVX2 form's), the last one short.
 @pytest.mark.parametrize("m,n,k,bias", [(1, 960, 576, False), (3, 577, 1536, True), (2, 5, 40, False), (4, 200, 64, True),
-                                         (7, 96, 100, False), (32, 131, 576, True), (101, 70, 64, True)])
+                                         (7, 96, 100, False), (32, 131, 576, True), (101, 70, 64, True),
+                                         (250, 1000, 1538, True), (13, 49, 2, False)])
 def test_linear_bf16_is_an_fp32_accumulated_matmul(ops, m, n, k, bias):
     g = torch.Generator().manual_seed(4)
     x = torch.randn(m, k, generator=g).bfloat16()
@@ -159,6 +161,18 @@ def test_linear_bf16_is_an_fp32_accumulated_matmul(ops, m, n, k, bias):
     expected = x.float() @ w.float().T + (b.float() if bias else 0)
     # Exact products, fp32 sums in another order: within a bf16 rounding of the fp32 result.
     torch.testing.assert_close(ops.linear_bf16(x, ops.pack_linear_bf16(w), n, b).float(), expected, atol=1e-2, rtol=8e-3)
+
+
+@pytest.mark.parametrize("m,k", [(40, 576), (200, 1536)])
+def test_linear_bf16_gives_a_row_the_same_result_in_any_batch(ops, m, k):
+    """Each output is the same fp32 sum, in the same order, whether its row comes alone or with others."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = ops.pack_linear_bf16(torch.randn(150, k, generator=g).bfloat16())
+    b = torch.randn(150, generator=g).bfloat16()
+    batch = ops.linear_bf16(x, w, 150, b)
+    for rows in (slice(0, 1), slice(3, 5), slice(7, 15), slice(m - 37, m)):
+        assert torch.equal(ops.linear_bf16(x[rows].contiguous(), w, 150, b), batch[rows])
 
 
 def test_linear_bf16_rejects_mismatched_inputs(ops):

@@ -45,7 +45,8 @@ def _inputs(m, n, k, dtype, bias, smooth, seed=7):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k,bias,smooth", [(1, 960, 576, False, True), (3, 577, 1536, True, False),
                                                (2, 5, 40, False, False), (7, 96, 100, True, True),
-                                               (32, 131, 576, True, True), (101, 70, 64, False, True)])
+                                               (32, 131, 576, True, True), (101, 70, 64, False, True),
+                                               (250, 100, 1540, False, True)])
 def test_linear_int8_matches_its_reference(ops, dtype, m, n, k, bias, smooth):
     """The same quantized inputs and exact integer sums; only the fp32 epilogue may differ (fused
     multiply-add): fp32 outputs within 1e-6 relative, bf16 outputs within one bf16 rounding."""

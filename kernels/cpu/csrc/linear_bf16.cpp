@@ -1,6 +1,9 @@
 // bf16 linear.
 #include "common.h"
 #include "linear_panels.h"
+#if !(defined(__AVX512BF16__) && defined(__AVX512BW__))
+#include "linear_bf16_avx2.h"
+#endif
 #include "ops.h"
 
 namespace llmserve {
@@ -15,22 +18,16 @@ namespace {
 // (panel, chunk of kMChunk rows) items; the first rows stream a panel from DRAM (54 KB at K = 576, the
 // next one prefetched into L2 meanwhile) and the rest re-read it from L2.
 //
-// One layout serves every batch size, so a bf16 model holds one copy of each weight. Measured over
-// SmolLM2's 30 layers of linears (`python -m loadtests.bench_kernels`), against oneDNN on its own
-// pre-packed copy: 1 row 6.5-6.8 vs 10.5 ms (212 MB at ~32 GB/s), 8 rows 6.2-7.4 vs 11.0, 32 rows
-// 17.5-18.2 vs 22.3-22.7, 2,048 rows (prefill) 992-1,243 vs 1,137-1,149 ms over three runs (level
-// within this host's noise). 64-column panels with 6-row tiles took 9.2 ms at 8 rows.
+// One layout serves every batch size and every level, so a bf16 model holds one copy of each weight
+// (oneDNN would want its own pre-packed copy). Without AVX512-BF16 the same panels are widened to fp32
+// and multiplied by FMAs (linear_bf16_avx2.h).
 
-bool has_avx512_bf16() {
+// A build with AVX512-BF16 runs only where the CPU has it; the others need AVX2 + FMA, which every level has.
+void check_linear_bf16_ops() {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  return __builtin_cpu_supports("avx512bf16");
-#else
-  return false;
+  TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "this build of the bf16 linear kernels needs a CPU with AVX512-BF16");
 #endif
 }
-
-
-void check_linear_bf16_ops() { TORCH_CHECK(has_avx512_bf16(), "the bf16 linear kernels need a CPU with AVX512-BF16"); }
 
 }  // namespace
 
@@ -100,10 +97,20 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   linear_bf16_impl(y.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(),
                    reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()), b, x.size(0), out_features, packed.size(1));
+#else
+  bf16_avx2::linear(y.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(),
+                    reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>()), b, x.size(0), out_features, packed.size(1));
 #endif
   return y;
 }
 
-std::string linear_bf16_path() { return "linear_bf16: TODO"; }
+std::string linear_bf16_path() {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  return "linear_bf16: AVX512-BF16 dot products on bf16 pairs (vdpbf16ps)";
+#else
+  return "linear_bf16: bf16 widened to fp32 by shifts, FMA (AVX2); from 4 rows on, blocks widened once into "
+         "fp32 scratch for 6x16 micro-tiles";
+#endif
+}
 
 }  // namespace llmserve

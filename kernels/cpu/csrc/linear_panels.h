@@ -45,8 +45,7 @@ inline vm column_mask(int64_t c, int64_t n) {
 // The rows of the next panel a tile prefetches into L2 (a line per 16 columns), each at the step of
 // the same index: rows next, next + step, ...; none by default. A decode-sized call's passes over a
 // panel share its successor's rows (pass p of P takes rows p, p + P, ...), so the stream from DRAM
-// runs through the whole panel's compute instead of its first pass alone (bf16, 30 layers' linears
-// at 32 rows: 18.1-18.6 -> 17.2-17.8 ms in four alternating runs; int8, less bound by DRAM, unchanged).
+// runs through the whole panel's compute instead of its first pass alone.
 struct PanelPrefetch {
   const uint32_t* panel = nullptr;
   int64_t next = std::numeric_limits<int64_t>::max(), step = 1;
@@ -58,10 +57,23 @@ struct PanelPrefetch {
   }
 };
 
+// f(std::integral_constant<int, R>{}) for R = min(mr, MaxMR): a row count the tile kernels take as
+// a template argument, so their loops over rows unroll.
+template <int MaxMR, int R = 1, typename F>
+LLMSERVE_INLINE void with_rows(int64_t mr, const F& f) {
+  if constexpr (R == MaxMR) {
+    f(std::integral_constant<int, R>{});
+  } else {
+    if (mr == R) f(std::integral_constant<int, R>{});
+    else with_rows<MaxMR, R + 1>(mr, f);
+  }
+}
+
 // Runs tile(std::integral_constant<int, MR>, r0, n0, panel, prefetch) over y[m, n] = x[m, :] W^T for a
 // weight packed in panels of `units` 32-bit units: threads take (panel, chunk of kMChunk rows) items; a
-// chunk goes in passes of at most kMR rows, as even as possible (20 rows: 7 7 6, not 8 8 4).
-template <typename Tile>
+// chunk goes in passes of at most MaxMR rows, as even as possible (20 rows in passes of 8: 7 7 6, not
+// 8 8 4).
+template <int MaxMR = kMR, typename Tile>
 void for_each_linear_tile(int64_t m, int64_t n, int64_t units, const uint32_t* w, const Tile& tile) {
   const int64_t panels = (n + kPanel - 1) / kPanel, chunks = (m + kMChunk - 1) / kMChunk;
   at::parallel_for(0, panels * chunks, 1, [&](int64_t begin, int64_t end) {
@@ -71,24 +83,56 @@ void for_each_linear_tile(int64_t m, int64_t n, int64_t units, const uint32_t* w
       const uint32_t* panel = w + p * units * kPanel;
       // Decode-sized calls (one chunk per panel) walk this thread's panels in order: fetch the next.
       const uint32_t* next = chunks == 1 && item + 1 < end ? panel + units * kPanel : nullptr;
-      const int64_t passes = (rows + kMR - 1) / kMR;
+      const int64_t passes = (rows + MaxMR - 1) / MaxMR;
       for (int64_t pass = 0, r0 = m_begin; pass < passes; ++pass) {
         const int64_t mr = rows / passes + (pass < rows % passes ? 1 : 0);
         const PanelPrefetch pf = next == nullptr ? PanelPrefetch{} : PanelPrefetch{next, pass, passes};
-        switch (mr) {
-          case 1: tile(std::integral_constant<int, 1>{}, r0, n0, panel, pf); break;
-          case 2: tile(std::integral_constant<int, 2>{}, r0, n0, panel, pf); break;
-          case 3: tile(std::integral_constant<int, 3>{}, r0, n0, panel, pf); break;
-          case 4: tile(std::integral_constant<int, 4>{}, r0, n0, panel, pf); break;
-          case 5: tile(std::integral_constant<int, 5>{}, r0, n0, panel, pf); break;
-          case 6: tile(std::integral_constant<int, 6>{}, r0, n0, panel, pf); break;
-          case 7: tile(std::integral_constant<int, 7>{}, r0, n0, panel, pf); break;
-          default: tile(std::integral_constant<int, 8>{}, r0, n0, panel, pf); break;
-        }
+        with_rows<MaxMR>(mr, [&](auto rows_c) { tile(rows_c, r0, n0, panel, pf); });
         r0 += mr;
       }
     }
   });
+}
+
+// ---- 8-lane helpers for the AVX2 forms of the linears ------------------------------------------------
+// Plain __m256 code: it compiles at every level, so the AVX-512 levels without BF16 / VNNI run the
+// same kernels as the AVX2 one.
+
+// `count` (<= 8) elements as fp32 lanes; lanes past count read as 0.
+LLMSERVE_INLINE __m256 load8(const float* p, int64_t count) {
+  if (count >= 8) return _mm256_loadu_ps(p);
+  alignas(32) float buf[8] = {};
+  std::memcpy(buf, p, 4 * count);
+  return _mm256_load_ps(buf);
+}
+LLMSERVE_INLINE __m256 load8(const c10::BFloat16* p, int64_t count) {
+  __m128i h;
+  if (count >= 8) {
+    h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  } else {
+    alignas(16) uint16_t buf[8] = {};
+    std::memcpy(buf, p, 2 * count);
+    h = _mm_load_si128(reinterpret_cast<const __m128i*>(buf));
+  }
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// The first `count` (<= 8) lanes stored at p; bf16 rounds to nearest even, as c10::BFloat16 does.
+LLMSERVE_INLINE void store8(float* p, __m256 v, int64_t count) {
+  if (count >= 8) return _mm256_storeu_ps(p, v);
+  alignas(32) float buf[8];
+  _mm256_store_ps(buf, v);
+  std::memcpy(p, buf, 4 * count);
+}
+LLMSERVE_INLINE void store8(c10::BFloat16* p, __m256 v, int64_t count) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  if (count >= 8) return _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+  alignas(16) uint16_t buf[8];
+  _mm_store_si128(reinterpret_cast<__m128i*>(buf), h);
+  std::memcpy(p, buf, 2 * count);
 }
 
 }  // namespace llmserve

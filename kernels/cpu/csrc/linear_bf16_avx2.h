@@ -1,0 +1,188 @@
+// bf16 linear without AVX512-BF16 (the avx2 and avx512 levels), on the same panels of bf16 pairs as the
+// dot-product kernel. A pair unit widens to two fp32 weights by a shift (W[n][2i] = unit << 16) and a
+// mask (W[n][2i+1] = unit & 0xFFFF0000), and x is widened to fp32 once per call; the products are fp32
+// FMAs. Every output is bias, then one FMA per input feature in order k = 0, 1, ..., K-1 into a single
+// fp32 sum, in both forms below: a row's result does not depend on how many rows share the call.
+//
+// - Few rows (kBlockedMinRows > M, decode): bound by the weight stream from DRAM. One row x one panel
+//   (48 columns, 6 accumulators) widens each unit in registers as it streams, the next panel
+//   prefetched as in the dot-product kernel; further rows re-read the panel from L2.
+// - More rows: widening costs as much as the FMAs it feeds, so it is done once per block of the
+//   panel for all the rows of a chunk (from 4 rows on this is the faster form): kBlockPairs pairs (2 x 128 input features) of a panel become an
+//   fp32 scratch [3][256][16] per thread (16 KB per 16-column sub-panel, L1-resident), and a 6-row x
+//   16-column micro-tile (12 accumulators, 2 weight registers, a broadcast input) runs over it: 12 FMAs
+//   per 2 loads and 6 broadcasts. Sums cross the K blocks through an fp32 buffer of the chunk's tile.
+//   Threads take (row chunk, panel) items chunk by chunk, and widen their chunk's x into a buffer of
+//   their own (kRowChunk x K fp32, L2-resident) when the chunk changes. The panel a thread takes next
+//   is prefetched into L2 during the current one's FMAs, so a batch of a few rows streams the weights
+//   from DRAM while it computes instead of in turns.
+#pragma once
+
+#include "linear_panels.h"
+
+namespace llmserve {
+namespace bf16_avx2 {
+
+constexpr int64_t kBlockedMinRows = 4, kRowChunk = 96, kBlockPairs = 128, kSub = 16, kSubs = kPanel / kSub;
+constexpr int kTileRows = 6;
+
+LLMSERVE_INLINE __m256 widen_even(__m256i u) { return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)); }
+LLMSERVE_INLINE __m256 widen_odd(__m256i u) {
+  return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// rows x k bf16 (row-major, k apart) -> fp32 at dst (k apart).
+inline void widen_rows(float* dst, const c10::BFloat16* x, int64_t rows, int64_t k) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < k; j += 8) store8(dst + r * k + j, load8(x + r * k + j, k - j), k - j);
+}
+
+// ---- few rows ------------------------------------------------------------------------------------------
+// One row (x: fp32, 2 * pairs) x one panel -> y, columns n0..n0+47 (those < n).
+inline void row_tile(c10::BFloat16* y, int64_t n, int64_t n0, const float* x, int64_t pairs, const uint32_t* panel,
+                     PanelPrefetch prefetch, const c10::BFloat16* bias) {
+  constexpr int G = kPanel / 8;
+  __m256 acc[G];
+#pragma GCC unroll 6
+  for (int g = 0; g < G; ++g)
+    acc[g] = bias == nullptr || n0 + 8 * g >= n ? _mm256_setzero_ps() : load8(bias + n0 + 8 * g, n - n0 - 8 * g);
+  for (int64_t kk = 0; kk < pairs; ++kk) {
+    prefetch.at(kk);
+    const __m256 xe = _mm256_broadcast_ss(x + 2 * kk), xo = _mm256_broadcast_ss(x + 2 * kk + 1);
+#pragma GCC unroll 6
+    for (int g = 0; g < G; ++g) {
+      const __m256i u = _mm256_load_si256(reinterpret_cast<const __m256i*>(panel + kk * kPanel + 8 * g));
+      acc[g] = _mm256_fmadd_ps(widen_even(u), xe, acc[g]);
+      acc[g] = _mm256_fmadd_ps(widen_odd(u), xo, acc[g]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int g = 0; g < G; ++g)
+    if (n0 + 8 * g < n) store8(y + n0 + 8 * g, acc[g], n - n0 - 8 * g);
+}
+
+inline void linear_rows(c10::BFloat16* y, const c10::BFloat16* x, const uint32_t* w, const c10::BFloat16* bias, int64_t m,
+                        int64_t n, int64_t pairs) {
+  std::vector<float> xf(m * 2 * pairs);
+  widen_rows(xf.data(), x, m, 2 * pairs);
+  for_each_linear_tile(m, n, pairs, w, [&](auto mr, int64_t r0, int64_t n0, const uint32_t* panel, const PanelPrefetch& pf) {
+    for (int i = 0; i < decltype(mr)::value; ++i)
+      row_tile(y + (r0 + i) * n, n, n0, xf.data() + (r0 + i) * 2 * pairs, pairs, panel, i == 0 ? pf : PanelPrefetch{}, bias);
+  });
+}
+
+// ---- blocked: fp32 micro-tiles on a widened block ---------------------------------------------------------
+// MR rows (a: fp32, lda apart) x 16 columns (b: [2 * pairs][16] fp32) over 2 * pairs input features,
+// into acc; with `prefetch`, one line a pair from there on (kPanel units apart) into L2.
+template <int MR>
+LLMSERVE_INLINE void micro_tile(__m256 (&acc)[MR][2], const float* a, int64_t lda, const float* b, int64_t pairs,
+                                const uint32_t* prefetch) {
+  for (int64_t kk = 0; kk < pairs; ++kk) {
+    if (prefetch != nullptr) _mm_prefetch(reinterpret_cast<const char*>(prefetch + kk * kPanel), _MM_HINT_T1);
+#pragma GCC unroll 2
+    for (int64_t k = 2 * kk; k < 2 * kk + 2; ++k) {
+      const __m256 b0 = _mm256_load_ps(b + k * kSub), b1 = _mm256_load_ps(b + k * kSub + 8);
+#pragma GCC unroll 6
+      for (int i = 0; i < MR; ++i) {
+        const __m256 av = _mm256_broadcast_ss(a + i * lda + k);
+        acc[i][0] = _mm256_fmadd_ps(av, b0, acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(av, b1, acc[i][1]);
+      }
+    }
+  }
+}
+
+// Pairs [p0, p0 + bp) of a panel -> scratch [kSubs][2 * kBlockPairs][16] fp32, input features in order.
+inline void widen_block(float* scratch, const uint32_t* panel, int64_t p0, int64_t bp) {
+  for (int64_t i = 0; i < bp; ++i) {
+    const uint32_t* src = panel + (p0 + i) * kPanel;
+#pragma GCC unroll 6
+    for (int h = 0; h < kPanel / 8; ++h) {
+      const __m256i u = _mm256_load_si256(reinterpret_cast<const __m256i*>(src + 8 * h));
+      float* dst = scratch + (h / 2) * (2 * kBlockPairs * kSub) + 2 * i * kSub + 8 * (h % 2);
+      _mm256_store_ps(dst, widen_even(u));
+      _mm256_store_ps(dst + kSub, widen_odd(u));
+    }
+  }
+}
+
+// One pass of MR rows over a widened block and one sub-panel: sums start from the bias (first block)
+// or the chunk's partial sums `part` (kPanel apart), and end in y (last block) or back in `part`.
+template <int MR>
+LLMSERVE_INLINE void block_pass(const float* a, int64_t lda, const float* b, int64_t pairs, float* part, bool first, bool last,
+                                const __m256 (&start)[2], c10::BFloat16* y, int64_t n, int64_t cols, const uint32_t* prefetch) {
+  __m256 acc[MR][2];
+#pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i)
+    for (int h = 0; h < 2; ++h) acc[i][h] = first ? start[h] : _mm256_loadu_ps(part + i * kPanel + 8 * h);
+  micro_tile<MR>(acc, a, lda, b, pairs, prefetch);
+#pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i)
+    for (int h = 0; h < 2; ++h) {
+      if (!last) _mm256_storeu_ps(part + i * kPanel + 8 * h, acc[i][h]);
+      else if (8 * h < cols) store8(y + i * n + 8 * h, acc[i][h], cols - 8 * h);
+    }
+}
+
+struct Scratch {
+  std::vector<float> x;  // the chunk's rows, fp32
+  alignas(64) float block[kSubs * 2 * kBlockPairs * kSub];
+  alignas(64) float part[kRowChunk * kPanel];
+};
+
+inline void linear_blocked(c10::BFloat16* y, const c10::BFloat16* x, const uint32_t* w, const c10::BFloat16* bias, int64_t m,
+                           int64_t n, int64_t pairs) {
+  const int64_t k = 2 * pairs, panels = (n + kPanel - 1) / kPanel;
+  const int64_t chunks = (m + kRowChunk - 1) / kRowChunk, chunk_rows = (m + chunks - 1) / chunks;
+  const int64_t blocks = (pairs + kBlockPairs - 1) / kBlockPairs, block_pairs = (pairs + blocks - 1) / blocks;
+  at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
+    static thread_local std::unique_ptr<Scratch> scratch;
+    if (!scratch) scratch = std::make_unique<Scratch>();
+    Scratch& s = *scratch;
+    int64_t widened = -1;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t chunk = item / panels, p = item % panels, n0 = p * kPanel;
+      const int64_t m0 = chunk * chunk_rows, rows = std::min(chunk_rows, m - m0);
+      if (chunk != widened) {
+        if (static_cast<int64_t>(s.x.size()) < rows * k) s.x.resize(rows * k);
+        widen_rows(s.x.data(), x + m0 * k, rows, k);
+        widened = chunk;
+      }
+      const uint32_t* panel = w + p * pairs * kPanel;
+      // The panel this thread takes next streams into L2 meanwhile: each sub-panel's first pass fetches
+      // its line of every pair row of the block.
+      const uint32_t* next = item + 1 < end && (item + 1) % panels != p ? w + (item + 1) % panels * pairs * kPanel : nullptr;
+      const int64_t passes = (rows + kTileRows - 1) / kTileRows;
+      for (int64_t p0 = 0; p0 < pairs; p0 += block_pairs) {
+        const int64_t bp = std::min(block_pairs, pairs - p0);
+        const bool first = p0 == 0, last = p0 + bp == pairs;
+        widen_block(s.block, panel, p0, bp);
+        for (int64_t sub = 0; sub < kSubs && n0 + sub * kSub < n; ++sub) {
+          const int64_t c0 = n0 + sub * kSub, cols = std::min(kSub, n - c0);
+          __m256 start[2];
+          for (int h = 0; h < 2; ++h)
+            start[h] = bias == nullptr || 8 * h >= cols ? _mm256_setzero_ps() : load8(bias + c0 + 8 * h, cols - 8 * h);
+          const float* b = s.block + sub * (2 * kBlockPairs * kSub);
+          for (int64_t pass = 0, r = 0; pass < passes; ++pass) {
+            const int64_t mr = rows / passes + (pass < rows % passes ? 1 : 0);
+            with_rows<kTileRows>(mr, [&](auto mr_c) {
+              block_pass<decltype(mr_c)::value>(s.x.data() + r * k + 2 * p0, k, b, bp, s.part + r * kPanel + sub * kSub, first,
+                                                last, start, y + (m0 + r) * n + c0, n, cols,
+                                                pass == 0 && next != nullptr ? next + p0 * kPanel + sub * kSub : nullptr);
+            });
+            r += mr;
+          }
+        }
+      }
+    }
+  });
+}
+
+inline void linear(c10::BFloat16* y, const c10::BFloat16* x, const uint32_t* w, const c10::BFloat16* bias, int64_t m, int64_t n,
+                   int64_t pairs) {
+  if (m < kBlockedMinRows) linear_rows(y, x, w, bias, m, n, pairs);
+  else linear_blocked(y, x, w, bias, m, n, pairs);
+}
+
+}  // namespace bf16_avx2
+}  // namespace llmserve
