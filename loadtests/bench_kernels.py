@@ -10,10 +10,11 @@ weights and cache, so the data comes from DRAM as in a real step, not from a war
     GFLOP/s over the causal half (what has to be computed);
   - linear: the four layer matmuls (QKV, O, gate-up, down) at M rows, ``linear_bf16`` on its packed
     weight vs oneDNN on its own (the two layouts ``PackedLinear`` can hold), and ``linear_int8`` (W8A8,
-    input quantized in the call, as ``Int8Linear`` runs it; AVX512-VNNI only); ms and GFLOP/s.
+    input quantized in the call, as ``Int8Linear`` runs it); ms and GFLOP/s. oneDNN only where it runs
+    bf16 (not below the avx512 level).
 
-Each figure is the median of ``--repeats`` timed runs after one warm-up. The numbers quoted in
-``kernels/cpu/csrc/ops.cpp`` and ``packed_linear.py`` come from here.
+Each figure is the median of ``--repeats`` timed runs after one warm-up, at the level the kernels run
+at here (``LLMSERVE_CPU_ISA=avx2`` for the AVX2 kernels); past figures are in ``loadtests/RESULTS.md``.
 
     python -m loadtests.bench_kernels [--dtype bfloat16] [--out loadtests/results/bench_kernels.json]
     python -m loadtests.bench_kernels --kv-cache-dtype int8 --rows 1 --out loadtests/results/bench_kernels_kv_int8.json

@@ -48,7 +48,7 @@ class TorchAttentionBackend:
         self.cpu_ops = None
 
     def use_cpu_ops(self, ops) -> None:
-        """With torch.ops.llmserve_cpu (kernels/cpu), CPU attention reads each sequence's blocks in
+        """With the CPU kernels (kernels/cpu, torch.ops.llmserve_cpu_<level>), CPU attention reads each sequence's blocks in
         place (decodes: instead of gather + padded SDPA; prefill chunks: instead of per-sequence fp32
         matmuls over a masked square), for the head shapes the kernels cover; None: torch only."""
         supported = ops is not None and ops.attention_supports(self.num_heads, self.num_kv_heads, self.head_dim)

@@ -152,7 +152,7 @@ class LlamaModel(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._packed_head: PackedLinear | None = None
         self.backend = backend
-        self.cpu_ops = None  # torch.ops.llmserve_cpu once enable_cpu_kernels() found them
+        self.cpu_ops = None  # torch.ops.llmserve_cpu_<level> once enable_cpu_kernels() found them
         # The fused path's per-layer callables, built on first use; reset_fused_layers() drops them.
         self._fused_layers: list[_FusedLayer] | None = None
 
