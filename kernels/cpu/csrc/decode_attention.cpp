@@ -2,35 +2,29 @@
 #include "common.h"
 #include "ops.h"
 
+// The vector backend vec.h chose: one AVX-512 register per 16 lanes (32 registers), or two AVX2 ones
+// (16 registers). Code that depends on the register file or on AVX-512-only shuffles tests this.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define LLMSERVE_DECODE_AVX512 1
+#else
+#define LLMSERVE_DECODE_AVX512 0
+#endif
+
 namespace llmserve {
 namespace {
 
 // ---- Decode attention over the paged cache ----------------------------------------------------------
 // One query token per sequence. Each KV head's group of query heads scores every cached key of the
 // sequence, read block by block in place (fp32 sums), softmax, then the weighted sum of values. The
-// cache is read once per KV head, not once per query head.
-//
-// Measured on this 2-core host, SmolLM2 shapes, 30 layers x 32 sequences x 400 tokens (295 MB of K/V,
-// blocks shuffled through the pool): 34 ms as first written (one KV head per item, fp32 products,
-// prefetch into L1) -> 27 ms with a whole sequence per item -> 15.5 ms prefetching into L2 instead
-// (a burst of L1 prefetches stalls on the fill buffers) -> 13-16 ms with bf16 dot products for the
-// scores, four keys per horizontal reduction -> 12.7-13.0 ms with 16 keys moved into lanes by register
-// transposes (alternating runs with the previous build, which took 14.1-15.9; the int8 cache went from
-// 11.9-12.8 to 10.1-11.6 ms, and at 8 x 2,048 tokens from 15.8-16.0 to 12.0-13.3).
-// One sequence of 4,096 tokens: 6.4 ms with its three KV heads as items (two threads: 2 + 1) -> 4.0 ms
-// with its keys split in four parts (`python -m loadtests.bench_kernels --batches 1 --context 4096`).
-// Splitting by each sequence's own length instead (parts of up to 256 tokens, so that a sequence's
-// output is the same in any batch), in alternating runs with the batch-sized split: 1 x 4,096 tokens
-// 4.5-4.6 vs 4.7-5.7 ms, 32 x 400 14.4-16.4 vs 15.9-18.7 ms, 8 x 2,048 17.3-22.3 vs 16.9-23.0 ms.
-// Values two keys per dot product (weighted_values), against fp32 multiply-adds of one key, 32 x 400
-// tokens, three alternating runs each on a busy host (`python -m loadtests.bench_kernels --batches 32,8
-// --kv-cache-dtype ...`; "cached": every sequence reads the same blocks, so what is left is compute):
-// bf16 cached 11.0-11.4 -> 9.3-10.8 ms, from DRAM 15.1-18.7 -> 14.9-15.9 ms (bound by the scattered
-// blocks' bandwidth, ~17-21 GB/s of the ~28 a sequential read gets); int8 cached 11.2-12.6 -> 9.6-13.3
-// ms, from DRAM 13.7-15.6 -> 11.9-15.7 ms, at 8 x 400 3.6-4.4 -> 3.0-3.5 ms.
+// cache is read once per KV head, not once per query head. The block walk, softmax, fp32 and bf16
+// value sums and the merge of a sequence's parts are written once against the 16-lane vec API. The
+// key scores have an AVX-512 form (16 x 16 register transposes) and an AVX2 one (8 x 8, keys in two
+// groups: 16 registers), the int8 value sums an AVX-512 and an AVX2 form (their integer shuffles
+// differ), and bf16 caches take AVX512-BF16 dot products where the build has them.
 
 // Blocks of a sequence sit anywhere in the pool, so the hardware prefetcher cannot see the next one
-// coming: ask for its rows into L2 while the current block is computed, kAheadBlocks ahead.
+// coming: ask for its rows into L2 (not L1: a burst of L1 prefetches stalls on the fill buffers)
+// while the current block is computed, kAheadBlocks ahead.
 constexpr int64_t kAheadBlocks = 2;
 template <typename T>
 inline void prefetch_rows(const T* first, int64_t rows, int64_t row_stride, int64_t row_len) {
@@ -41,8 +35,7 @@ inline void prefetch_rows(const T* first, int64_t rows, int64_t row_stride, int6
 
 // Head kh's share of the rows [t, t + rows) of the block ahead (nothing if none): spread over the
 // heads' turns, as a burst of 16 rows stalls on the fill buffers. Forced inline: GCC called it out of
-// line from the key pass's lambda, and decode attention from DRAM took 24-34 ms instead of 14-19
-// (`bench_kernels --batches 32`, bf16).
+// line from the key pass's lambda, which made decode attention from DRAM much slower.
 template <typename C>
 __attribute__((always_inline)) inline void prefetch_share(const C* ahead, int64_t t, int64_t rows, int64_t kh, int64_t kv_heads, int64_t kv_row) {
   if (ahead == nullptr) return;
@@ -64,52 +57,90 @@ inline void for_each_block(const C* cache, const int64_t* table, int64_t b_lo, i
          (b - b_lo) * block_size);
 }
 
-// The largest of x[0..len), len >= 1: 16 lanes at a time (exact in any order). The scalar loop it
-// replaced stored its running max every key: ~12% of decode attention's samples with the blocks in L2
-// (perf), 7.3 -> 6.6 ms at 32 x 400 tokens x 30 layers.
+// Lanes [0, n) of 16 at p (the rest read as 0 or fill), and stores of them. AVX2's masked loads
+// and stores are slow next to plain ones, so there a whole vector (n >= 16) goes unmasked.
+LLMSERVE_INLINE vf load_lanes(const float* p, int64_t n) {
+#if LLMSERVE_DECODE_AVX512
+  return load16(p, tail_mask(n));
+#else
+  return n >= 16 ? loadu(p) : load16(p, tail_mask(n));
+#endif
+}
+LLMSERVE_INLINE vf load_lanes_or(const float* p, int64_t n, vf fill) {  // the rest read as fill
+#if LLMSERVE_DECODE_AVX512
+  return load16_or(p, tail_mask(n), fill);
+#else
+  return n >= 16 ? loadu(p) : load16_or(p, tail_mask(n), fill);
+#endif
+}
+LLMSERVE_INLINE void store_lanes(float* p, vf v, int64_t n) {
+#if LLMSERVE_DECODE_AVX512
+  store16(p, v, tail_mask(n));
+#else
+  if (n >= 16) storeu(p, v);
+  else store16(p, v, tail_mask(n));
+#endif
+}
+
+// The largest of x[0..len), len >= 1: 16 lanes at a time (exact in any order; a scalar loop that
+// stored its running max every key was a visible share of the time with the blocks in L2).
 inline float max_of(const float* x, int64_t len) {
-  const __m512 lowest = _mm512_set1_ps(-INFINITY);
-  __m512 m = lowest;
-  for (int64_t i = 0; i < len; i += 16) m = _mm512_max_ps(m, _mm512_mask_loadu_ps(lowest, tail_mask(len - i), x + i));
-  return _mm512_reduce_max_ps(m);
+  const vf lowest = set1(-INFINITY);
+  vf m = lowest;
+  for (int64_t i = 0; i < len; i += 16) m = max(m, load_lanes_or(x + i, len - i, lowest));
+  return reduce_max(m);
 }
 
 // In place: x[i] = exp(x[i] - shift); returns the sum.
 inline float exp_shifted_sum(float* x, int64_t len, float shift) {
-  const __m512 vs = _mm512_set1_ps(shift);
-  __m512 sum = _mm512_setzero_ps();
+  const vf vs = set1(shift);
+  vf sum = zero();
   for (int64_t t = 0; t < len; t += 16) {
-    const __mmask16 m = tail_mask(len - t);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + t), vs));
-    _mm512_mask_storeu_ps(x + t, m, e);
-    sum = _mm512_mask_add_ps(sum, m, sum, e);
+    const vf e = exp16(sub(load_lanes(x + t, len - t), vs));
+    store_lanes(x + t, e, len - t);
+    sum = where(tail_mask(len - t), add(sum, e), sum);
   }
-  return _mm512_reduce_add_ps(sum);
+  return reduce_add(sum);
 }
 
 // Scores of G query heads (head_dim = NV * 16 apart at q) against nt <= 16 key rows (stride apart at
 // k): dot[j] lane u = q_j . k_u, 0 for u >= nt. The rows' 32-bit units (a dim, a bf16 pair or four
-// int8) are moved into lanes by 16 x 16 register transposes, so each key's products accumulate in its
-// own lane: no horizontal sums (with four keys per horizontal reduction instead, those cost as much
-// as the products).
-template <int G, int NV, typename T>
-inline void key_scores(__m512 (&dot)[G], const T* q, const T* k, int64_t stride, int64_t nt) {
-  for (int j = 0; j < G; ++j) dot[j] = _mm512_setzero_ps();
-  for (int c = 0; c < NV; ++c) {  // 16 dims at a time
-    __m512 r[16];
-    for (int64_t u = 0; u < 16; ++u) r[u] = u < nt ? load16(k + u * stride + c * 16) : _mm512_setzero_ps();
-    transpose16(r);  // r[i] lane u = k_u[16c + i]
-    for (int i = 0; i < 16; ++i)
-      for (int j = 0; j < G; ++j) dot[j] = _mm512_fmadd_ps(_mm512_set1_ps(to_float(q[j * NV * 16 + c * 16 + i])), r[i], dot[j]);
-  }
-}
+// int8) are moved into lanes by register transposes, so each key's products accumulate in its own
+// lane: no horizontal sums (with four keys per horizontal reduction instead, those cost as much as
+// the products). The AVX-512 forms sum a key's products in dim order; AVX2 sums its even and odd dims
+// apart (int8: exact int32 sums at every level).
+//
+// bf16 keys without AVX512-BF16 take the queries widened to fp32 once per item; the rows' bf16 pairs
+// are transposed as they are (half the transposes of widening first), then each pair widens by a
+// shift (the low, even dim) or a mask (the high, odd dim).
+//
+// int8 keys go against queries quantized to int16 (one scale per head, relative error 2^-16 of the
+// head's largest element: far below bf16's rounding) and stored as pairs by prepare_query_int16:
+// after the transpose a lane holds four int8 of one key, whose even and odd bytes sign-extend to
+// int16 pairs (dims 4i, 4i+2 and 4i+1, 4i+3) for exact products summed pairwise into int32 lanes that
+// cannot overflow (64 x 127 x 32767 < 2^31 per lane at head_dim 128). The caller multiplies each
+// finished score by the query's and the key row's scales.
+#if LLMSERVE_DECODE_AVX512
+// AVX-512: all 16 keys at once, 64 bytes of their rows per 16 x 16 transpose (16 of the 32 registers).
 
 // 64 bytes of each of 16 key rows (at `first` + u * stride_bytes; zero for u >= nt), transposed: r[i]
 // lane u = row u's 32-bit unit i (a bf16 pair or four int8, as fp32 bits).
-inline void load_units_transposed(__m512 (&r)[16], const void* first, int64_t stride_bytes, int64_t nt) {
+LLMSERVE_INLINE void load_units_transposed(vf (&r)[16], const void* first, int64_t stride_bytes, int64_t nt) {
   const char* p = static_cast<const char*>(first);
-  for (int64_t u = 0; u < 16; ++u) r[u] = u < nt ? _mm512_loadu_ps(p + u * stride_bytes) : _mm512_setzero_ps();
+  for (int64_t u = 0; u < 16; ++u) r[u] = u < nt ? load_bits(p + u * stride_bytes) : zero();
   transpose16(r);
+}
+
+template <int G, int NV>
+inline void key_scores(vf (&dot)[G], const float* q, const float* k, int64_t stride, int64_t nt) {
+  for (int j = 0; j < G; ++j) dot[j] = zero();
+  for (int c = 0; c < NV; ++c) {  // 16 dims at a time
+    vf r[16];
+    for (int64_t u = 0; u < 16; ++u) r[u] = u < nt ? loadu(k + u * stride + c * 16) : zero();
+    transpose16(r);  // r[i] lane u = k_u[16c + i]
+    for (int i = 0; i < 16; ++i)
+      for (int j = 0; j < G; ++j) dot[j] = fmadd(set1(q[j * NV * 16 + c * 16 + i]), r[i], dot[j]);
+  }
 }
 
 #if defined(__AVX512BF16__)
@@ -127,42 +158,141 @@ inline void key_scores(__m512 (&dot)[G], const c10::BFloat16* q, const c10::BFlo
         dot[j] = _mm512_dpbf16_ps(dot[j], (__m512bh)_mm512_castps_si512(r[i]), (__m512bh)_mm512_set1_epi32(qp[j * NV * 8 + i]));
   }
 }
-#endif
-
-// sum + the pairwise sums of int16 products a * b, in int32 lanes (one instruction with AVX512-VNNI).
-inline __m512i add_dot_i16(__m512i sum, __m512i a, __m512i b) {
-#if defined(__AVX512VNNI__)
-  return _mm512_dpwssd_epi32(sum, a, b);
 #else
-  return _mm512_add_epi32(sum, _mm512_madd_epi16(a, b));
-#endif
-}
-
-// int8 keys against queries quantized to int16 (one scale per head, relative error 2^-16 of the head's
-// largest element: far below bf16's rounding) and stored as pairs by prepare_query_int16: after the
-// transpose a lane holds four int8 of one key, whose even and odd bytes sign-extend to int16 pairs
-// (dims 4i, 4i+2 and 4i+1, 4i+3) for 32 exact products per instruction into int32 lanes that cannot
-// overflow (64 x 127 x 32767 < 2^31 per lane at head_dim 128). The caller multiplies each finished
-// score by the query's and the key row's scales.
 template <int G, int NV>
-inline void key_scores(__m512 (&dot)[G], const int32_t* q, const int8_t* k, int64_t stride, int64_t nt) {
-  __m512i acc[G];
-  for (int j = 0; j < G; ++j) acc[j] = _mm512_setzero_si512();
-  for (int c = 0; c < NV / 4; ++c) {  // 64 dims at a time
-    __m512 r[16];
-    load_units_transposed(r, k + c * 64, stride, nt);  // r[i] lane u = k_u[64c + 4i .. 64c + 4i + 3]
+inline void key_scores(vf (&dot)[G], const float* q, const c10::BFloat16* k, int64_t stride, int64_t nt) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int j = 0; j < G; ++j) dot[j] = zero();
+  for (int c = 0; c < NV / 2; ++c) {  // 16 pairs = 32 dims at a time
+    vf r[16];
+    // r[i] lane u = (k_u[32c + 2i], k_u[32c + 2i + 1])
+    load_units_transposed(r, k + c * 32, stride * static_cast<int64_t>(sizeof(*k)), nt);
     for (int i = 0; i < 16; ++i) {
       const __m512i x = _mm512_castps_si512(r[i]);
-      const __m512i even = _mm512_srai_epi16(_mm512_slli_epi16(x, 8), 8), odd = _mm512_srai_epi16(x, 8);
-      const int32_t* qi = q + 2 * (c * 16 + i);
+      const vf even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)), odd = _mm512_castsi512_ps(_mm512_and_si512(x, high));
       for (int j = 0; j < G; ++j) {
-        acc[j] = add_dot_i16(acc[j], even, _mm512_set1_epi32(qi[j * NV * 8]));
-        acc[j] = add_dot_i16(acc[j], odd, _mm512_set1_epi32(qi[j * NV * 8 + 1]));
+        const float* qj = q + j * NV * 16 + c * 32 + 2 * i;
+        dot[j] = fmadd(set1(qj[0]), even, dot[j]);
+        dot[j] = fmadd(set1(qj[1]), odd, dot[j]);
       }
     }
   }
-  for (int j = 0; j < G; ++j) dot[j] = _mm512_cvtepi32_ps(acc[j]);
 }
+#endif
+
+template <int G, int NV>
+inline void key_scores(vf (&dot)[G], const int32_t* q, const int8_t* k, int64_t stride, int64_t nt) {
+  vi acc[G];
+  for (int j = 0; j < G; ++j) acc[j] = zero_i32();
+  for (int c = 0; c < NV / 4; ++c) {  // 64 dims at a time
+    vf r[16];
+    load_units_transposed(r, k + c * 64, stride, nt);  // r[i] lane u = k_u[64c + 4i .. 64c + 4i + 3]
+    for (int i = 0; i < 16; ++i) {
+      const vi x = as_int(r[i]);
+      const vi even = even_bytes_i16(x), odd = odd_bytes_i16(x);
+      const int32_t* qi = q + 2 * (c * 16 + i);
+      for (int j = 0; j < G; ++j) {
+        acc[j] = add_dot_i16(acc[j], even, set1_i32(qi[j * NV * 8]));
+        acc[j] = add_dot_i16(acc[j], odd, set1_i32(qi[j * NV * 8 + 1]));
+      }
+    }
+  }
+  for (int j = 0; j < G; ++j) dot[j] = vec::to_float(acc[j]);
+}
+
+#else
+// AVX2: 16 registers cannot hold a 16 x 16 transpose's 32 halves next to the sums (the compiler
+// spills them), so the keys go as two groups of 8 (lanes 0-7 of the scores, then 8-15), 32 bytes of
+// their rows per 8 x 8 transpose, each consumed before the next is loaded. A group past nt is skipped.
+// One sum per head would be a chain of dependent FMAs (4 cycles each) that leaves the FMA units idle
+// most of the time: the fp32 forms keep two per head, the even and the odd dims, added at the end.
+
+// 32 bytes of each of 8 key rows (at `first` + u * stride_bytes; zero for u >= nt), transposed: r[i]
+// lane u = row u's 32-bit unit i.
+LLMSERVE_INLINE void load_units_transposed8(__m256 (&r)[8], const void* first, int64_t stride_bytes, int64_t nt) {
+  const char* p = static_cast<const char*>(first);
+  for (int64_t u = 0; u < 8; ++u)
+    r[u] = u < nt ? _mm256_loadu_ps(reinterpret_cast<const float*>(p + u * stride_bytes)) : _mm256_setzero_ps();
+  transpose8(r);
+}
+
+// Runs group(acc, first, n) for keys 0-7 and 8-15 (first: the group's first row, n: its rows) with G
+// fresh accumulators of 8 lanes, which become the scores' low and high halves.
+template <int G, typename Acc, typename Group>
+LLMSERVE_INLINE void key_groups8(vf (&dot)[G], const char* k, int64_t stride_bytes, int64_t nt, const Group& group) {
+  for (int h = 0; h < 2; ++h) {
+    Acc acc[G] = {};
+    if (nt > 8 * h) group(acc, k + 8 * h * stride_bytes, nt - 8 * h);
+    for (int j = 0; j < G; ++j) {
+      __m256 sums;
+      if constexpr (std::is_same_v<Acc, __m256i>) sums = _mm256_cvtepi32_ps(acc[j]);
+      else sums = acc[j];
+      (h == 0 ? dot[j].lo : dot[j].hi) = sums;
+    }
+  }
+}
+
+template <int G, int NV>
+inline void key_scores(vf (&dot)[G], const float* q, const float* k, int64_t stride, int64_t nt) {
+  const int64_t sb = stride * static_cast<int64_t>(sizeof(*k));
+  key_groups8<G, __m256>(dot, reinterpret_cast<const char*>(k), sb, nt, [&](__m256 (&acc)[G], const char* rows, int64_t n) {
+    __m256 odd_acc[G] = {};
+    for (int c = 0; c < 2 * NV; ++c) {  // 8 dims at a time
+      __m256 r[8];
+      load_units_transposed8(r, rows + c * 32, sb, n);  // r[i] lane u = k_u[8c + i]
+      for (int i = 0; i < 8; i += 2)
+        for (int j = 0; j < G; ++j) {
+          const float* qj = q + j * NV * 16 + c * 8 + i;
+          acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(qj[0]), r[i], acc[j]);
+          odd_acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(qj[1]), r[i + 1], odd_acc[j]);
+        }
+    }
+    for (int j = 0; j < G; ++j) acc[j] = _mm256_add_ps(acc[j], odd_acc[j]);
+  });
+}
+
+template <int G, int NV>
+inline void key_scores(vf (&dot)[G], const float* q, const c10::BFloat16* k, int64_t stride, int64_t nt) {
+  const int64_t sb = stride * static_cast<int64_t>(sizeof(*k));
+  key_groups8<G, __m256>(dot, reinterpret_cast<const char*>(k), sb, nt, [&](__m256 (&acc)[G], const char* rows, int64_t n) {
+    const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+    __m256 odd_acc[G] = {};
+    for (int c = 0; c < NV; ++c) {  // 8 pairs = 16 dims at a time
+      __m256 r[8];
+      load_units_transposed8(r, rows + c * 32, sb, n);  // r[i] lane u = (k_u[16c + 2i], k_u[16c + 2i + 1])
+      for (int i = 0; i < 8; ++i) {
+        const __m256i x = _mm256_castps_si256(r[i]);
+        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)), odd = _mm256_castsi256_ps(_mm256_and_si256(x, high));
+        for (int j = 0; j < G; ++j) {
+          const float* qj = q + j * NV * 16 + c * 16 + 2 * i;
+          acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(qj[0]), even, acc[j]);
+          odd_acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(qj[1]), odd, odd_acc[j]);
+        }
+      }
+    }
+    for (int j = 0; j < G; ++j) acc[j] = _mm256_add_ps(acc[j], odd_acc[j]);
+  });
+}
+
+template <int G, int NV>
+inline void key_scores(vf (&dot)[G], const int32_t* q, const int8_t* k, int64_t stride, int64_t nt) {
+  key_groups8<G, __m256i>(dot, reinterpret_cast<const char*>(k), stride, nt, [&](__m256i (&acc)[G], const char* rows, int64_t n) {
+    for (int c = 0; c < NV / 2; ++c) {  // 32 dims at a time
+      __m256 r[8];
+      load_units_transposed8(r, rows + c * 32, stride, n);  // r[i] lane u = k_u[32c + 4i .. 32c + 4i + 3]
+      for (int i = 0; i < 8; ++i) {
+        const __m256i x = _mm256_castps_si256(r[i]);
+        const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(x, 8), 8), odd = _mm256_srai_epi16(x, 8);
+        const int32_t* qi = q + 2 * (c * 8 + i);
+        for (int j = 0; j < G; ++j) {
+          acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(even, _mm256_set1_epi32(qi[j * NV * 8])));
+          acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(odd, _mm256_set1_epi32(qi[j * NV * 8 + 1])));
+        }
+      }
+    }
+  });
+}
+#endif
 
 // Each of the num_heads * head_dim query values as int16 (round half to even) with one fp32 scale per
 // head, stored as the int16 pairs key_scores multiplies: for each four dims, (q[4i], q[4i+2]) then
@@ -184,44 +314,97 @@ void prepare_query_int16(int32_t* dst, float* scales, const T* q, int64_t num_he
   }
 }
 
+// How weighted_values below goes through the value rows. AVX-512 (32 registers): four rows at a
+// time, every head's G * NV accumulator vectors in registers for them. AVX2 (16 registers, two a
+// vector): a block's 16 rows at a time (fewer round trips of the accumulators through memory), and
+// per head as many vectors of dims as leave room for the value and its weight (kValuesPerPass) go
+// through those rows before the next ones.
+#if LLMSERVE_DECODE_AVX512
+constexpr int64_t kValueRows = 4;
+template <int G, int NV>
+constexpr int kValuesPerPass = NV;
+#else
+constexpr int64_t kValueRows = 16;
+template <int G, int NV>
+constexpr int kValuesPerPass = G <= 1 ? 4 : G <= 3 ? 2 : 1;
+#endif
+
+// 16 values of a row as fp32, in the order weighted_values accumulates them: fp32 as they are; bf16
+// widened, on AVX2 as [8 even dims | 8 odd dims] (a shift and a mask of one load, no cross-lane
+// widening), put back in order by interleave_even_odd at the end.
+LLMSERVE_INLINE vf load_values(const float* p) { return loadu(p); }
+#if LLMSERVE_DECODE_AVX512
+LLMSERVE_INLINE vf load_values(const c10::BFloat16* p) { return load16(p); }
+#else
+LLMSERVE_INLINE vf load_values(const c10::BFloat16* p) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(x, 16)),
+          _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))))};
+}
+
+// `count` sums (a multiple of 16) from [8 even dims | 8 odd dims] back to dim order, in place.
+inline void interleave_even_odd(float* sums, int64_t count) {
+  for (float* a = sums; a < sums + count; a += 16) {
+    const __m256 even = _mm256_loadu_ps(a), odd = _mm256_loadu_ps(a + 8);
+    const __m256 lo = _mm256_unpacklo_ps(even, odd), hi = _mm256_unpackhi_ps(even, odd);  // dims 0-3, 8-11 | 4-7, 12-15
+    _mm256_storeu_ps(a, _mm256_permute2f128_ps(lo, hi, 0x20));
+    _mm256_storeu_ps(a + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+  }
+}
+#endif
+
 // accs [kv_heads * G heads][head_dim] += the part's softmax weights (sc: [head][span], the part's
-// keys from block b_lo on) times its value rows, in fp32 products: four tokens at a time, then each
-// head's accumulators (kept in registers for those four tokens, in the buffer between them): fp32
-// values, and bf16 ones without AVX512-BF16. The overloads below take bf16 and int8 values.
+// keys from block b_lo on) times its value rows, in fp32 products, kValueRows rows at a time and
+// every head for them before the next ones; a head's accumulators stay in registers for those rows,
+// in the buffer between them. fp32 values, and bf16 ones without AVX512-BF16; the overloads below
+// take bf16 (with AVX512-BF16) and int8 values. Each dim's sum takes the rows in order.
 template <int G, int NV, typename C>
 void weighted_values(float* accs, const float* sc, int64_t span, const C* v_cache, const int64_t* table,
                      int64_t b_lo, int64_t b_hi, int64_t len, int64_t block_size, int64_t kv_heads) {
   constexpr int64_t head_dim = NV * 16, head_row = cache_row_len<C>(head_dim);
+  constexpr int VP = kValuesPerPass<G, NV>;
+  static_assert(NV % VP == 0, "whole passes");
   const int64_t kv_row = kv_heads * head_row;
   for_each_block(v_cache, table, b_lo, b_hi, len, block_size, kv_row,
                  [&](const C* vb, const C* ahead, int64_t n, int64_t t0) {
-    for (int64_t t = 0; t < n; t += 4) {
-      if (ahead != nullptr) prefetch_rows(ahead + t * kv_row, std::min<int64_t>(4, block_size - t), kv_row, kv_row);
-      const int64_t nt = std::min<int64_t>(4, n - t);
+    for (int64_t t = 0; t < n; t += kValueRows) {
+      const int64_t nt = std::min<int64_t>(kValueRows, n - t), ahead_rows = std::min<int64_t>(kValueRows, block_size - t);
+#if LLMSERVE_DECODE_AVX512
+      if (ahead != nullptr) prefetch_rows(ahead + t * kv_row, ahead_rows, kv_row, kv_row);
+#endif
       for (int64_t kh = 0; kh < kv_heads; ++kh) {
+#if !LLMSERVE_DECODE_AVX512
+        prefetch_share(ahead, t, ahead_rows, kh, kv_heads, kv_row);  // 16 rows: spread over the heads
+#endif
         const float* sk = sc + kh * G * span + t0 + t;
         float* ak = accs + kh * G * head_dim;
-        __m512 acc[G][NV];
-        for (int j = 0; j < G; ++j)
-          for (int v = 0; v < NV; ++v) acc[j][v] = _mm512_loadu_ps(ak + j * head_dim + v * 16);
-        for (int64_t u = 0; u < nt; ++u) {
-          const C* vr = vb + (t + u) * kv_row + kh * head_row;
-          for (int v = 0; v < NV; ++v) {
-            const __m512 val = load16(vr + v * 16);
-            for (int j = 0; j < G; ++j) acc[j][v] = _mm512_fmadd_ps(_mm512_set1_ps(sk[j * span + u]), val, acc[j][v]);
+        for (int v0 = 0; v0 < NV; v0 += VP) {
+          vf acc[G][VP];
+          for (int j = 0; j < G; ++j)
+            for (int v = 0; v < VP; ++v) acc[j][v] = loadu(ak + j * head_dim + (v0 + v) * 16);
+          for (int64_t u = 0; u < nt; ++u) {
+            const C* vr = vb + (t + u) * kv_row + kh * head_row;
+            for (int v = 0; v < VP; ++v) {
+              const vf val = load_values(vr + (v0 + v) * 16);
+              for (int j = 0; j < G; ++j) acc[j][v] = fmadd(set1(sk[j * span + u]), val, acc[j][v]);
+            }
           }
+          for (int j = 0; j < G; ++j)
+            for (int v = 0; v < VP; ++v) storeu(ak + j * head_dim + (v0 + v) * 16, acc[j][v]);
         }
-        for (int j = 0; j < G; ++j)
-          for (int v = 0; v < NV; ++v) _mm512_storeu_ps(ak + j * head_dim + v * 16, acc[j][v]);
       }
     }
   });
+#if !LLMSERVE_DECODE_AVX512
+  if constexpr (std::is_same_v<C, c10::BFloat16>) interleave_even_odd(accs, G * kv_heads * head_dim);
+#endif
 }
 
 // The partner of a key without one (the odd last key of a block): a value row of zeros, as long as
 // the longest row (head_dim 128 in bf16).
 alignas(64) constexpr uint8_t kZeroRow[256] = {};
 
+#if LLMSERVE_DECODE_AVX512
 // Two keys' value rows a, b interleaved by unpacklo/hi_epi16 into (a[d], b[d]) pairs give, for each
 // 32 dims, sums in the order 0-3, 8-11, 16-19, 24-27 (the unpacklo vector) | 4-7, 12-15, 20-23, 28-31
 // (the unpackhi one). Puts `count` such sums (a multiple of 32) back in order.
@@ -297,6 +480,68 @@ void weighted_values(float* accs, const float* sc, int64_t span, const int8_t* v
   });
   unpermute_pair_sums(accs, G * kv_heads * head_dim);
 }
+#else
+// int8 values with AVX2: the weights as on AVX-512 (int16, one scale per head and 16 keys), two keys
+// per vpmaddwd. Their rows' bytes are interleaved first (punpck{l,h}bw: (a[d], b[d]) for d = 0-7 and
+// 8-15) and sign-extended to int16 pairs, which keeps the dims in order: nothing to undo afterwards.
+// With 16 registers a head's 16 dims (two int32 vectors) go through all the keys before the next 16.
+// The int32 sums are exact, so the result is the AVX-512 path's, bit for bit.
+template <int G, int NV>
+void weighted_values(float* accs, const float* sc, int64_t span, const int8_t* v_cache, const int64_t* table,
+                     int64_t b_lo, int64_t b_hi, int64_t len, int64_t block_size, int64_t kv_heads) {
+  constexpr int64_t head_dim = NV * 16, head_row = cache_row_len<int8_t>(head_dim);
+  const int64_t kv_row = kv_heads * head_row;
+  for_each_block(v_cache, table, b_lo, b_hi, len, block_size, kv_row,
+                 [&](const int8_t* vb, const int8_t* ahead, int64_t n, int64_t t0) {
+    for (int64_t t = 0; t < n; t += 16) {
+      const int64_t nt = std::min<int64_t>(16, n - t), ahead_rows = std::min<int64_t>(16, block_size - t);
+      for (int64_t kh = 0; kh < kv_heads; ++kh) {
+        prefetch_share(ahead, t, ahead_rows, kh, kv_heads, kv_row);
+        const int8_t* v0 = vb + t * kv_row + kh * head_row;
+        const vf vs = row_scales16(v0, kv_row, nt, head_dim);
+        alignas(32) int16_t w16[G][32] = {};  // the 16 keys' weights, then zeros (a key without a partner)
+        float w_scale[G];
+        for (int j = 0; j < G; ++j) {
+          const vf w = mul(load_lanes(sc + (kh * G + j) * span + t0 + t, nt), vs);
+          const float w_max = reduce_max(w);  // weights are >= 0
+          w_scale[j] = w_max / 32767.f;
+          if (w_max > 0.f) {
+            const vf x = mul(w, set1(32767.f / w_max));
+            // packs works per 128-bit half ([lo 0-3, hi 0-3, lo 4-7, hi 4-7]): reorder the quarters.
+            const __m256i packed = _mm256_packs_epi32(_mm256_cvtps_epi32(x.lo), _mm256_cvtps_epi32(x.hi));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(w16[j]), _mm256_permute4x64_epi64(packed, 0xD8));
+          }
+        }
+        float* ak = accs + kh * G * head_dim;
+        for (int c = 0; c < NV; ++c) {  // 16 dims at a time
+          __m256i acc[G][2];
+          for (int j = 0; j < G; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_si256();
+          for (int64_t u = 0; u < nt; u += 2) {
+            const int8_t* a_row = v0 + u * kv_row;
+            const int8_t* b_row = u + 1 < nt ? a_row + kv_row : reinterpret_cast<const int8_t*>(kZeroRow);
+            const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a_row + 16 * c));
+            const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b_row + 16 * c));
+            const __m256i lo = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(a, b));  // (a[d], b[d]), d = 16c + 0..7
+            const __m256i hi = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(a, b));  // d = 16c + 8..15
+            for (int j = 0; j < G; ++j) {
+              int32_t bits;
+              std::memcpy(&bits, w16[j] + u, sizeof(bits));  // (w[u], w[u + 1])
+              const __m256i w = _mm256_set1_epi32(bits);
+              acc[j][0] = _mm256_add_epi32(acc[j][0], _mm256_madd_epi16(lo, w));
+              acc[j][1] = _mm256_add_epi32(acc[j][1], _mm256_madd_epi16(hi, w));
+            }
+          }
+          for (int j = 0; j < G; ++j) {
+            float* a = ak + j * head_dim + c * 16;
+            const vf sums = {_mm256_cvtepi32_ps(acc[j][0]), _mm256_cvtepi32_ps(acc[j][1])};
+            storeu(a, fmadd(sums, set1(w_scale[j]), loadu(a)));
+          }
+        }
+      }
+    }
+  });
+}
+#endif
 
 #if defined(__AVX512BF16__)
 // bf16 values: the weights are rounded to bf16 (relative error 2^-9 each, as the prefill kernel and
@@ -306,7 +551,7 @@ void weighted_values(float* accs, const float* sc, int64_t span, const int8_t* v
 // of ~30 (value widening, G broadcasts, G * NV fused multiply-adds); the sums are put back in
 // order once, at the end (unpermute_pair_sums). Rows go four at a time, every head for them before
 // the next four, as the fp32 path reads them (a head's whole block at a time, with its share of the
-// prefetches in one burst, was slower from DRAM: 16.6-18.7 against 13.8-16.6 ms in alternating runs).
+// prefetches in one burst, was slower from DRAM).
 template <int G, int NV>
 void weighted_values(float* accs, const float* sc, int64_t span, const c10::BFloat16* v_cache, const int64_t* table,
                      int64_t b_lo, int64_t b_hi, int64_t len, int64_t block_size, int64_t kv_heads) {
@@ -363,9 +608,9 @@ void weighted_values(float* accs, const float* sc, int64_t span, const c10::BFlo
 #endif
 
 // G query heads share a KV head; NV = head_dim / 16 vectors per row. Both are compile-time so the
-// query and accumulator vectors (G * NV zmm) stay in registers. A work item is one part of a
-// sequence's keys for all its heads: each block's rows are read whole and in address order (25%
-// faster than one head per item at 8 and 32 sequences). Sequence s's keys are split into
+// score and accumulator vectors stay in registers. A work item is one part of a sequence's keys for
+// all its heads: each block's rows are read whole and in address order (faster than one head per
+// item, which reads each row in kv_heads pieces). Sequence s's keys are split into
 // first_item[s + 1] - first_item[s] runs of blocks (flash-decoding, so that one long sequence keeps
 // every thread busy): each part writes its unnormalized sums with its max and normalizer, and a second
 // pass merges the parts in order. The split depends on the sequence's own length only, never on the
@@ -378,6 +623,11 @@ void decode_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cach
                            int64_t max_blocks, const int64_t* seq_lens, int64_t num_seqs, int64_t kv_heads,
                            const int64_t* first_item, int64_t block_size, float scale) {
   constexpr bool kInt8 = std::is_same_v<C, int8_t>;
+#if defined(__AVX512BF16__)
+  constexpr bool kWidenQuery = false;
+#else
+  constexpr bool kWidenQuery = std::is_same_v<C, c10::BFloat16>;  // bf16 keys take fp32 queries
+#endif
   constexpr int64_t head_dim = NV * 16;
   constexpr int64_t head_row = cache_row_len<C>(head_dim);
   const int64_t heads = G * kv_heads, kv_row = kv_heads * head_row;
@@ -390,6 +640,7 @@ void decode_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cach
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, accs(heads * head_dim), q_scales(kInt8 ? heads : 0), row_max(heads), row_sum(heads);
     std::vector<int32_t> q_pairs(kInt8 ? heads * head_dim / 2 : 0);
+    std::vector<float> q_f32(kWidenQuery ? heads * head_dim : 0);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item_seq[item], part = item - first_item[s], parts = first_item[s + 1] - first_item[s];
       const int64_t len = seq_lens[s];
@@ -399,6 +650,8 @@ void decode_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cach
       const int64_t t_lo = b_lo * block_size, span = std::min(len, b_hi * block_size) - t_lo;  // keys of this part
       const T* qs = q + s * heads * head_dim;
       if constexpr (kInt8) prepare_query_int16(q_pairs.data(), q_scales.data(), qs, heads, head_dim);
+      if constexpr (kWidenQuery)
+        for (int64_t i = 0; i < heads * head_dim; ++i) q_f32[i] = to_float(qs[i]);
       scores.resize(heads * std::max<int64_t>(span, 1));
       std::fill(accs.begin(), accs.end(), 0.f);
       float* sc = scores.data();  // [head][span]
@@ -411,19 +664,21 @@ void decode_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cach
           for (int64_t kh = 0; kh < kv_heads; ++kh) {
             prefetch_share(ahead, t, ahead_rows, kh, kv_heads, kv_row);
             const C* k16 = kb + t * kv_row + kh * head_row;
-            __m512 dot[G];
-            __m512 key_scales = _mm512_set1_ps(scale);  // per score: scale, times the key row's for int8
+            vf dot[G];
+            vf key_scales = set1(scale);  // per score: scale, times the key row's for int8
             if constexpr (kInt8) {
               key_scores<G, NV>(dot, q_pairs.data() + kh * G * head_dim / 2, k16, kv_row, nt);
-              key_scales = _mm512_mul_ps(key_scales, row_scales16(k16, kv_row, nt, head_dim));
+              key_scales = mul(key_scales, row_scales16(k16, kv_row, nt, head_dim));
+            } else if constexpr (kWidenQuery) {
+              key_scores<G, NV>(dot, q_f32.data() + kh * G * head_dim, k16, kv_row, nt);
             } else {
               key_scores<G, NV>(dot, qs + kh * G * head_dim, k16, kv_row, nt);
             }
             float* sk = sc + kh * G * span + t0 + t;
             for (int j = 0; j < G; ++j) {
-              __m512 sj = _mm512_mul_ps(dot[j], key_scales);
-              if constexpr (kInt8) sj = _mm512_mul_ps(sj, _mm512_set1_ps(q_scales[kh * G + j]));
-              _mm512_mask_storeu_ps(sk + j * span, tail_mask(nt), sj);
+              vf sj = mul(dot[j], key_scales);
+              if constexpr (kInt8) sj = mul(sj, set1(q_scales[kh * G + j]));
+              store_lanes(sk + j * span, sj, nt);
             }
           }
         }
@@ -441,7 +696,7 @@ void decode_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cach
         for (int64_t r = 0; r < heads; ++r)
           for (int v = 0; v < NV; ++v)
             store16(os + r * head_dim + v * 16,
-                    _mm512_mul_ps(_mm512_loadu_ps(accs.data() + r * head_dim + v * 16), _mm512_set1_ps(1.f / row_sum[r])));
+                    mul(loadu(accs.data() + r * head_dim + v * 16), set1(1.f / row_sum[r])));
       } else {
         float* pr = partials.data() + item * heads * partial_row;
         for (int64_t r = 0; r < heads; ++r) {
@@ -464,16 +719,16 @@ void decode_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cach
       const int64_t stride = heads * partial_row;  // next part, same head
       float m = -INFINITY, l = 0.f;
       for (int64_t p = 0; p < parts; ++p) m = std::max(m, first[p * stride + head_dim]);
-      __m512 acc[NV];
-      for (int v = 0; v < NV; ++v) acc[v] = _mm512_setzero_ps();
+      vf acc[NV];
+      for (int v = 0; v < NV; ++v) acc[v] = zero();
       for (int64_t p = 0; p < parts; ++p) {
         const float* pp = first + p * stride;
         const float w = std::exp(pp[head_dim] - m);
         l += w * pp[head_dim + 1];
-        for (int v = 0; v < NV; ++v) acc[v] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(pp + v * 16), acc[v]);
+        for (int v = 0; v < NV; ++v) acc[v] = fmadd(set1(w), loadu(pp + v * 16), acc[v]);
       }
       T* os = out + s * heads * head_dim + r * head_dim;
-      for (int v = 0; v < NV; ++v) store16(os + v * 16, _mm512_mul_ps(acc[v], _mm512_set1_ps(1.f / l)));
+      for (int v = 0; v < NV; ++v) store16(os + v * 16, mul(acc[v], set1(1.f / l)));
     }
   });
 }
@@ -548,6 +803,22 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   return out;
 }
 
-std::vector<std::string> decode_attention_paths() { return {"decode_attention: TODO"}; }
+// What this build runs for each cache dtype.
+std::vector<std::string> decode_attention_paths() {
+  const std::string vector_name = kVectorName;
+  return {
+      "decode_attention fp32 cache: fp32 FMA, keys transposed into lanes (" + vector_name + ")",
+#if defined(__AVX512BF16__)
+      "decode_attention bf16 cache: AVX512-BF16 dot products (vdpbf16ps), scores and values",
+#else
+      "decode_attention bf16 cache: bf16 widened to fp32, FMA (" + vector_name + ")",
+#endif
+#if defined(__AVX512VNNI__)
+      "decode_attention int8 cache: int16 pairs, VNNI vpdpwssd (" + vector_name + ")",
+#else
+      "decode_attention int8 cache: int16 pairs, vpmaddwd (" + vector_name + ")",
+#endif
+  };
+}
 
 }  // namespace llmserve
