@@ -185,10 +185,11 @@ def test_linear_bf16_rejects_mismatched_inputs(ops):
         ops.linear_bf16(torch.ones(2, 64, dtype=torch.bfloat16), w, 200, None)
 
 
-def test_packed_linear_switches_layouts_without_loss():
-    """The kernels' pair layout and oneDNN's hold the same weight bit for bit, and give the same
-    results up to summation order."""
-    from shared.engine.models.packed_linear import PackedLinear
+def test_packed_linear_switches_layouts_without_loss(ops):
+    """The kernels' pair layout and the fallback (oneDNN's where it runs bf16, else the dense weight)
+    hold the same weight bit for bit, and give the same results up to summation order."""
+    from kernels.cpu import isa
+    from shared.engine.models.packed_linear import DENSE, ONEDNN, PackedLinear
 
     g = torch.Generator().manual_seed(6)
     w, b = torch.randn(130, 96, generator=g).bfloat16(), torch.randn(130, generator=g).bfloat16()
@@ -197,13 +198,14 @@ def test_packed_linear_switches_layouts_without_loss():
     assert layer.ops is ops and torch.equal(layer.row_major(), w)
     ours = layer(x)
     layer.use_cpu_kernels(None)
-    assert layer.ops is None and torch.equal(layer.row_major(), w)
+    fallback = ONEDNN if isa.onednn_usable(torch.bfloat16) else DENSE  # dense on an AVX2-only CPU
+    assert layer.ops is None and layer.layout == fallback and torch.equal(layer.row_major(), w)
     torch.testing.assert_close(layer(x).float(), ours.float(), atol=1e-2, rtol=8e-3)
     layer.use_cpu_kernels(ops)
     assert torch.equal(layer(x), ours)
-    # Pairs need an even number of input features: otherwise the layer stays with oneDNN.
+    # Pairs need an even number of input features: otherwise the layer takes the fallback.
     odd = PackedLinear(w[:, :95].contiguous(), None, ops)
-    assert odd.ops is None and torch.equal(odd.row_major(), w[:, :95])
+    assert odd.ops is None and odd.layout == fallback and torch.equal(odd.row_major(), w[:, :95])
 
 
 # ---- the whole model: fused kernels vs the plain torch path -----------------------------------------

@@ -130,7 +130,7 @@ def test_quantize_model_int8_on_an_fp32_model(ops):
     print(f"tiny fp32 model, int8 relative logit error {rel:.4f}")
     assert 0 < rel < 0.05
     model.enable_cpu_kernels(False)
-        torch.testing.assert_close(all_position_logits(model, ids), quantized, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(all_position_logits(model, ids), quantized, rtol=1e-4, atol=1e-4)
 
 
 # ---- SmolLM2 quantized ------------------------------------------------------------------------------

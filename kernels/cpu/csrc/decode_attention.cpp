@@ -2,14 +2,6 @@
 #include "common.h"
 #include "ops.h"
 
-// The vector backend vec.h chose: one AVX-512 register per 16 lanes (32 registers), or two AVX2 ones
-// (16 registers). Code that depends on the register file or on AVX-512-only shuffles tests this.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-#define LLMSERVE_DECODE_AVX512 1
-#else
-#define LLMSERVE_DECODE_AVX512 0
-#endif
-
 namespace llmserve {
 namespace {
 
@@ -60,21 +52,21 @@ inline void for_each_block(const C* cache, const int64_t* table, int64_t b_lo, i
 // Lanes [0, n) of 16 at p (the rest read as 0 or fill), and stores of them. AVX2's masked loads
 // and stores are slow next to plain ones, so there a whole vector (n >= 16) goes unmasked.
 LLMSERVE_INLINE vf load_lanes(const float* p, int64_t n) {
-#if LLMSERVE_DECODE_AVX512
+#if LLMSERVE_VEC_AVX512
   return load16(p, tail_mask(n));
 #else
   return n >= 16 ? loadu(p) : load16(p, tail_mask(n));
 #endif
 }
 LLMSERVE_INLINE vf load_lanes_or(const float* p, int64_t n, vf fill) {  // the rest read as fill
-#if LLMSERVE_DECODE_AVX512
+#if LLMSERVE_VEC_AVX512
   return load16_or(p, tail_mask(n), fill);
 #else
   return n >= 16 ? loadu(p) : load16_or(p, tail_mask(n), fill);
 #endif
 }
 LLMSERVE_INLINE void store_lanes(float* p, vf v, int64_t n) {
-#if LLMSERVE_DECODE_AVX512
+#if LLMSERVE_VEC_AVX512
   store16(p, v, tail_mask(n));
 #else
   if (n >= 16) storeu(p, v);
@@ -120,7 +112,7 @@ inline float exp_shifted_sum(float* x, int64_t len, float shift) {
 // int16 pairs (dims 4i, 4i+2 and 4i+1, 4i+3) for exact products summed pairwise into int32 lanes that
 // cannot overflow (64 x 127 x 32767 < 2^31 per lane at head_dim 128). The caller multiplies each
 // finished score by the query's and the key row's scales.
-#if LLMSERVE_DECODE_AVX512
+#if LLMSERVE_VEC_AVX512
 // AVX-512: all 16 keys at once, 64 bytes of their rows per 16 x 16 transpose (16 of the 32 registers).
 
 // 64 bytes of each of 16 key rows (at `first` + u * stride_bytes; zero for u >= nt), transposed: r[i]
@@ -319,7 +311,7 @@ void prepare_query_int16(int32_t* dst, float* scales, const T* q, int64_t num_he
 // vector): a block's 16 rows at a time (fewer round trips of the accumulators through memory), and
 // per head as many vectors of dims as leave room for the value and its weight (kValuesPerPass) go
 // through those rows before the next ones.
-#if LLMSERVE_DECODE_AVX512
+#if LLMSERVE_VEC_AVX512
 constexpr int64_t kValueRows = 4;
 template <int G, int NV>
 constexpr int kValuesPerPass = NV;
@@ -333,7 +325,7 @@ constexpr int kValuesPerPass = G <= 1 ? 4 : G <= 3 ? 2 : 1;
 // widened, on AVX2 as [8 even dims | 8 odd dims] (a shift and a mask of one load, no cross-lane
 // widening), put back in order by interleave_even_odd at the end.
 LLMSERVE_INLINE vf load_values(const float* p) { return loadu(p); }
-#if LLMSERVE_DECODE_AVX512
+#if LLMSERVE_VEC_AVX512
 LLMSERVE_INLINE vf load_values(const c10::BFloat16* p) { return load16(p); }
 #else
 LLMSERVE_INLINE vf load_values(const c10::BFloat16* p) {
@@ -369,11 +361,11 @@ void weighted_values(float* accs, const float* sc, int64_t span, const C* v_cach
                  [&](const C* vb, const C* ahead, int64_t n, int64_t t0) {
     for (int64_t t = 0; t < n; t += kValueRows) {
       const int64_t nt = std::min<int64_t>(kValueRows, n - t), ahead_rows = std::min<int64_t>(kValueRows, block_size - t);
-#if LLMSERVE_DECODE_AVX512
+#if LLMSERVE_VEC_AVX512
       if (ahead != nullptr) prefetch_rows(ahead + t * kv_row, ahead_rows, kv_row, kv_row);
 #endif
       for (int64_t kh = 0; kh < kv_heads; ++kh) {
-#if !LLMSERVE_DECODE_AVX512
+#if !LLMSERVE_VEC_AVX512
         prefetch_share(ahead, t, ahead_rows, kh, kv_heads, kv_row);  // 16 rows: spread over the heads
 #endif
         const float* sk = sc + kh * G * span + t0 + t;
@@ -395,7 +387,7 @@ void weighted_values(float* accs, const float* sc, int64_t span, const C* v_cach
       }
     }
   });
-#if !LLMSERVE_DECODE_AVX512
+#if !LLMSERVE_VEC_AVX512
   if constexpr (std::is_same_v<C, c10::BFloat16>) interleave_even_odd(accs, G * kv_heads * head_dim);
 #endif
 }
@@ -404,7 +396,7 @@ void weighted_values(float* accs, const float* sc, int64_t span, const C* v_cach
 // the longest row (head_dim 128 in bf16).
 alignas(64) constexpr uint8_t kZeroRow[256] = {};
 
-#if LLMSERVE_DECODE_AVX512
+#if LLMSERVE_VEC_AVX512
 // Two keys' value rows a, b interleaved by unpacklo/hi_epi16 into (a[d], b[d]) pairs give, for each
 // 32 dims, sums in the order 0-3, 8-11, 16-19, 24-27 (the unpacklo vector) | 4-7, 12-15, 20-23, 28-31
 // (the unpackhi one). Puts `count` such sums (a multiple of 32) back in order.

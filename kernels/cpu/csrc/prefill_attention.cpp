@@ -30,7 +30,7 @@ constexpr int64_t kKeys = 16, kLanes = 16;
 // 6 keys (12 ymm of sums, the query's two halves, a broadcast key element: 8 loads per 12 multiply-
 // adds), then the rest; P.V 6 dims (12 ymm of sums, a weight vector's two halves, a broadcast value),
 // then the rest. Twice as many sums would not fit: they would go to the stack and back every step.
-#if defined(__AVX512F__)
+#if LLMSERVE_VEC_AVX512
 constexpr int64_t kScoreKeys = 16, kPvDims = 16;
 #else
 constexpr int64_t kScoreKeys = 6, kPvDims = 6;
@@ -39,7 +39,7 @@ constexpr int64_t kScoreKeys = 6, kPvDims = 6;
 // Keeps a weight vector in registers for the P.V multiply-adds that share it. Under AVX2 GCC otherwise
 // reads it again from the stack as a memory operand of each multiply-add (three loads per two
 // multiply-adds instead of two per three); with 32 zmm it is in registers anyway.
-#if defined(__AVX512F__)
+#if LLMSERVE_VEC_AVX512
 LLMSERVE_INLINE void in_registers(vf&) {}
 #else
 LLMSERVE_INLINE void in_registers(vf& v) { asm("" : "+x"(v.lo), "+x"(v.hi)); }

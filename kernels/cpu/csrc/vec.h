@@ -5,8 +5,10 @@
 #pragma once
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define LLMSERVE_VEC_AVX512 1  // for code whose best form depends on the register file (32 zmm or 16 ymm)
 #include "vec_avx512.h"
 #elif defined(__AVX2__) && defined(__FMA__)
+#define LLMSERVE_VEC_AVX512 0
 #include "vec_avx2.h"
 #else
 #error "llmserve CPU kernels are built per ISA level: AVX2+FMA at least (kernels/cpu/isa.py chooses the flags)"
