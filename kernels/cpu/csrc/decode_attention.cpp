@@ -396,6 +396,19 @@ void weighted_values(float* accs, const float* sc, int64_t span, const C* v_cach
 // the longest row (head_dim 128 in bf16).
 alignas(64) constexpr uint8_t kZeroRow[256] = {};
 
+// The weights of nt <= 16 keys (from `sc`, each head's `span` apart) times their value rows' scales
+// `vs`, as int16 with one scale per head (round half to even; error 2^-16 of the largest, far below
+// the bf16 rounding of the bf16 path): w16[j] holds head j's, then zeros.
+template <int G>
+LLMSERVE_INLINE void weights_int16(int16_t (&w16)[G][32], float (&w_scale)[G], const float* sc, int64_t span, int64_t nt, vf vs) {
+  for (int j = 0; j < G; ++j) {
+    const vf w = mul(load_lanes(sc + j * span, nt), vs);
+    const float w_max = reduce_max(w);  // weights are >= 0
+    w_scale[j] = w_max / 32767.f;
+    if (w_max > 0.f) _mm256_store_si256(reinterpret_cast<__m256i*>(w16[j]), to_int16(mul(w, set1(32767.f / w_max))));
+  }
+}
+
 #if LLMSERVE_VEC_AVX512
 // Two keys' value rows a, b interleaved by unpacklo/hi_epi16 into (a[d], b[d]) pairs give, for each
 // 32 dims, sums in the order 0-3, 8-11, 16-19, 24-27 (the unpacklo vector) | 4-7, 12-15, 20-23, 28-31
@@ -431,14 +444,7 @@ void weighted_values(float* accs, const float* sc, int64_t span, const int8_t* v
         const __m512 vs = row_scales16(v0, kv_row, nt, head_dim);
         alignas(64) int16_t w16[G][32] = {};  // the 16 keys' weights, then zeros (a key without a partner)
         float w_scale[G];
-        for (int j = 0; j < G; ++j) {
-          const __m512 w = _mm512_mul_ps(_mm512_maskz_loadu_ps(tail_mask(nt), sc + (kh * G + j) * span + t0 + t), vs);
-          const float w_max = _mm512_reduce_max_ps(w);  // weights are >= 0
-          w_scale[j] = w_max / 32767.f;
-          if (w_max > 0.f)
-            _mm256_store_si256(reinterpret_cast<__m256i*>(w16[j]),
-                               _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(w, _mm512_set1_ps(32767.f / w_max)))));
-        }
+        weights_int16<G>(w16, w_scale, sc + kh * G * span + t0 + t, span, nt, vs);
         __m512i acc[G][NV];
         for (int j = 0; j < G; ++j)
           for (int v = 0; v < NV; ++v) acc[j][v] = _mm512_setzero_si512();
@@ -491,19 +497,9 @@ void weighted_values(float* accs, const float* sc, int64_t span, const int8_t* v
         prefetch_share(ahead, t, ahead_rows, kh, kv_heads, kv_row);
         const int8_t* v0 = vb + t * kv_row + kh * head_row;
         const vf vs = row_scales16(v0, kv_row, nt, head_dim);
-        alignas(32) int16_t w16[G][32] = {};  // the 16 keys' weights, then zeros (a key without a partner)
+        alignas(64) int16_t w16[G][32] = {};  // the 16 keys' weights, then zeros (a key without a partner)
         float w_scale[G];
-        for (int j = 0; j < G; ++j) {
-          const vf w = mul(load_lanes(sc + (kh * G + j) * span + t0 + t, nt), vs);
-          const float w_max = reduce_max(w);  // weights are >= 0
-          w_scale[j] = w_max / 32767.f;
-          if (w_max > 0.f) {
-            const vf x = mul(w, set1(32767.f / w_max));
-            // packs works per 128-bit half ([lo 0-3, hi 0-3, lo 4-7, hi 4-7]): reorder the quarters.
-            const __m256i packed = _mm256_packs_epi32(_mm256_cvtps_epi32(x.lo), _mm256_cvtps_epi32(x.hi));
-            _mm256_store_si256(reinterpret_cast<__m256i*>(w16[j]), _mm256_permute4x64_epi64(packed, 0xD8));
-          }
-        }
+        weights_int16<G>(w16, w_scale, sc + kh * G * span + t0 + t, span, nt, vs);
         float* ak = accs + kh * G * head_dim;
         for (int c = 0; c < NV; ++c) {  // 16 dims at a time
           __m256i acc[G][2];

@@ -151,6 +151,13 @@ LLMSERVE_INLINE __m256i to_bf16_bits(vf v) {
   return _mm256_permute4x64_epi64(packed, 0xD8);
 }
 
+// Rounded to int32 (half to even), then narrowed to 16 int16 in lane order (values in int16 range).
+LLMSERVE_INLINE __m256i to_int16(vf v) {
+  // packs works per 128-bit half ([lo 0-3, hi 0-3, lo 4-7, hi 4-7]): reorder the quarters.
+  const __m256i packed = _mm256_packs_epi32(_mm256_cvtps_epi32(v.lo), _mm256_cvtps_epi32(v.hi));
+  return _mm256_permute4x64_epi64(packed, 0xD8);
+}
+
 LLMSERVE_INLINE void store16(float* p, vf v, vm m) {
   _mm256_maskstore_ps(p, _mm256_castps_si256(m.lo), v.lo);
   _mm256_maskstore_ps(p + 8, _mm256_castps_si256(m.hi), v.hi);

@@ -98,6 +98,9 @@ LLMSERVE_INLINE __m256i to_bf16_bits(vf v) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
+// Rounded to int32 (half to even), then narrowed to 16 int16 in lane order (values in int16 range).
+LLMSERVE_INLINE __m256i to_int16(vf v) { return _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(v)); }
+
 LLMSERVE_INLINE void store16(float* p, vf v, vm m) { _mm512_mask_storeu_ps(p, m, v); }
 LLMSERVE_INLINE void store16(float* p, vf v) { _mm512_storeu_ps(p, v); }
 LLMSERVE_INLINE void store16(c10::BFloat16* p, vf v, vm m) { _mm256_mask_storeu_epi16(p, m, to_bf16_bits(v)); }
