@@ -32,6 +32,8 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import msgspec  # noqa: E402
+
 from kernels.cpu import isa  # noqa: E402
 from loadtests.results import write_json  # noqa: E402
 
@@ -64,7 +66,7 @@ def worker(args) -> dict[str, Any]:
     ns = be.parse_args(["--dtype", args.dtype, "--threads", str(args.threads), "--num-prompts", str(args.num_prompts),
                         "--output-len", str(args.output_len), "--batched-tokens", "512", "--skip-hf", "--skip-mix"])
     ops = cpu_ops()
-    level = "torch" if ops is None else next(lv.name for lv in reversed(isa.supported_levels()))
+    level = "torch" if ops is None else isa.best_level().name
     llm = be.make_llm(ns, max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=512)
     tok = llm.tokenizer
     corpus = corpus_token_ids(lambda s: tok.encode(s, add_special_tokens=False), tok.all_special_ids)
@@ -122,12 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=DEFAULT_OUT)
     args = p.parse_args(argv)
     if args.worker:
-        import msgspec
-
         print(msgspec.json.encode(worker(args)).decode())
         return 0
 
     from loadtests import ceiling
+    from shared.engine.models.config import ModelConfig
 
     configs = configurations()
     print(f"bench_isa  {isa.cpu_name()}  threads={args.threads}  {args.num_prompts} prompts x {args.output_len} "
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     best = {label: dict(offline_tok_s=max(r["offline_tok_s"] for r in rs),
                         single_tpot_ms=min(r["single_tpot_ms"] for r in rs)) for label, rs in runs.items()}
     first = runs["avx2 bf16"][0]
-    flops = ceiling.run_flops(_config(first["model_config"]), first["prompt_lens"], args.output_len)
+    flops = ceiling.run_flops(msgspec.convert(first["model_config"], ModelConfig), first["prompt_lens"], args.output_len)
     avx2_peak = ceiling.bf16_peak_gflops(args.threads, level="avx2")
     avx2_ceiling = first["num_output_tokens"] / ceiling.ceiling_seconds(flops, avx2_peak)
     avx2, torch_fp32 = best["avx2 bf16"], best["fp32 torch"]
@@ -170,14 +171,6 @@ def main(argv: list[str] | None = None) -> int:
                runs=runs, best=best, summary=summary, started=time.strftime("%Y-%m-%dT%H:%M:%S"))
     print(f"wrote {write_json(args.out, res)}")
     return 0
-
-
-def _config(raw: dict[str, Any]):
-    from shared.engine.models.config import ModelConfig
-
-    import msgspec
-
-    return msgspec.convert(raw, ModelConfig) if not isinstance(raw, ModelConfig) else raw
 
 
 if __name__ == "__main__":
