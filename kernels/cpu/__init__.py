@@ -25,18 +25,22 @@ def enabled() -> bool:
     return os.environ.get(KERNELS_ENV, "1").lower() not in ("0", "false", "no", "off")
 
 
-def unavailable_reason() -> str:
-    """Why ``cpu_ops()`` is None (empty when it is not)."""
+def _find():
+    """(the best level's ops, "") or (None, why there are none)."""
     if not enabled():
-        return f"switched off ({KERNELS_ENV}=0)"
+        return None, f"switched off ({KERNELS_ENV}=0)"
     best = isa.best_level()
     if best is None:
-        return f"no kernel level runs on this CPU: {isa.why_not(isa.LEVELS[0])}"
+        return None, f"no kernel level runs on this CPU: {isa.why_not(isa.LEVELS[0])}"
     try:
-        load(best)
+        return ops_at(best.name), ""
     except KernelBuildError as exc:
-        return str(exc)
-    return ""
+        return None, str(exc)
+
+
+def unavailable_reason() -> str:
+    """Why ``cpu_ops()`` is None (empty when it is not)."""
+    return _find()[1]
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,14 +57,7 @@ def ops_at(level_name: str):
 def cpu_ops():
     """The best level's ops, or None (see ``unavailable_reason``). Decided once per process;
     ``cpu_ops.cache_clear()`` re-reads the environment."""
-    if not enabled():
-        return None
-    best = isa.best_level()
-    if best is None:
-        log.warning("CPU kernels unavailable, using the unfused torch path: %s", isa.why_not(isa.LEVELS[0]))
-        return None
-    try:
-        return ops_at(best.name)
-    except KernelBuildError as exc:
-        log.warning("CPU kernels unavailable, using the unfused torch path: %s", exc)
-        return None
+    ops, reason = _find()
+    if ops is None and enabled():
+        log.warning("CPU kernels unavailable, using the unfused torch path: %s", reason)
+    return ops
