@@ -66,7 +66,7 @@ from shared.engine.default_model import default_model_path
 from shared.engine.engine import EngineConfig
 from shared.engine.llm import LLM
 from shared.engine.quantization import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES, QUANTIZATION_HELP, QUANTIZATIONS
-from shared.engine.sampling_params import SamplingParams
+from shared.wire.sampling_params import SamplingParams
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_engine.json")
 

@@ -61,7 +61,7 @@ def worker(args) -> dict[str, Any]:
     from kernels.cpu import cpu_ops
     from loadtests import bench_engine as be
     from loadtests.workloads import corpus_token_ids
-    from shared.engine.sampling_params import SamplingParams
+    from shared.wire.sampling_params import SamplingParams
 
     ns = be.parse_args(["--dtype", args.dtype, "--threads", str(args.threads), "--num-prompts", str(args.num_prompts),
                         "--output-len", str(args.output_len), "--batched-tokens", "512", "--skip-hf", "--skip-mix"])

@@ -42,7 +42,7 @@ from loadtests.results import write_json  # noqa: E402
 from shared.engine import huge_pages  # noqa: E402
 from shared.engine.kv_cache import quantize_kv  # noqa: E402
 from shared.engine.memory import decoder_linear_shapes  # noqa: E402
-from shared.engine.models.int8_linear import quantize_rows  # noqa: E402
+from shared.engine.quantize_rows import quantize_rows  # noqa: E402
 from shared.engine.models.known_configs import KNOWN_CONFIGS  # noqa: E402
 from shared.engine.quantization import KV_CACHE_DTYPES  # noqa: E402
 

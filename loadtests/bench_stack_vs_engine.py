@@ -18,7 +18,7 @@ import random
 import sys
 import time
 
-from services.launcher import set_executor_openmp_policy  # noqa: E402 (imports no torch)
+from services.cli.launcher import set_executor_openmp_policy  # noqa: E402 (imports no torch)
 
 # Same OpenMP policy as the stack's executor; must precede torch's import.
 set_executor_openmp_policy(os.environ)
@@ -61,7 +61,7 @@ async def next_heartbeat_stats(nats_url: str):
     """The executor's counters from its next heartbeat (sent after this call starts)."""
     import nats
 
-    from shared import messages, subjects
+    from shared.wire import messages, subjects
 
     nc = await nats.connect(nats_url)
     try:
@@ -73,7 +73,7 @@ async def next_heartbeat_stats(nats_url: str):
 
 def run_engine(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     from shared.engine.engine import Engine, EngineConfig
-    from shared.engine.sampling_params import SamplingParams
+    from shared.wire.sampling_params import SamplingParams
 
     engine = Engine(EngineConfig(dtype=args.dtype, max_num_seqs=max(64, args.concurrency),
                                  max_num_batched_tokens=args.max_num_batched_tokens,
@@ -128,7 +128,7 @@ def run_stack(args: argparse.Namespace) -> dict:
     services, nats-server, redis-server, and this client; on a host with few cores, what the others
     take is what the executor does not get), and ``steps``: the executor's steps over the run, from its
     heartbeats (the warm-up request included)."""
-    from services.launcher import StackConfig, launch
+    from services.cli.launcher import StackConfig, launch
 
     stack = launch(StackConfig(port=0, dtype=args.dtype, max_num_seqs=max(64, args.concurrency),
                                max_num_batched_tokens=args.max_num_batched_tokens,

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.block_hash import hash_block, hash_prompt_blocks
+from shared.wire.block_hash import hash_block, hash_prompt_blocks
 
 # Pinned: a change here invalidates every hash published to the prefix index (bump the key version).
 KNOWN_HASH = 1261512939271970269  # hash_block(None, range(16))
@@ -19,7 +19,7 @@ def test_known_value() -> None:
 
 def test_stable_across_processes() -> None:
     code = (
-        "from shared.block_hash import hash_block, hash_prompt_blocks;"
+        "from shared.wire.block_hash import hash_block, hash_prompt_blocks;"
         "print(hash_block(None, list(range(16))));"
         "print(hash_prompt_blocks(list(range(100)), 16))"
     )

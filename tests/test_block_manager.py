@@ -2,9 +2,9 @@ import random
 
 import pytest
 
-from shared.block_hash import hash_block, hash_prompt_blocks
+from shared.wire.block_hash import hash_block, hash_prompt_blocks
 from shared.engine.block_manager import BlockManager
-from shared.engine.kv_events import (
+from shared.wire.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

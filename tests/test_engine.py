@@ -6,7 +6,7 @@ import pytest
 
 from shared.engine.engine import Engine, EngineConfig, PromptTooLongError
 from shared.engine.llm import LLM
-from shared.engine.sampling_params import SamplingParams
+from shared.wire.sampling_params import SamplingParams
 
 GREEDY = dict(temperature=0.0)
 

@@ -14,11 +14,11 @@ import random
 import pytest
 
 from helpers.levels import capped_at, needs_kernels
-from shared.block_hash import hash_block
+from shared.wire.block_hash import hash_block
 from shared.engine.engine import Engine, EngineConfig
-from shared.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from shared.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from shared.engine.llm import LLM
-from shared.engine.sampling_params import SamplingParams
+from shared.wire.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
 NUM_REQUESTS = 16

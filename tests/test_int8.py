@@ -181,7 +181,7 @@ def test_int8_engine_is_batch_invariant_and_holds_less_memory(smollm2_path):
     fp32 scales, int32 column sums and fp32 smoothing factors."""
     from shared.engine.engine import EngineConfig
     from shared.engine.llm import LLM
-    from shared.engine.sampling_params import SamplingParams
+    from shared.wire.sampling_params import SamplingParams
 
     llm = LLM(EngineConfig(model=smollm2_path, quantization="int8", memory_budget="512MiB"), progress=False)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -184,7 +184,7 @@ def llm_int8(smollm2_path):
 
 
 def _greedy(llm, prompts, max_tokens=24):
-    from shared.engine.sampling_params import SamplingParams
+    from shared.wire.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return [r.outputs[0].token_ids for r in llm.generate(prompts, params)]

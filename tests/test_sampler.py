@@ -7,7 +7,7 @@ from shared.engine.sampler import (
     SamplingBatch, apply_min_p, apply_penalties, apply_top_k_top_p, make_generator, pad_token_ids,
     sample,
 )
-from shared.engine.sampling_params import SamplingParams
+from shared.wire.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -3,7 +3,7 @@ import math
 import msgspec
 import pytest
 
-from shared.engine.sampling_params import SamplingParams, decode_sampling_params
+from shared.wire.sampling_params import SamplingParams, decode_sampling_params
 
 
 def test_defaults_are_valid_and_match_openai():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from shared.engine.block_manager import BlockManager
-from shared.engine.sampling_params import SamplingParams
+from shared.wire.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import Request, Sequence, SequenceStatus
 

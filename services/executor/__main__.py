@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from services.executor.service import ExecutorService, ExecutorServiceConfig
     from services.executor.worker import EngineWorker
-    from shared.bus import Bus
+    from shared.wire.bus import Bus
 
     log.info("%s: loading the model...", config.executor_id)
     engine = Engine(EngineConfig(

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 from services.executor.worker import (Abort, Aborted, Add, EngineWorker, Event, Failed, Outputs,
                                       Rejected)
-from shared import messages, subjects
-from shared.bus import Bus, BusError, Msg
-from shared.messages import CompletionDelta, RequestOutput, StreamError, StreamOutput
+from shared.wire import messages, subjects
+from shared.wire.bus import Bus, BusError, Msg
+from shared.wire.messages import CompletionDelta, RequestOutput, StreamError, StreamOutput
 
 log = logging.getLogger("llmserve.executor")
 

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from shared.engine.outputs import EngineStats, RequestOutput
-from shared.messages import ExecuteRequest
+from shared.wire.outputs import EngineStats, RequestOutput
+from shared.wire.messages import ExecuteRequest
 
 log = logging.getLogger("llmserve.executor.worker")
 

@@ -29,8 +29,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from shared.bus import Bus
-from shared.engine.outputs import RequestOutput
+from shared.wire.bus import Bus
+from shared.wire.outputs import RequestOutput
 
 from . import protocol
 from .config import TOKENIZER_AUTO, TOKENIZER_NONE, GatewayConfig

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from shared.messages import StreamError
+from shared.wire.messages import StreamError
 
 # OpenAI puts client mistakes under one type and tells them apart by ``code``.
 INVALID_REQUEST = "invalid_request_error"

@@ -22,10 +22,10 @@ from typing import Any, TypeVar
 
 import anyio
 
-from shared import subjects
-from shared.bus import Bus, BusError, BusTimeout
-from shared.engine.outputs import RequestOutput
-from shared.messages import (SCHEDULER_STATUS, SCHEDULER_STATUS_REQUEST, TOKENIZER_STATUS, TOKENIZER_STATUS_REQUEST,
+from shared.wire import subjects
+from shared.wire.bus import Bus, BusError, BusTimeout
+from shared.wire.outputs import RequestOutput
+from shared.wire.messages import (SCHEDULER_STATUS, SCHEDULER_STATUS_REQUEST, TOKENIZER_STATUS, TOKENIZER_STATUS_REQUEST,
                              GenerateRequest, SchedulerStatus, SchedulerStatusRequest, TokenizerStatus,
                              TokenizerStatusRequest)
 

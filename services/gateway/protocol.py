@@ -19,9 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from shared.engine.outputs import CompletionDelta, RequestOutput, TokenLogprobs
-from shared.engine.sampling_params import SamplingParams
-from shared.messages import ChatMessage, GenerateRequest
+from shared.wire.outputs import CompletionDelta, RequestOutput, TokenLogprobs
+from shared.wire.sampling_params import SamplingParams
+from shared.wire.messages import ChatMessage, GenerateRequest
 
 from .errors import bad_request, model_not_found
 from .openai_schema import ChatCompletionRequest, CompletionRequest

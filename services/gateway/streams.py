@@ -7,7 +7,7 @@
              executor frees its KV blocks; then UNSUB.
 
 Subscribe-before-publish on the same connection: the server registers the SUB before it sees the
-PUB, and every stream message is caused by that PUB, so none can be missed (see shared/bus.py).
+PUB, and every stream message is caused by that PUB, so none can be missed (see shared/wire/bus.py).
 Messages of one subject arrive in publish order, so deltas are applied in the executor's order.
 """
 
@@ -18,10 +18,10 @@ import time
 
 import msgspec
 
-from shared import subjects
-from shared.bus import Bus, BusError, BusNoResponders, BusTimeout, Subscription
-from shared.engine.outputs import RequestOutput
-from shared.messages import (ABORT_REQUEST, GENERATE_REQUEST, STREAM_MESSAGE, AbortRequest,
+from shared.wire import subjects
+from shared.wire.bus import Bus, BusError, BusNoResponders, BusTimeout, Subscription
+from shared.wire.outputs import RequestOutput
+from shared.wire.messages import (ABORT_REQUEST, GENERATE_REQUEST, STREAM_MESSAGE, AbortRequest,
                              GenerateRequest, StreamError, StreamOutput)
 
 from .errors import APIError, from_stream_error, request_timeout, service_unavailable

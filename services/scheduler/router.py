@@ -22,7 +22,7 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-from shared.messages import (ExecuteRequest, ExecutorHeartbeat, ExecutorStatus, RequestProgress,
+from shared.wire.messages import (ExecuteRequest, ExecutorHeartbeat, ExecutorStatus, RequestProgress,
                              SchedulerStatus, StreamError, TokenizedRequest)
 
 ROLES_THAT_DECODE = ("decode", "both")

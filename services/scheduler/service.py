@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass
 
 from services.scheduler.router import Action, Dispatch, Fail, Router, RouterConfig
-from shared import messages, subjects
-from shared.bus import Bus, BusError, Msg
+from shared.wire import messages, subjects
+from shared.wire.bus import Bus, BusError, Msg
 
 log = logging.getLogger("llmserve.scheduler")
 

@@ -12,9 +12,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from shared.block_hash import hash_prompt_blocks
+from shared.wire.block_hash import hash_prompt_blocks
 from shared.engine.tokenizer import ChatTemplateError, Tokenizer, read_gguf_metadata
-from shared.messages import GenerateRequest, StreamError, TokenizedRequest
+from shared.wire.messages import GenerateRequest, StreamError, TokenizedRequest
 
 
 class PromptError(ValueError):

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import msgspec
 
 from services.tokenizer.prompts import PromptError, PromptLimits, tokenize_request
-from shared import messages, subjects
-from shared.bus import Bus, BusError, BusNoResponders, BusTimeout, Msg
+from shared.wire import messages, subjects
+from shared.wire.bus import Bus, BusError, BusNoResponders, BusTimeout, Msg
 from shared.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("llmserve.tokenizer")

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
-from shared.block_hash import hash_block
-from shared.engine.kv_events import (
+from shared.wire.block_hash import hash_block
+from shared.wire.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

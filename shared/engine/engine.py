@@ -23,9 +23,9 @@ from shared.engine.models.int8_linear import calibration_text, int8_supported, q
 from shared.engine.models.loader import load_model, resolve_dtype, resolve_model_path
 from shared.engine.output_processor import OutputProcessor
 from shared.engine.quantization import KV_CACHE_DTYPES, QUANTIZATIONS, kv_dtype_name
-from shared.engine.outputs import EngineStats, RequestOutput
+from shared.wire.outputs import EngineStats, RequestOutput
 from shared.engine.sampler import SamplingBatch, make_generator, sample
-from shared.engine.sampling_params import SamplingParams
+from shared.wire.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import Request, Sequence, SequenceStatus
 from shared.engine.tokenizer import Tokenizer

@@ -19,7 +19,7 @@ import torch
 
 from shared.engine import huge_pages
 from shared.engine.models.config import ModelConfig
-from shared.engine.models.int8_linear import quantize_rows
+from shared.engine.quantize_rows import quantize_rows
 from shared.engine.quantization import KV_CACHE_DTYPES, KV_SCALE_BYTES
 
 

@@ -13,8 +13,8 @@ from typing import Sequence, Union
 from tqdm import tqdm
 
 from shared.engine.engine import Engine, EngineConfig
-from shared.engine.outputs import TokenLogprobs
-from shared.engine.sampling_params import SamplingParams
+from shared.wire.outputs import TokenLogprobs
+from shared.wire.sampling_params import SamplingParams
 
 Prompt = Union[str, list[int]]
 

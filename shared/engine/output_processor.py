@@ -7,7 +7,7 @@ a stop string); they are released once more text proves otherwise, or at the fin
 
 from __future__ import annotations
 
-from shared.engine.outputs import CompletionDelta, TokenLogprobs
+from shared.wire.outputs import CompletionDelta, TokenLogprobs
 from shared.engine.sequence import Sequence
 from shared.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 

@@ -28,8 +28,8 @@ import msgspec
 import torch
 
 from kernels.cpu import cpu_ops
-from shared.engine.outputs import TokenLogprobs
-from shared.engine.sampling_params import SamplingParams
+from shared.wire.outputs import TokenLogprobs
+from shared.wire.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
 

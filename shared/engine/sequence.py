@@ -14,8 +14,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.engine.outputs import TokenLogprobs
-from shared.engine.sampling_params import SamplingParams
+from shared.wire.outputs import TokenLogprobs
+from shared.wire.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

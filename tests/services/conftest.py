@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from services.launcher import Stack, StackConfig, launch
-from shared.servers import ServerProcess, start_nats, start_redis
+from services.cli.launcher import Stack, StackConfig, launch
+from services.cli.servers import ServerProcess, start_nats, start_redis
 
 
 @pytest.fixture(scope="session")

@@ -11,10 +11,10 @@ from typing import Any
 import httpx
 
 from services.tokenizer.prompts import prompt_token_ids
-from shared import subjects
-from shared.bus import Bus
-from shared.engine.sampling_params import SamplingParams
-from shared.messages import (SCHEDULER_STATUS, SCHEDULER_STATUS_REQUEST, ChatMessage, GenerateRequest,
+from shared.wire import subjects
+from shared.wire.bus import Bus
+from shared.wire.sampling_params import SamplingParams
+from shared.wire.messages import (SCHEDULER_STATUS, SCHEDULER_STATUS_REQUEST, ChatMessage, GenerateRequest,
                              SchedulerStatus, SchedulerStatusRequest)
 
 

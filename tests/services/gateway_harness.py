@@ -34,13 +34,13 @@ from typing import Any
 import httpx
 import pytest
 
-from shared import subjects
-from shared.bus import Bus
-from shared.engine.outputs import CompletionDelta, RequestOutput, TokenLogprobs
-from shared.messages import (ABORT_REQUEST, GENERATE_REQUEST, SCHEDULER_STATUS, STREAM_MESSAGE, TOKENIZER_STATUS,
+from shared.wire import subjects
+from shared.wire.bus import Bus
+from shared.wire.outputs import CompletionDelta, RequestOutput, TokenLogprobs
+from shared.wire.messages import (ABORT_REQUEST, GENERATE_REQUEST, SCHEDULER_STATUS, STREAM_MESSAGE, TOKENIZER_STATUS,
                              AbortRequest, ExecutorStatus, GenerateRequest, SchedulerStatus,
                              StreamError, StreamOutput, TokenizerStatus)
-from shared.servers import free_port
+from services.cli.servers import free_port
 
 FAKE_MODEL = "fake-model"
 NUM_PROMPT_TOKENS = 7

@@ -1,4 +1,4 @@
-"""shared.bus against a real nats-server: publish/subscribe, queue groups, request/reply and its
+"""shared.wire.bus against a real nats-server: publish/subscribe, queue groups, request/reply and its
 timeout, handler errors not killing a subscription, iterator subscriptions, max_payload."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from shared.bus import Bus, BusError, BusNoResponders, BusTimeout
-from shared.servers import start_nats
+from shared.wire.bus import Bus, BusError, BusNoResponders, BusTimeout
+from services.cli.servers import start_nats
 
 SUBJECT = "test.bus.a"
 

@@ -16,7 +16,7 @@ import pytest
 from e2e_harness import Reference, finish_reason, parse_sse, served_model, stream_text
 from websockets.sync.client import connect
 
-from services.launcher import Stack, StackConfig, launch
+from services.cli.launcher import Stack, StackConfig, launch
 
 API_KEY = "e2e-key"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]

@@ -13,9 +13,9 @@ import pytest
 
 from services.executor.service import ExecutorService, ExecutorServiceConfig
 from services.executor.worker import Abort, Aborted, Add, EngineWorker, Failed, Outputs, Rejected
-from shared import messages, subjects
-from shared.bus import Bus
-from shared.messages import (AbortRequest, CompletionDelta, EngineStats, ExecuteRequest, RequestOutput,
+from shared.wire import messages, subjects
+from shared.wire.bus import Bus
+from shared.wire.messages import (AbortRequest, CompletionDelta, EngineStats, ExecuteRequest, RequestOutput,
                              SamplingParams, StreamError, StreamOutput)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

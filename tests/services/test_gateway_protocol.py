@@ -10,8 +10,8 @@ import pytest
 from services.gateway import protocol
 from services.gateway.errors import APIError, from_stream_error
 from services.gateway.openai_schema import parse_chat_request, parse_completion_request
-from shared.engine.outputs import CompletionDelta, RequestOutput, TokenLogprobs
-from shared.messages import StreamError
+from shared.wire.outputs import CompletionDelta, RequestOutput, TokenLogprobs
+from shared.wire.messages import StreamError
 
 LIMITS = protocol.Limits(served_model="m", max_tokens_default=None)
 

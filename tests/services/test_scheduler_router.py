@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from services.scheduler.router import Dispatch, Fail, Router, RouterConfig
-from shared.messages import EngineStats, ExecutorHeartbeat, RequestProgress, SamplingParams, TokenizedRequest
+from shared.wire.messages import EngineStats, ExecutorHeartbeat, RequestProgress, SamplingParams, TokenizedRequest
 
 
 def hb(executor_id: str, *, epoch: str = "e1", free: int = 100, max_num_seqs: int = 2,

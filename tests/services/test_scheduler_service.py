@@ -10,9 +10,9 @@ import uuid
 
 from services.scheduler.router import RouterConfig
 from services.scheduler.service import SchedulerConfig, SchedulerService
-from shared import messages, subjects
-from shared.bus import Bus
-from shared.messages import (AbortRequest, EngineStats, ExecuteRequest, ExecutorHeartbeat, RequestProgress,
+from shared.wire import messages, subjects
+from shared.wire.bus import Bus
+from shared.wire.messages import (AbortRequest, EngineStats, ExecuteRequest, ExecutorHeartbeat, RequestProgress,
                              SamplingParams, StreamError, TokenizedRequest)
 
 STATS = EngineStats(num_running=0, num_waiting=0, num_total_blocks=100, num_free_blocks=100,

@@ -15,10 +15,10 @@ import pytest
 
 from services.tokenizer.prompts import PromptError, PromptLimits, model_context_len, tokenize_request
 from services.tokenizer.service import TokenizerService
-from shared import messages, subjects
-from shared.block_hash import hash_prompt_blocks
-from shared.bus import Bus
-from shared.messages import ChatMessage, GenerateRequest, SamplingParams, StreamError
+from shared.wire import messages, subjects
+from shared.wire.block_hash import hash_prompt_blocks
+from shared.wire.bus import Bus
+from shared.wire.messages import ChatMessage, GenerateRequest, SamplingParams, StreamError
 
 LIMITS = PromptLimits(max_model_len=64, block_size=4)
 

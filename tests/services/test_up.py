@@ -23,9 +23,9 @@ import time
 import httpx
 import pytest
 
-from services.launcher import (EXECUTOR_OPENMP_ENV, StackConfig, StackStartError, gateway_available, launch,
+from services.cli.launcher import (EXECUTOR_OPENMP_ENV, StackConfig, StackStartError, gateway_available, launch,
                                set_executor_openmp_policy)
-from shared.servers import (ServerStartError, detach_child, ephemeral_port_range, free_port, start_nats,
+from services.cli.servers import (ServerStartError, detach_child, ephemeral_port_range, free_port, start_nats,
                             start_redis)
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -37,6 +37,8 @@ import torch
 from torch import nn
 
 from shared.engine.models.packed_linear import PackedLinear
+from shared.engine.models.teacher_forcing import prefill_hidden
+from shared.engine.quantize_rows import quantize_rows
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +50,6 @@ def int8_supported(ops) -> bool:
     """Whether ``ops`` (the CPU kernel namespace, or None) can run the int8 linear here: every kernel
     level has it (VNNI, or AVX2's byte multiply-adds)."""
     return ops is not None
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per row: (q, scale) with ``q = round(x / scale)`` (half to even) in [-127, 127]
-    and ``scale = max|row| / 127``; a zero row gets scale 0 and q 0. ``x`` is fp32."""
-    amax = x.abs().amax(dim=-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    return torch.round(x * inv.unsqueeze(-1)).to(torch.int8), amax / 127.0
 
 
 def int8_linear_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, smooth: torch.Tensor | None,
@@ -146,8 +140,6 @@ def calibration_text() -> str:
 def input_maxima(model, token_ids: list[int]) -> dict[str, torch.Tensor]:
     """max|x| per input feature of every linear under ``model.layers`` (keyed by module name), over
     one prefill of ``token_ids``."""
-    from shared.engine.models.teacher_forcing import prefill_hidden
-
     maxima: dict[str, torch.Tensor] = {}
     hooks = []
     for name, module in model.layers.named_modules():

@@ -10,8 +10,8 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from shared.engine.outputs import CompletionDelta, EngineStats, RequestOutput, TokenLogprobs
-from shared.engine.sampling_params import SamplingParams
+from shared.wire.outputs import CompletionDelta, EngineStats, RequestOutput, TokenLogprobs
+from shared.wire.sampling_params import SamplingParams
 
 
 class ChatMessage(msgspec.Struct, kw_only=True, frozen=True):

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
 
     from shared.engine.engine import EngineConfig
     from shared.engine.llm import LLM
-    from shared.engine.sampling_params import SamplingParams
+    from shared.wire.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, n=args.n, stop=args.stop)

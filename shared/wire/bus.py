@@ -2,8 +2,8 @@
 
 Every service talks through ``Bus``: publish, request/reply with a clear ``BusTimeout``, callback
 subscriptions whose handler exceptions are logged (never killing the subscription) and iterator
-subscriptions for per-request streams. Subjects come from ``shared.subjects``; payloads are bytes
-(encode with ``shared.messages`` codecs).
+subscriptions for per-request streams. Subjects come from ``shared.wire.subjects``; payloads are bytes
+(encode with ``shared.wire.messages`` codecs).
 
 Ordering: NATS delivers the messages of one publisher connection to one subscription in publish order.
 A callback subscription runs its handler for one message at a time, so per-subscription order is kept

@@ -61,8 +61,8 @@ def _curl_example(base_url: str, model: str, api_key: str | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.launcher import StackConfig, StackStartError, launch, served_model_name
-    from shared.servers import ServerStartError
+    from services.cli.launcher import StackConfig, StackStartError, launch, served_model_name
+    from services.cli.servers import ServerStartError
 
     config = StackConfig(
         model=args.model, model_name=args.model_name, host=args.host, port=args.port,

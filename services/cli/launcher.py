@@ -27,7 +27,7 @@ import urllib.request
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 
-from shared.servers import (LOOPBACK, ServerProcess, detach_child, free_port, read_log_tail, start_nats,
+from services.cli.servers import (LOOPBACK, ServerProcess, detach_child, free_port, read_log_tail, start_nats,
                             start_redis)
 
 # How an executor's OpenMP threads wait between parallel regions (~10 per layer per step). Every
@@ -256,8 +256,8 @@ class Stack:
 
 
 async def _scheduler_has_executor(nats_url: str) -> bool:
-    from shared import messages, subjects
-    from shared.bus import Bus, BusError
+    from shared.wire import messages, subjects
+    from shared.wire.bus import Bus, BusError
 
     try:
         bus = await Bus.connect(nats_url, "launcher-probe", connect_timeout_s=2)

@@ -1,4 +1,4 @@
-"""``llmserve`` command line: one subcommand per module in ``services/commands/``.
+"""``llmserve`` command line: one subcommand per module in ``services/cli/commands/``.
 
 Each command module exposes ``add_parser(subparsers)`` and sets ``func(args) -> int`` as the parser
 default. Command modules keep their top-level imports light (no torch): every command's parser is built
@@ -16,9 +16,9 @@ from shared.engine.models.config import UnsupportedModelError
 
 # Add a command by adding its module here.
 COMMAND_MODULES: list[str] = [
-    "services.commands.plan",
-    "services.commands.generate",
-    "services.commands.up",
+    "services.cli.commands.plan",
+    "services.cli.commands.generate",
+    "services.cli.commands.up",
 ]
 
 # Errors a user can fix (bad flag value, missing file, unsupported model): one line, no traceback.
@@ -50,6 +50,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())
