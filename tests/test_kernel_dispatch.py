@@ -108,6 +108,38 @@ def test_a_compile_error_is_reported_and_recorded(tmp_path, monkeypatch):
     assert "'vf' was not declared" in (build.build_dir(level) / "build.failed").read_text()
 
 
+def test_a_built_library_is_loaded_without_the_compiler(tmp_path, monkeypatch):
+    """A library under its digest is used as it is, whichever checkout built it: cpp_extension is not
+    called (it would rebuild for sources at another path), and a build lock older than the library (left
+    by a killed build) does not hold it up."""
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
+    directory = build.build_dir(UNLOADED)
+    directory.mkdir(parents=True)
+    library = directory / f"{directory.name}.so"
+    library.write_bytes(b"")
+    os.utime(library, (1_000, 1_000))
+    (directory / "lock").touch()
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: pytest.fail("compiled again"))
+    loaded = []
+    monkeypatch.setattr(torch.ops, "load_library", loaded.append)
+    build.load(UNLOADED)
+    assert loaded == [str(library)]
+
+
+def test_a_library_being_linked_is_waited_for_within_a_bound(tmp_path, monkeypatch):
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(build, "_LOCK_WAIT_S", 0.2)
+    directory = build.build_dir(UNLOADED)
+    directory.mkdir(parents=True)
+    (directory / "lock").touch()
+    os.utime(directory / "lock", (1_000, 1_000))
+    (directory / f"{directory.name}.so").write_bytes(b"")  # newer than the lock: still being written
+    with pytest.raises(build.KernelBuildError, match="a kernel build has held .*lock for 0 s; if no build is running"):
+        build.load(UNLOADED)
+
+
 def test_no_compiler_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
     monkeypatch.setenv("CXX", "no-such-compiler")
