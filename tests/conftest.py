@@ -69,3 +69,8 @@ def ops(request):
 
         unavailable(f"no CPU kernel level runs here: {isa.why_not(isa.LEVELS[0])}")
     return ops_at_level(request.param)
+
+
+
+# The server fixtures (nats_url, redis_url, stack, pid_alive) for every layer: helpers/servers.py.
+pytest_plugins = ["helpers.servers"]
