@@ -87,8 +87,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         layer = os.path.relpath(item.path, TESTS_DIR).split(os.sep)[0]
         if layer not in LAYERS:
-            raise pytest.UsageError(
-                f"{item.nodeid}: a test file belongs in one of the layer folders tests/{{{','.join(LAYERS)}}}/")
+            folders = ", ".join(f"tests/{name}/" for name in LAYERS)
+            raise pytest.UsageError(f"{item.nodeid}: a test file belongs in a layer folder: {folders}")
         item.add_marker(getattr(pytest.mark, layer))
+
 
 # ============================================================================ end layers
