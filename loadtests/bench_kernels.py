@@ -30,21 +30,21 @@ import random
 import statistics
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from kernels.cpu import cpu_ops, isa  # noqa: E402
-from loadtests.results import write_json  # noqa: E402
-from shared.engine import huge_pages  # noqa: E402
-from shared.engine.kv_cache import quantize_kv  # noqa: E402
-from shared.engine.memory import decoder_linear_shapes  # noqa: E402
-from shared.engine.quantize_rows import quantize_rows  # noqa: E402
-from shared.engine.models.known_configs import KNOWN_CONFIGS  # noqa: E402
-from shared.engine.quantization import KV_CACHE_DTYPES  # noqa: E402
+from kernels.cpu import cpu_ops, isa
+from loadtests.results import write_json
+from shared.engine import huge_pages
+from shared.engine.kv_cache import quantize_kv
+from shared.engine.memory import decoder_linear_shapes
+from shared.engine.models.known_configs import KNOWN_CONFIGS
+from shared.engine.quantization import KV_CACHE_DTYPES
+from shared.engine.quantize_rows import quantize_rows
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_kernels.json")
 SMOLLM2 = KNOWN_CONFIGS["smollm2-135m"]  # 30 layers, 9 query heads sharing 3 KV heads of 64, hidden 576
@@ -138,14 +138,14 @@ def bench_linear(ops, rows: list[int], repeats: int) -> list[dict]:
     out = []
     for m in rows:
         xs = [torch.randn(m, k, generator=g).bfloat16() for _, k in LINEARS]
-        ours = median_ms(lambda: [ops.linear_bf16(x, w, n, None) for layer in ours_packed
+        ours = median_ms(lambda xs=xs: [ops.linear_bf16(x, w, n, None) for layer in ours_packed
                                   for x, w, (n, _) in zip(xs, layer, LINEARS)], repeats)
         row = dict(rows=m, linear_bf16_ms=ours, linear_bf16_gflops=flops_per_row * m / ours / 1e6)
         if onednn:
-            ms = median_ms(lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+            ms = median_ms(lambda xs=xs: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
                                     for layer in packed for x, w in zip(xs, layer)], repeats)
             row.update(onednn_packed_ms=ms, onednn_gflops=flops_per_row * m / ms / 1e6)
-        ms = median_ms(lambda: [ops.linear_int8(x, *w, None) for layer in int8 for x, w in zip(xs, layer)], repeats)
+        ms = median_ms(lambda xs=xs: [ops.linear_int8(x, *w, None) for layer in int8 for x, w in zip(xs, layer)], repeats)
         row.update(linear_int8_ms=ms, linear_int8_gops=flops_per_row * m / ms / 1e6)
         out.append(row)
     return out

@@ -19,15 +19,15 @@ import time
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from loadtests.results import write_json  # noqa: E402
-from loadtests.workloads import corpus_text  # noqa: E402
-from shared.engine.default_model import default_model_path  # noqa: E402
-from shared.engine.models import int8_linear  # noqa: E402
-from shared.engine.models.loader import load_model  # noqa: E402
-from shared.engine.models.teacher_forcing import all_position_logits, perplexity  # noqa: E402
-from shared.engine.tokenizer import Tokenizer  # noqa: E402
+from loadtests.results import write_json
+from loadtests.workloads import corpus_text
+from shared.engine.default_model import default_model_path
+from shared.engine.models import int8_linear
+from shared.engine.models.loader import load_model
+from shared.engine.models.teacher_forcing import all_position_logits, perplexity
+from shared.engine.tokenizer import Tokenizer
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_quality.json")
 

@@ -34,9 +34,9 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import httpx  # noqa: E402
+import httpx
 
-from loadtests.results import write_json  # noqa: E402
+from loadtests.results import write_json
 
 # Common English words: with a BPE vocabulary nearly all are one token after a space, so N words
 # approximate N tokens without a tokenizer (--tokenizer makes it exact).

@@ -18,15 +18,15 @@ import random
 import sys
 import time
 
-from services.cli.launcher import set_executor_openmp_policy  # noqa: E402 (imports no torch)
+from services.cli.launcher import set_executor_openmp_policy
 
 # Same OpenMP policy as the stack's executor; must precede torch's import.
 set_executor_openmp_policy(os.environ)
 
-from loadtests.bench_serving import RequestResult, make_prompts, parse_args as serving_args, print_report
-from loadtests.bench_serving import run as run_serving
-from loadtests.bench_serving import summarize
-from loadtests.results import write_json
+from loadtests.bench_serving import RequestResult, make_prompts, print_report, summarize  # noqa: E402 (after the OpenMP policy)
+from loadtests.bench_serving import parse_args as serving_args  # noqa: E402 (after the OpenMP policy)
+from loadtests.bench_serving import run as run_serving  # noqa: E402 (after the OpenMP policy)
+from loadtests.results import write_json  # noqa: E402 (after the OpenMP policy)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

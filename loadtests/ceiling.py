@@ -171,7 +171,7 @@ def peak_level() -> str:
     return next(n for n in reversed(names[: names.index(best.name) + 1]) if n in _SOURCES)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _library(level: str) -> ctypes.CDLL:
     flags, body = _SOURCES[level]
     with tempfile.TemporaryDirectory(prefix="llmserve_peak_") as build:  # loaded, the file can go

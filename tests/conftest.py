@@ -69,3 +69,27 @@ def ops(request):
 
         unavailable(f"no CPU kernel level runs here: {isa.why_not(isa.LEVELS[0])}")
     return ops_at_level(request.param)
+
+
+# =============================================================================================
+# Layers: each folder under tests/ is one layer and marks its tests with the layer's name
+# (registered in pyproject.toml; `make test-fast` runs `-m "wire or unit"`). A new test file gets
+# its marker from its folder; one outside every layer folder is a collection error.
+# The server fixtures (nats_url, redis_url, stack, pid_alive) are in helpers/servers.py.
+# =============================================================================================
+pytest_plugins = ["helpers.servers"]
+
+LAYERS = ("wire", "unit", "engine", "kernels", "services", "e2e")
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        layer = os.path.relpath(item.path, TESTS_DIR).split(os.sep)[0]
+        if layer not in LAYERS:
+            folders = ", ".join(f"tests/{name}/" for name in LAYERS)
+            raise pytest.UsageError(f"{item.nodeid}: a test file belongs in a layer folder: {folders}")
+        item.add_marker(getattr(pytest.mark, layer))
+
+
+# ============================================================================ end layers

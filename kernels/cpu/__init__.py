@@ -43,7 +43,7 @@ def unavailable_reason() -> str:
     return _find()[1]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def ops_at(level_name: str):
     """The ops of one level (raises KernelBuildError, or ValueError if the CPU cannot run it)."""
     lv = isa.level(level_name)
@@ -53,7 +53,7 @@ def ops_at(level_name: str):
     return load(lv)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cpu_ops():
     """The best level's ops, or None (see ``unavailable_reason``). Decided once per process;
     ``cpu_ops.cache_clear()`` re-reads the environment."""

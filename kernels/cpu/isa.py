@@ -47,7 +47,7 @@ def level(name: str) -> Level:
     raise ValueError(f"unknown CPU ISA level {name!r}: expected one of {', '.join(LEVEL_NAMES)}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as Linux names them (empty where /proc/cpuinfo is not readable)."""
     try:

@@ -10,7 +10,7 @@ from shared.wire.block_hash import hash_block, hash_prompt_blocks
 # Pinned: a change here invalidates every hash published to the prefix index (bump the key version).
 KNOWN_HASH = 1261512939271970269  # hash_block(None, range(16))
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_known_value() -> None:

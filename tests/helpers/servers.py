@@ -1,5 +1,6 @@
-"""Fixtures for service tests: a real nats-server and redis-server (never mocks), and a ``stack``
-factory that starts the whole stack as separate processes through the launcher ``llmserve up`` uses.
+"""Fixtures for the tests that need servers (a pytest plugin: tests/conftest.py loads it for every
+layer): a real nats-server and redis-server (never mocks), and a ``stack`` factory that starts the
+whole stack as separate processes through the launcher ``llmserve up`` uses.
 
     def test_x(nats_url): ...                   # session-scoped nats-server on a free port
     def test_y(redis_url): ...                  # session-scoped redis-server on a free port

@@ -8,7 +8,7 @@ import pytest
 from services.cli import main
 from shared.engine.default_model import default_model_path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_plan_table(capsys):
