@@ -1,4 +1,4 @@
-"""Engine benchmarks, all measured in one run (DESIGN §8: on a shared CPU only ratios mean something).
+"""Engine benchmarks, all measured in one run (on a shared CPU only ratios mean something).
 
 (a) Offline throughput: N prompts (seeded lengths in [64, 512], cut from real text tokenized by the
     engine's tokenizer), M greedy output tokens each (ignore_eos), through ``LLM.generate`` for each

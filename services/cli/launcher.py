@@ -32,10 +32,8 @@ from services.cli.servers import (LOOPBACK, ServerProcess, detach_child, free_po
 
 # How an executor's OpenMP threads wait between parallel regions (~10 per layer per step). Every
 # service shares the machine's cores with the executors, so libgomp's default (spin 300k iterations,
-# then sleep) starves them: a 16-sequence decode step went from ~100 ms to 0.6-1 s. PASSIVE (sleep at
-# once) pays a futex wake per region instead. A short bounded spin is the best of the three on this
-# 2-core host with the whole stack on it (bench_stack_vs_engine, 2026-11-29): 16 in flight 421 vs 350
-# output tok/s with PASSIVE, one stream TPOT 13.9 vs 17.6 ms.
+# then sleep) starves them, and PASSIVE (sleep at once) pays a futex wake per region. A short bounded
+# spin serves best with the whole stack on one host (measured in loadtests/RESULTS.md).
 EXECUTOR_OPENMP_ENV = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "3000"}
 
 

@@ -1,5 +1,5 @@
 """Prometheus metrics of the gateway, under the ``llmserve:`` prefix with vLLM's names where they
-apply at the API edge (DESIGN §6). One registry per app (not the process-global one), so several
+apply at the API edge. One registry per app (not the process-global one), so several
 apps can live in one test process.
 
 Latencies are measured here, at the edge, from the moment the request body is parsed:

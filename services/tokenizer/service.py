@@ -5,8 +5,8 @@ answers TOKENIZER_STATUS, which the gateway's /health asks.
 Both hand-offs are acknowledged: the tokenizer acks the gateway's request on receipt, and the
 scheduler acks each submit. So a request meets a missing service at once (NATS's "no responders"),
 as a 503 on its stream, instead of waiting out its timeout. Each submit waits for its ack in a task
-of its own, so the next request is taken and tokenized meanwhile (a request used to wait for every
-earlier one's ack round trip); ``stop`` waits for those tasks before the connection may close."""
+of its own, so the next request is taken and tokenized meanwhile instead of waiting for every earlier
+one's ack round trip; ``stop`` waits for those tasks before the connection may close."""
 
 from __future__ import annotations
 

@@ -2,11 +2,9 @@
 
 Why: a decode step streams every weight once and reads KV blocks scattered over the pool. On 4 KiB
 pages that is a TLB miss every 4 KiB, and the hardware prefetchers stop at each page boundary; on
-2 MiB pages neither happens. Measured over SmolLM2's 30 layers (``loadtests/bench_kernels.py``
-shapes, two runs each): bf16 linears at 1 row 7.2-8.8 -> 6.1-6.4 ms and at 8 rows 7.9-8.3 ->
-6.6-6.7 ms; decode attention over 32 x 400 tokens 16.4 -> 13.6 ms. A whole engine decode step
-gained less than this host's noise (three alternating runs at 1 sequence: 10.5-12.7 ms against
-11.9-13.9 ms on small pages; at 8: 14.2-16.3 against 14.8-20.4 ms).
+2 MiB pages neither happens. The memory-bound kernels gain (decode-sized bf16 linears and decode
+attention run about a fifth faster at SmolLM2's shapes); a whole decode step, by less than this
+host's noise. Measurements: ``loadtests/RESULTS.md``.
 
 ``madvise(MADV_HUGEPAGE)`` is asked for before the memory is first touched, so the kernel backs it
 with huge pages as it faults in. Only the 2 MiB-aligned interior of an allocation can be: the few

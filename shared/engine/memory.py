@@ -4,7 +4,7 @@
 exactly ``MemoryLedger.num_kv_blocks`` blocks, and ``llmserve plan`` prints the same ledger, so what a
 user plans is what the executor gets.
 
-KV pool layout (one K and one V tensor per layer, see DESIGN §3)::
+KV pool layout (one K and one V tensor per layer, see ``kv_cache.py``)::
 
     block:  0        1        2            num_kv_blocks-1
           [ pad  ][ usable ][ usable ] ... [ usable ]     each block = block_size token slots

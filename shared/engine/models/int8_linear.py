@@ -17,10 +17,9 @@ The scheme, chosen by measurement on SmolLM2-135M (``python -m loadtests.bench_q
   a fixed calibration text (``calibration.txt``) in the model dtype, before any layer is quantized.
 - The output head stays in the model dtype: its logits are sampled directly.
 
-Measured over 1,500 tokens of text (``bench_quality``), against fp32: perplexity fp32 11.53, bf16
-11.54, int8 11.68 (11.79 without smoothing); the top-1 token agrees with fp32's at 98.1% of positions
-in bf16, 94.2% in int8 (91.8% without smoothing). Offline throughput (``bench_engine`` (a)): figures
-in the README.
+Smoothing is what keeps int8 close to bf16 (``bench_quality`` perplexity: bf16 11.54, int8 11.68,
+int8 without smoothing 11.79). Quality and throughput figures: the README's benchmark table and
+``loadtests/RESULTS.md``.
 
 ``int8_linear_reference`` is the same maths in torch (exact integer sums in fp64): what the kernel is
 tested against, and what a layer runs with the kernels switched off (the engine refuses int8 without
