@@ -75,8 +75,7 @@ class Engine:
         torch.manual_seed(config.seed)
         path = resolve_model_path(config.model)
         self.model_name = os.path.basename(os.path.normpath(path))
-        self.tokenizer = (Tokenizer.from_pretrained_dir(path) if os.path.isdir(path)
-                          else Tokenizer.from_gguf(path))
+        self.tokenizer = Tokenizer.from_path(path)
         self.model = load_model(path, dtype=config.dtype, device=config.device, progress=progress)
         if config.quantization == "int8":
             if not int8_supported(self.model.cpu_ops):
