@@ -53,7 +53,8 @@ class EngineConfig:
     max_num_batched_tokens: int = _setting(512, "token budget of one engine step", type=int)
     max_num_seqs: int = _setting(64, "sequences one engine batches at once", type=int)
     max_model_len: int | None = _setting(None, "context length (default: the model's)", type=int)
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = _setting(
+        True, "reuse the KV cache blocks of prompt prefixes already computed", type=bool)
     num_threads: int | None = _setting(None, "torch intra-op threads (default: torch's choice)", type=int)
     seed: int = _setting(0, "seed of the engine's global random generator", type=int)
     # "int8": W8A8 decoder linears (CPU kernels); see int8_linear
