@@ -157,3 +157,20 @@ def test_env_value_names_a_bad_variable(monkeypatch):
     monkeypatch.setenv("LLMSERVE_TEST_FLAG", "maybe")
     with pytest.raises(SystemExit, match="LLMSERVE_TEST_FLAG must be one of 1/true/yes/on/0/false/no/off"):
         env_value("LLMSERVE_TEST_FLAG", bool)
+
+
+def test_prefix_caching_can_be_turned_off_on_every_command_line(monkeypatch):
+    """A setting added by its declaration alone (enable_prefix_caching) is on every command line,
+    read from its variable, and in the argv the launcher gives the executors."""
+    for parser in (command_parser(up), command_parser(generate), executor_parser()):
+        flags = engine_flags(parser)
+        assert "--enable-prefix-caching" in flags and "LLMSERVE_ENABLE_PREFIX_CACHING" in flags["--enable-prefix-caching"]
+    args = command_parser(generate).parse_args(["hi", "--no-enable-prefix-caching"])
+    assert EngineConfig.from_args(args).enable_prefix_caching is False
+    assert parse_executor_config([]).engine.enable_prefix_caching is True
+    monkeypatch.setenv("LLMSERVE_ENABLE_PREFIX_CACHING", "0")
+    assert parse_executor_config([]).engine.enable_prefix_caching is False
+    assert parse_executor_config(["--enable-prefix-caching"]).engine.enable_prefix_caching is True
+    config = StackConfig.of(enable_prefix_caching=False)
+    assert "--no-enable-prefix-caching" in executor_args(config, 0)
+    assert parse_executor_config(executor_args(config, 0)).engine.enable_prefix_caching is False
