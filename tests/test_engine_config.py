@@ -20,7 +20,7 @@ from services.executor.config import build_parser as executor_parser
 from services.executor.config import parse_config as parse_executor_config
 from services.runtime import env_value
 from services.tokenizer.config import TOKENIZER_ENGINE_SETTINGS
-from shared.engine.config import ENGINE_SETTINGS, WEIGHT_DTYPES, EngineConfig, add_engine_arguments, settings
+from shared.engine.config import ENGINE_SETTINGS, WEIGHT_DTYPES, EngineConfig, settings
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
 """``EngineConfig``: every engine setting declared once, importable without torch.
 
-Each field that carries a help text (``_setting``) is a command-line setting, and that one
+Each field declared with ``_setting`` is a command-line setting (a plain field is not), and that one
 declaration gives its default, its type and choices, its help, its flag ``--<name-with-dashes>`` and
 its environment variable ``LLMSERVE_<NAME>``. From it are derived, with nothing written per setting:
 
@@ -32,6 +32,7 @@ from shared.engine.quantization import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES, QUA
 WEIGHT_DTYPES = ("bfloat16", "float16", "float32")
 
 ENV_PREFIX = "LLMSERVE_"
+
 
 def _setting(default: Any, help: str, *, type: type = str, choices: tuple[Any, ...] | None = None) -> Any:
     """A command-line setting: a dataclass field whose metadata says how to read and show it.
