@@ -779,8 +779,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     from shared.engine.tokenizer import Tokenizer
 
-    tokenizer = (Tokenizer.from_pretrained_dir(args.model) if os.path.isdir(args.model)
-                 else Tokenizer.from_gguf(args.model))
+    tokenizer = Tokenizer.from_path(args.model)
     corpus = None
     if args.prompt_source == "text":
         corpus = corpus_token_ids(lambda s: tokenizer.encode(s, add_special_tokens=False),

@@ -118,7 +118,7 @@ def _token_counter(path: str | None):
     if path.endswith(".gguf") or os.path.isdir(path):
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         from shared.engine.tokenizer import Tokenizer
-        tok = Tokenizer.from_gguf(path) if path.endswith(".gguf") else Tokenizer.from_pretrained_dir(path)
+        tok = Tokenizer.from_path(path)
         return lambda text: len(tok.encode(text, add_special_tokens=False))
     from tokenizers import Tokenizer as HFTokenizer
     hf = HFTokenizer.from_file(path)

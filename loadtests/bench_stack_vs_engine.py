@@ -130,7 +130,7 @@ def run_stack(args: argparse.Namespace) -> dict:
     heartbeats (the warm-up request included)."""
     from services.cli.launcher import StackConfig, launch
 
-    stack = launch(StackConfig(port=0, dtype=args.dtype, max_num_seqs=max(64, args.concurrency),
+    stack = launch(StackConfig.of(port=0, dtype=args.dtype, max_num_seqs=max(64, args.concurrency),
                                max_num_batched_tokens=args.max_num_batched_tokens,
                                num_threads=args.num_threads, max_queue_len=1024))
     try:

@@ -14,39 +14,61 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
-__all__ = ["setup_logging", "run_service", "env_str", "env_int", "env_float"]
+__all__ = ["setup_logging", "run_service", "env_value", "env_str", "env_int", "env_float", "env_bool"]
+
+T = TypeVar("T")
 
 
 def setup_logging(service: str) -> None:
-    level = os.environ.get("LLMSERVE_LOG_LEVEL", "INFO").upper()
+    level = (env_str("LLMSERVE_LOG_LEVEL", None) or "INFO").upper()
     logging.basicConfig(level=level, stream=sys.stderr,
                         format=f"%(asctime)s {service}[{os.getpid()}] %(levelname)s %(name)s: %(message)s")
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: f"one of {'/'.join(_TRUE + _FALSE)}"}
+
+
+def env_value(name: str, type: Callable[[str], T]) -> T | None:
+    """The one place settings are read from the environment: ``$name`` as ``type`` (``str``, ``int``,
+    ``float`` or ``bool``: 1/true/yes/on or 0/false/no/off, any case), or None when it is unset or
+    empty. A value that does not parse ends the process with a message naming the variable."""
+    text = os.environ.get(name)
+    if text is None or text == "":
+        return None
+    if type is bool:
+        value = text.strip().lower()
+        if value in _TRUE + _FALSE:
+            return value in _TRUE  # type: ignore[return-value]
+    else:
+        try:
+            return type(text)
+        except ValueError:
+            pass
+    raise SystemExit(f"error: environment variable {name} must be {_TYPE_NAMES.get(type, type)}, got {text!r}")
+
+
 def env_str(name: str, default: str | None) -> str | None:
-    value = os.environ.get(name)
-    return value if value not in (None, "") else default
+    value = env_value(name, str)
+    return default if value is None else value
 
 
 def env_int(name: str, default: int | None) -> int | None:
-    value = env_str(name, None)
-    if value is None:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise SystemExit(f"error: environment variable {name} must be an integer, got {value!r}") from None
+    value = env_value(name, int)
+    return default if value is None else value
 
 
 def env_float(name: str, default: float | None) -> float | None:
-    value = env_str(name, None)
-    if value is None:
-        return default
-    try:
-        return float(value)
-    except ValueError:
-        raise SystemExit(f"error: environment variable {name} must be a number, got {value!r}") from None
+    value = env_value(name, float)
+    return default if value is None else value
+
+
+def env_bool(name: str, default: bool) -> bool:
+    value = env_value(name, bool)
+    return default if value is None else value
 
 
 def run_service(name: str, serve: Callable[[asyncio.Event], Awaitable[None]]) -> int:

@@ -25,10 +25,14 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 from services.cli.servers import (LOOPBACK, ServerProcess, detach_child, free_port, read_log_tail, start_nats,
                             start_redis)
+from services.executor.config import SERVED_ENGINE_DEFAULTS
+from services.tokenizer.config import TOKENIZER_ENGINE_SETTINGS
+from shared.engine.config import ENGINE_SETTINGS, EngineConfig
 
 # How an executor's OpenMP threads wait between parallel regions (~10 per layer per step). Every
 # service shares the machine's cores with the executors, so libgomp's default (spin 300k iterations,
@@ -44,7 +48,7 @@ def set_executor_openmp_policy(env: MutableMapping[str, str]) -> None:
 
 
 __all__ = ["StackConfig", "Stack", "ServiceProcess", "StackStartError", "launch", "gateway_available",
-           "served_model_name"]
+           "served_model_name", "executor_args", "tokenizer_args"]
 
 
 class StackStartError(RuntimeError):
@@ -53,22 +57,15 @@ class StackStartError(RuntimeError):
 
 @dataclass(frozen=True)
 class StackConfig:
-    model: str | None = None              # GGUF path / HF dir; None = the default SmolLM2
+    # Every executor's engine; its model (and max_model_len, block_size) also the tokenizers' and the
+    # gateway's. num_threads None: the cores divided among the executors (``_executor_threads``).
+    engine: EngineConfig = SERVED_ENGINE_DEFAULTS
     model_name: str | None = None         # name served at /v1/models (default: from the model)
     host: str = LOOPBACK
     port: int = 8000                      # 0 = a free port
     num_executors: int = 1
     num_tokenizers: int = 1
     num_schedulers: int = 1
-    dtype: str = "bfloat16"
-    quantization: str | None = None       # "int8": W8A8 decoder linears in every executor
-    kv_cache_dtype: str = "auto"          # "int8": int8 KV cache in every executor
-    memory_budget: str = "2GiB"
-    num_kv_blocks: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None
-    num_threads: int | None = None        # torch threads per executor (default: cores / executors)
     max_queue_len: int = 256
     heartbeat_timeout_s: float = 2.0
     no_executor_timeout_s: float = 10.0   # queued requests get 503 after this long without executors
@@ -82,18 +79,13 @@ class StackConfig:
     extra_env: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("num_executors", "num_tokenizers", "num_schedulers", "max_num_seqs",
-                     "max_num_batched_tokens"):
+        for name in ("num_executors", "num_tokenizers", "num_schedulers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_queue_len < 0:
             raise ValueError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
-            raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         for name in ("heartbeat_timeout_s", "no_executor_timeout_s", "ready_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -101,6 +93,15 @@ class StackConfig:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+
+    @classmethod
+    def of(cls, **settings: Any) -> StackConfig:
+        """A StackConfig from the keywords of StackConfig and EngineConfig alike (tests, benchmarks):
+        ``StackConfig.of(port=0, num_kv_blocks=128)``; engine settings not given keep the served
+        defaults."""
+        engine_names = {f.name for f in fields(EngineConfig)}
+        engine = {k: settings.pop(k) for k in list(settings) if k in engine_names}
+        return cls(engine=replace(SERVED_ENGINE_DEFAULTS, **engine), **settings)
 
 
 _TAIL_LINES = 40  # a service's last output lines kept for the message when it dies
@@ -307,19 +308,31 @@ def served_model_name(config: StackConfig) -> str:
     name without ``.gguf`` (the default model: its plain name)."""
     if config.model_name:
         return config.model_name
-    if config.model is None:
+    if config.engine.model is None:
         return DEFAULT_SERVED_MODEL_NAME
-    base = os.path.basename(os.path.normpath(config.model))
+    base = os.path.basename(os.path.normpath(config.engine.model))
     for suffix in (".gguf", ".GGUF"):
         base = base.removesuffix(suffix)
     return "-".join(base.split())
 
 
 def _executor_threads(config: StackConfig) -> int:
-    if config.num_threads is not None:
-        return config.num_threads
+    if config.engine.num_threads is not None:
+        return config.engine.num_threads
     # Executors on one machine share its cores; they must not each take all of them.
     return max(1, (os.cpu_count() or 1) // config.num_executors)
+
+
+def executor_args(config: StackConfig, index: int) -> list[str]:
+    """Executor ``index``'s command line, less the NATS URL: its whole engine config included."""
+    engine = replace(config.engine, num_threads=_executor_threads(config))
+    return ["--executor-id", f"executor-{index}", "--model-name", served_model_name(config),
+            "--drain-timeout", str(config.drain_timeout_s), *engine.to_argv()]
+
+
+def tokenizer_args(config: StackConfig) -> list[str]:
+    """A tokenizer's command line, less the NATS URL: the executors' model and prompt limits."""
+    return config.engine.to_argv(include=TOKENIZER_ENGINE_SETTINGS)
 
 
 def launch(config: StackConfig, progress: Callable[[str], None] | None = None,
@@ -347,41 +360,27 @@ def launch(config: StackConfig, progress: Callable[[str], None] | None = None,
         env = {**os.environ, "NATS_URL": nats_url, "REDIS_URL": redis_url, **dict(config.extra_env)}
         env.setdefault("PYTHONUNBUFFERED", "1")
         set_executor_openmp_policy(env)
-        model = ["--model", config.model] if config.model else []
+        # The engine settings reach the children by argv alone: a variable left in their environment
+        # would fill a setting the config leaves None (the model, say) differently from this config.
+        for setting in ENGINE_SETTINGS:
+            env.pop(setting.env, None)
         common = ["--nats-url", nats_url]
 
         for i in range(config.num_executors):
-            args = [*common, *model, "--executor-id", f"executor-{i}", "--dtype", config.dtype,
-                    "--model-name", served_model_name(config),
-                    "--memory-budget", config.memory_budget, "--max-num-seqs", str(config.max_num_seqs),
-                    "--max-num-batched-tokens", str(config.max_num_batched_tokens),
-                    "--num-threads", str(_executor_threads(config)),
-                    "--drain-timeout", str(config.drain_timeout_s)]
-            if config.num_kv_blocks is not None:
-                args += ["--num-kv-blocks", str(config.num_kv_blocks)]
-            if config.max_model_len is not None:
-                args += ["--max-model-len", str(config.max_model_len)]
-            if config.quantization is not None:
-                args += ["--quantization", config.quantization]
-            if config.kv_cache_dtype != "auto":
-                args += ["--kv-cache-dtype", config.kv_cache_dtype]
-            stack.start_service(f"executor-{i}", "services.executor", args, env)
+            stack.start_service(f"executor-{i}", "services.executor", [*common, *executor_args(config, i)], env)
         for i in range(config.num_schedulers):
             stack.start_service(f"scheduler-{i}", "services.scheduler",
                                 [*common, "--max-queue-len", str(config.max_queue_len),
                                  "--heartbeat-timeout", str(config.heartbeat_timeout_s),
                                  "--no-executor-timeout", str(config.no_executor_timeout_s)], env)
         for i in range(config.num_tokenizers):
-            args = [*common, *model]
-            if config.max_model_len is not None:
-                args += ["--max-model-len", str(config.max_model_len)]
-            stack.start_service(f"tokenizer-{i}", "services.tokenizer", args, env)
+            stack.start_service(f"tokenizer-{i}", "services.tokenizer", [*common, *tokenizer_args(config)], env)
         if has_gateway:
             args = [*common, "--host", config.host, "--port", str(port),
                     "--drain-timeout", str(config.drain_timeout_s)]
             args += ["--model-name", served_model_name(config)]
-            if config.model:
-                args += ["--tokenizer", config.model]
+            if config.engine.model:
+                args += ["--tokenizer", config.engine.model]
             if config.request_timeout_s is not None:
                 args += ["--request-timeout", str(config.request_timeout_s)]
             # The key goes through the environment, not argv: argv is visible to every user in `ps`.

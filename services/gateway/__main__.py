@@ -12,33 +12,23 @@ import os
 import sys
 from collections.abc import Sequence
 
-from services.runtime import setup_logging
+from services.runtime import env_bool, env_int, env_str, setup_logging
 
 from .config import TOKENIZER_AUTO, GatewayConfig
 
 
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise SystemExit(f"error: ${name} must be an integer, got {value!r}") from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__.split("\n")[0])
-    p.add_argument("--nats-url", default=os.environ.get("NATS_URL", "nats://127.0.0.1:4222"))
-    p.add_argument("--host", default=os.environ.get("LLMSERVE_GATEWAY_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=_env_int("LLMSERVE_GATEWAY_PORT", 8000))
-    p.add_argument("--model-name", default=os.environ.get("LLMSERVE_MODEL_NAME") or None,
+    p.add_argument("--nats-url", default=env_str("NATS_URL", "nats://127.0.0.1:4222"))
+    p.add_argument("--host", default=env_str("LLMSERVE_GATEWAY_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=env_int("LLMSERVE_GATEWAY_PORT", 8000))
+    p.add_argument("--model-name", default=env_str("LLMSERVE_MODEL_NAME", None),
                    help="the model name clients must send and /v1/models lists (default: the "
                         "names the live executors report)")
-    p.add_argument("--api-key", default=os.environ.get("LLMSERVE_API_KEY") or None,
+    p.add_argument("--api-key", default=env_str("LLMSERVE_API_KEY", None),
                    help="require 'Authorization: Bearer <key>' on /v1/* (env LLMSERVE_API_KEY)")
     p.add_argument("--access-log", action="store_true",
-                   default=os.environ.get("LLMSERVE_ACCESS_LOG", "").lower() in ("1", "true", "yes", "on"),
+                   default=env_bool("LLMSERVE_ACCESS_LOG", False),
                    help="log every HTTP request (env LLMSERVE_ACCESS_LOG=1); off by default, as the "
                         "launcher's readiness polls of /health would fill the log")
     p.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
@@ -47,12 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="max_tokens when a request gives none (default: 16 for completions, "
                         "until the context is full for chat)")
     p.add_argument("--model", "--tokenizer", dest="tokenizer",
-                   default=os.environ.get("LLMSERVE_MODEL") or TOKENIZER_AUTO,
+                   default=env_str("LLMSERVE_MODEL", TOKENIZER_AUTO),
                    help="the served model's GGUF file or HF directory; the gateway only reads its "
                         "vocabulary, to name logprobs tokens ('auto': the default model; 'none')")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, how long in-flight requests may take to finish")
-    p.add_argument("--log-level", default=os.environ.get("LLMSERVE_LOG_LEVEL", "info"))
+    p.add_argument("--log-level", default=env_str("LLMSERVE_LOG_LEVEL", "info"))
     return p
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -71,7 +70,7 @@ def load_token_text(spec: str) -> protocol.TokenText:
         except FileNotFoundError as e:
             log.warning("no tokenizer for logprobs (%s); tokens are named token_id:N", e)
             return protocol.token_id_text
-    tokenizer = Tokenizer.from_gguf(spec) if os.path.isfile(spec) else Tokenizer.from_pretrained_dir(spec)
+    tokenizer = Tokenizer.from_path(spec)
 
     @lru_cache(maxsize=65536)
     def token_text(token_id: int) -> str:

@@ -11,27 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 
-from services.scheduler.router import Action, Dispatch, Fail, Router, RouterConfig
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.router import Action, Dispatch, Fail, Router
 from shared.wire import messages, subjects
 from shared.wire.bus import Bus, BusError, Msg
 
 log = logging.getLogger("llmserve.scheduler")
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    nats_url: str
-    router: RouterConfig
-    tick_interval_s: float = 0.25
-    name: str = "scheduler"
-
-    def __post_init__(self) -> None:
-        if not self.nats_url:
-            raise ValueError("nats_url must not be empty")
-        if self.tick_interval_s <= 0:
-            raise ValueError(f"tick_interval_s must be > 0, got {self.tick_interval_s}")
 
 
 class SchedulerService:

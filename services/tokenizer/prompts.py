@@ -39,15 +39,6 @@ class PromptLimits:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
 
 
-def load_tokenizer(model: str) -> Tokenizer:
-    """The tokenizer alone (no weights): from a GGUF file or a Hugging Face directory."""
-    if os.path.isdir(model):
-        return Tokenizer.from_pretrained_dir(model)
-    if os.path.isfile(model):
-        return Tokenizer.from_gguf(model)
-    raise FileNotFoundError(f"model {model!r} is neither a GGUF file nor a directory")
-
-
 def model_context_len(model: str) -> int:
     """The model's trained context length, read from its metadata (default 2048, like the loader)."""
     if os.path.isdir(model):

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
 
 import msgspec
 
+from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.prompts import PromptError, PromptLimits, tokenize_request
 from shared.wire import messages, subjects
 from shared.wire.bus import Bus, BusError, BusNoResponders, BusTimeout, Msg
@@ -25,23 +25,6 @@ log = logging.getLogger("llmserve.tokenizer")
 
 # A scheduler acks a submit as soon as it has routed it; a live one takes well under a millisecond.
 SUBMIT_ACK_TIMEOUT_S = 5.0
-
-
-@dataclass(frozen=True)
-class TokenizerConfig:
-    nats_url: str
-    model: str
-    max_model_len: int | None = None   # None: the model's context length
-    block_size: int = 16
-    name: str = "tokenizer"
-
-    def __post_init__(self) -> None:
-        if not self.nats_url:
-            raise ValueError("nats_url must not be empty")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
 
 
 class TokenizerService:
@@ -115,9 +98,9 @@ class TokenizerService:
         await self.bus.publish(subjects.stream(error.request_id), messages.STREAM_MESSAGE.encode(error))
 
 
-async def serve(config: TokenizerConfig, tokenizer: Tokenizer, limits: PromptLimits,
-                stop: asyncio.Event) -> None:
+async def serve(config: TokenizerConfig, tokenizer: Tokenizer, stop: asyncio.Event) -> None:
     bus = await Bus.connect(config.nats_url, config.name)
+    limits = config.limits
     service = TokenizerService(bus, tokenizer, limits)
     await service.start()
     log.info("tokenizer ready (max_model_len=%d, block_size=%d)", limits.max_model_len, limits.block_size)

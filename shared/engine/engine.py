@@ -10,19 +10,19 @@ from __future__ import annotations
 
 import itertools
 import os
-from dataclasses import dataclass
 
 import torch
 
 from kernels.cpu import unavailable_reason
 from shared.engine.block_manager import BlockManager
+from shared.engine.config import EngineConfig
 from shared.engine.kv_cache import KVCache
 from shared.engine.memory import parse_bytes, plan_memory
 from shared.engine.model_runner import ModelRunner, ScheduledChunk
 from shared.engine.models.int8_linear import calibration_text, int8_supported, quantize_model_int8
-from shared.engine.models.loader import load_model, resolve_dtype, resolve_model_path
+from shared.engine.models.loader import load_model, resolve_model_path
 from shared.engine.output_processor import OutputProcessor
-from shared.engine.quantization import KV_CACHE_DTYPES, QUANTIZATIONS, kv_dtype_name
+from shared.engine.quantization import kv_dtype_name
 from shared.wire.outputs import EngineStats, RequestOutput
 from shared.engine.sampler import SamplingBatch, make_generator, sample
 from shared.wire.sampling_params import SamplingParams
@@ -34,39 +34,6 @@ class PromptTooLongError(ValueError):
     """The prompt (plus the requested output) does not fit the context or the KV pool."""
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str | None = None          # GGUF file or Hugging Face directory; None = SmolLM2-135M-Instruct
-    dtype: str = "bfloat16"
-    device: str = "cpu"
-    block_size: int = 16
-    memory_budget: str = "1GiB"       # weights + activations + KV; the KV pool gets what is left
-    num_kv_blocks: int | None = None  # overrides memory_budget (padding block included)
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    max_model_len: int | None = None  # default: the model's context
-    enable_prefix_caching: bool = True
-    num_threads: int | None = None    # torch intra-op threads; None leaves torch's default
-    seed: int = 0
-    quantization: str | None = None   # "int8": W8A8 decoder linears (CPU kernels); see int8_linear
-    kv_cache_dtype: str = "auto"      # "int8": K/V rows in int8 with a scale each; see kv_cache
-
-    def __post_init__(self) -> None:
-        resolve_dtype(self.dtype)
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
-            raise ValueError(f"num_kv_blocks must be at least 2 (block 0 is padding), got {self.num_kv_blocks}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
-        parse_bytes(self.memory_budget)
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {self.quantization!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-
-
 class Engine:
     def __init__(self, config: EngineConfig, *, progress: bool = True) -> None:
         self.config = config
@@ -75,8 +42,7 @@ class Engine:
         torch.manual_seed(config.seed)
         path = resolve_model_path(config.model)
         self.model_name = os.path.basename(os.path.normpath(path))
-        self.tokenizer = (Tokenizer.from_pretrained_dir(path) if os.path.isdir(path)
-                          else Tokenizer.from_gguf(path))
+        self.tokenizer = Tokenizer.from_path(path)
         self.model = load_model(path, dtype=config.dtype, device=config.device, progress=progress)
         if config.quantization == "int8":
             if not int8_supported(self.model.cpu_ops):

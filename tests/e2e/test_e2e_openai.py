@@ -26,7 +26,7 @@ CHAT = [{"role": "user", "content": "Name three colors."}]
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> Iterator[Stack]:
     log_dir = tmp_path_factory.mktemp("e2e-logs")
-    s = launch(StackConfig(port=0, num_kv_blocks=512, max_num_seqs=16, num_threads=1, dtype="float32",
+    s = launch(StackConfig.of(port=0, num_kv_blocks=512, max_num_seqs=16, num_threads=1, dtype="float32",
                            api_key=API_KEY, request_timeout_s=300, log_dir=str(log_dir)))
     yield s
     s.stop(grace_s=5.0)

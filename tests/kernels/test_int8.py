@@ -223,9 +223,9 @@ def test_int8_without_the_kernels_is_a_clear_error(monkeypatch, smollm2_path):
 def test_executor_takes_quantization_from_flag_or_environment(monkeypatch):
     from services.executor.__main__ import parse_config
 
-    assert parse_config(["--quantization", "int8"]).quantization == "int8"
-    assert parse_config([]).quantization is None
+    assert parse_config(["--quantization", "int8"]).engine.quantization == "int8"
+    assert parse_config([]).engine.quantization is None
     monkeypatch.setenv("LLMSERVE_QUANTIZATION", "int8")
-    assert parse_config([]).quantization == "int8"
+    assert parse_config([]).engine.quantization == "int8"
     with pytest.raises(SystemExit):
         parse_config(["--quantization", "int4"])

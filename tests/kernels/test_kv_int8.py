@@ -262,10 +262,10 @@ def test_kv_cache_dtype_is_checked_and_reaches_the_executor(monkeypatch):
         EngineConfig(kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         KVCache(KNOWN_CONFIGS["smollm2-135m"], 4, 16, torch.bfloat16, kv_cache_dtype="int4")
-    assert parse_config([]).kv_cache_dtype == "auto"
-    assert parse_config(["--kv-cache-dtype", "int8"]).kv_cache_dtype == "int8"
+    assert parse_config([]).engine.kv_cache_dtype == "auto"
+    assert parse_config(["--kv-cache-dtype", "int8"]).engine.kv_cache_dtype == "int8"
     monkeypatch.setenv("LLMSERVE_KV_CACHE_DTYPE", "int8")
-    assert parse_config([]).kv_cache_dtype == "int8"
+    assert parse_config([]).engine.kv_cache_dtype == "int8"
 
 
 def test_torch_path_int8_runner_never_writes_block_zero(runtime_bf16):

@@ -7,7 +7,12 @@ import json
 import sys
 from typing import Any
 
-from shared.engine.quantization import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES, QUANTIZATION_HELP, QUANTIZATIONS
+from services.runtime import env_value
+from shared.engine.config import EngineConfig, add_engine_arguments
+
+# --seed here is the sampling seed of every request (SamplingParams.seed), so the engine's global
+# seed keeps its default (and its environment variable).
+ENGINE_EXCLUDED = ("seed",)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -17,11 +22,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("prompts", nargs="*", help="prompt texts (or use --prompts-file)")
     parser.add_argument("--prompts-file", help="a file with one prompt per line ('-' for stdin)")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
-    parser.add_argument("--model", default=None, help=".gguf file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
-    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help=QUANTIZATION_HELP)
-    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_CACHE_DTYPE_HELP)
-    parser.add_argument("--memory-budget", default="1GiB", help="weights + activations + KV cache")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -29,8 +29,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--n", type=int, default=1)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    add_engine_arguments(parser, exclude=ENGINE_EXCLUDED)
     parser.set_defaults(func=run)
     return parser
 
@@ -43,15 +43,13 @@ def run(args: argparse.Namespace) -> int:
     if not prompts:
         raise ValueError("no prompts given: pass them as arguments or with --prompts-file")
 
-    from shared.engine.engine import EngineConfig
     from shared.engine.llm import LLM
     from shared.wire.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, n=args.n, stop=args.stop)
-    llm = LLM(EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
-                           kv_cache_dtype=args.kv_cache_dtype,
-                           memory_budget=args.memory_budget, num_threads=args.num_threads))
+    engine_config = EngineConfig.from_args(args, EngineConfig.from_env(env_value))
+    llm = LLM(engine_config)
     if args.chat:
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     results = llm.generate(prompts, params, progress=True)

@@ -1,7 +1,7 @@
 """`Tokenizer`: text ↔ token ids and chat prompts for one model, over Hugging Face `tokenizers`.
 
 Built from a GGUF file's metadata (`from_gguf`) or a Hugging Face `tokenizer.json` directory
-(`from_pretrained_dir`). BOS/EOS are added here, not by the backend's post-processor, so both sources
+(`from_pretrained_dir`); `from_path` picks the one a path is. BOS/EOS are added here, not by the backend's post-processor, so both sources
 follow one rule: `add_special_tokens=True` adds BOS iff the model says `add_bos_token` (EOS likewise).
 """
 
@@ -50,6 +50,16 @@ class Tokenizer:
         )
 
     # -- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_path(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """From a model path, as the loader takes it: a Hugging Face directory or a GGUF file."""
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            return cls.from_pretrained_dir(path)
+        if os.path.isfile(path):
+            return cls.from_gguf(path)
+        raise FileNotFoundError(f"tokenizer not found: {path!r} is neither a GGUF file nor a Hugging Face directory")
 
     @classmethod
     def from_gguf(cls, path_or_reader: str | os.PathLike[str] | Any) -> Tokenizer:

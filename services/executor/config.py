@@ -1,0 +1,62 @@
+"""The executor process's config: its engine's settings (declared once, in ``shared.engine.config``)
+and its own, from flags over the environment (a flag beats its variable)."""
+
+from __future__ import annotations
+
+import argparse
+import uuid
+from dataclasses import dataclass
+
+from services.runtime import env_str, env_value
+from shared.engine.config import EngineConfig, add_engine_arguments
+
+# The engine defaults of a served executor, here and in ``llmserve up``: the same as the engine's
+# (``LLM``, ``llmserve generate``) but a 2GiB budget, as a server's KV cache is its capacity.
+SERVED_ENGINE_DEFAULTS = EngineConfig(memory_budget="2GiB")
+
+
+@dataclass(frozen=True)
+class ExecutorProcessConfig:
+    nats_url: str
+    executor_id: str
+    model_name: str | None
+    engine: EngineConfig
+    heartbeat_interval_s: float
+    drain_timeout_s: float
+
+    def __post_init__(self) -> None:
+        if not self.nats_url:
+            raise ValueError("nats_url must not be empty")
+        if self.heartbeat_interval_s <= 0:
+            raise ValueError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m services.executor",
+                                description="One engine (role 'both') serving ExecuteRequests over NATS.")
+    p.add_argument("--nats-url", default=env_str("NATS_URL", "nats://127.0.0.1:4222"))
+    p.add_argument("--executor-id", default=env_str("LLMSERVE_EXECUTOR_ID", None),
+                   help="unique id (default: a random one)")
+    p.add_argument("--model-name", default=env_str("LLMSERVE_MODEL_NAME", None),
+                   help="the model name advertised to the gateway (default: the model file's name)")
+    p.add_argument("--heartbeat-interval", type=float, default=0.5)
+    p.add_argument("--drain-timeout", type=float, default=5.0,
+                   help="on SIGTERM, seconds in-flight requests may take to finish")
+    add_engine_arguments(p, SERVED_ENGINE_DEFAULTS)
+    return p
+
+
+def parse_config(argv: list[str] | None = None) -> ExecutorProcessConfig:
+    p = build_parser()
+    a = p.parse_args(argv)
+    try:
+        engine = EngineConfig.from_args(a, EngineConfig.from_env(env_value, SERVED_ENGINE_DEFAULTS))
+        return ExecutorProcessConfig(
+            nats_url=a.nats_url, executor_id=a.executor_id or f"executor-{uuid.uuid4().hex[:8]}",
+            model_name=a.model_name, engine=engine,
+            heartbeat_interval_s=a.heartbeat_interval, drain_timeout_s=a.drain_timeout)
+    except ValueError as e:
+        p.error(str(e))
+        raise
