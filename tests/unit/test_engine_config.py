@@ -22,7 +22,7 @@ from services.runtime import env_value
 from services.tokenizer.config import TOKENIZER_ENGINE_SETTINGS
 from shared.engine.config import ENGINE_SETTINGS, WEIGHT_DTYPES, EngineConfig, settings
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # The environment variables the commands read before the settings were declared once: unchanged.
 KNOWN_ENV = {"model": "LLMSERVE_MODEL", "dtype": "LLMSERVE_DTYPE", "device": "LLMSERVE_DEVICE",
