@@ -73,7 +73,9 @@ from shared.engine.quantization import (
 )
 from shared.wire.sampling_params import SamplingParams
 
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_engine.json")
+DEFAULT_OUT = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "results", "bench_engine.json"
+)
 
 
 def log(msg: str) -> None:
@@ -86,11 +88,24 @@ def engine_revision() -> dict[str, Any]:
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "shared/engine"], cwd=root,
-                               capture_output=True, text=True, check=True).stdout.split("\n")
-        return {"commit": head, "engine_modified_files": [line[3:] for line in dirty if line.strip()]}
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "shared/engine"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split("\n")
+        return {
+            "commit": head,
+            "engine_modified_files": [line[3:] for line in dirty if line.strip()],
+        }
     except (OSError, subprocess.CalledProcessError):
         return {"commit": None, "engine_modified_files": None}
 
@@ -115,7 +130,9 @@ def tune_malloc(threshold: int = 1 << 30) -> bool:
 
         libc = ctypes.CDLL("libc.so.6")
         m_trim_threshold, m_mmap_threshold = -1, -3
-        return bool(libc.mallopt(m_mmap_threshold, threshold)) and bool(libc.mallopt(m_trim_threshold, threshold))
+        return bool(libc.mallopt(m_mmap_threshold, threshold)) and bool(
+            libc.mallopt(m_trim_threshold, threshold)
+        )
     except (OSError, AttributeError):
         return False
 
@@ -124,52 +141,94 @@ def tune_malloc(threshold: int = 1 << 30) -> bool:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help=QUANTIZATION_HELP)
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_CACHE_DTYPE_HELP)
+    p.add_argument(
+        "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_CACHE_DTYPE_HELP
+    )
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (engine and HF)")
     p.add_argument("--memory-budget", default="1GiB", help="engine memory budget (weights+act+KV)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt-source", choices=("text", "random"), default="text")
-    p.add_argument("--quick", action="store_true",
-                   help="small sizes for a smoke run (8 prompts x 32 tokens; 12-request mix)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small sizes for a smoke run (8 prompts x 32 tokens; 12-request mix)",
+    )
     p.add_argument("--out", default=DEFAULT_OUT, help="JSON output path")
     p.add_argument("--skip-offline", action="store_true", help="skip (a)")
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline of (a)")
     p.add_argument("--skip-mix", action="store_true", help="skip (b) and (c)")
-    p.add_argument("--no-tune-malloc", dest="tune_malloc", action="store_false",
-                   help="keep glibc's default mmap/trim thresholds (see tune_malloc(); the default raises them)")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="measure each engine configuration / batching mode this many times (best is kept)")
-    p.add_argument("--profile", action="store_true",
-                   help="also profile prefill and decode steps of the engine (torch.profiler + cProfile)")
+    p.add_argument(
+        "--no-tune-malloc",
+        dest="tune_malloc",
+        action="store_false",
+        help="keep glibc's default mmap/trim thresholds (see tune_malloc(); the default raises them)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="measure each engine configuration / batching mode this many times (best is kept)",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile prefill and decode steps of the engine (torch.profiler + cProfile)",
+    )
     p.add_argument("--profile-only", action="store_true", help="only the profile")
     g = p.add_argument_group("(a) offline throughput")
     g.add_argument("--num-prompts", type=int, default=None, help="default 32 (quick: 8)")
     g.add_argument("--prompt-len", default="64,512", help="min,max prompt tokens")
     g.add_argument("--output-len", type=int, default=None, help="default 128 (quick: 32)")
     g.add_argument("--max-num-seqs", type=int, default=None, help="default: --num-prompts (>= 32)")
-    g.add_argument("--batched-tokens", default="512,1024",
-                   help="comma-separated max_num_batched_tokens values to try; the best is reported")
-    g.add_argument("--hf-dtypes", default="same,float32",
-                   help="dtypes of the transformers baselines ('same' = --dtype); the first is compared token by token")
-    g.add_argument("--hf-max-time", type=float, default=360.0,
-                   help="seconds; transformers generate stops early past this (stated in the output)")
+    g.add_argument(
+        "--batched-tokens",
+        default="512,1024",
+        help="comma-separated max_num_batched_tokens values to try; the best is reported",
+    )
+    g.add_argument(
+        "--hf-dtypes",
+        default="same,float32",
+        help="dtypes of the transformers baselines ('same' = --dtype); the first is compared token by token",
+    )
+    g.add_argument(
+        "--hf-max-time",
+        type=float,
+        default=360.0,
+        help="seconds; transformers generate stops early past this (stated in the output)",
+    )
     g = p.add_argument_group("(b)/(c) mixed short/long trace")
     g.add_argument("--mix-requests", type=int, default=None, help="default 32 (quick: 12)")
-    g.add_argument("--mix-batch", type=int, default=None,
-                   help="B: static batch size = the engine's max_num_seqs for both runs (default 8; quick 4)")
+    g.add_argument(
+        "--mix-batch",
+        type=int,
+        default=None,
+        help="B: static batch size = the engine's max_num_seqs for both runs (default 8; quick 4)",
+    )
     g.add_argument("--mix-prompt-len", default="32,256", help="min,max prompt tokens")
-    g.add_argument("--mix-short", type=int, default=None, help="short output tokens (default 16; quick 8)")
-    g.add_argument("--mix-long", type=int, default=None, help="long output tokens (default 256; quick 64)")
+    g.add_argument(
+        "--mix-short", type=int, default=None, help="short output tokens (default 16; quick 8)"
+    )
+    g.add_argument(
+        "--mix-long", type=int, default=None, help="long output tokens (default 256; quick 64)"
+    )
     g.add_argument("--mix-long-frac", type=float, default=0.25, help="fraction of long requests")
     g.add_argument("--mix-batched-tokens", type=int, default=512)
     args = p.parse_args(argv)
     q = args.quick
-    defaults = dict(num_prompts=8 if q else 32, output_len=32 if q else 128, mix_requests=12 if q else 32,
-                    mix_batch=4 if q else 8, mix_short=8 if q else 16, mix_long=64 if q else 256)
+    defaults = dict(
+        num_prompts=8 if q else 32,
+        output_len=32 if q else 128,
+        mix_requests=12 if q else 32,
+        mix_batch=4 if q else 8,
+        mix_short=8 if q else 16,
+        mix_long=64 if q else 256,
+    )
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -178,8 +237,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.prompt_len = _int_pair(args.prompt_len, "--prompt-len")
     args.mix_prompt_len = _int_pair(args.mix_prompt_len, "--mix-prompt-len")
     args.batched_tokens = [int(x) for x in args.batched_tokens.split(",") if x.strip()]
-    args.hf_dtypes = list(dict.fromkeys(args.dtype if d.strip() == "same" else d.strip()
-                                        for d in args.hf_dtypes.split(",") if d.strip()))
+    args.hf_dtypes = list(
+        dict.fromkeys(
+            args.dtype if d.strip() == "same" else d.strip()
+            for d in args.hf_dtypes.split(",")
+            if d.strip()
+        )
+    )
     if args.profile_only:
         args.profile = True
         args.skip_offline = args.skip_mix = True
@@ -199,10 +263,17 @@ def _int_pair(text: str, flag: str) -> tuple[int, int]:
 
 
 def make_llm(args, *, max_num_seqs: int, max_num_batched_tokens: int) -> LLM:
-    config = EngineConfig(model=args.model, dtype=args.dtype, memory_budget=args.memory_budget,
-                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                          num_threads=args.threads, seed=args.seed, quantization=args.quantization,
-                          kv_cache_dtype=args.kv_cache_dtype)
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        memory_budget=args.memory_budget,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        num_threads=args.threads,
+        seed=args.seed,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     llm = LLM(config, progress=False)
     torch.set_num_threads(args.threads)
     warm_up(llm)
@@ -246,8 +317,10 @@ def bench_engine_offline(args, prompts: list[list[int]]) -> dict[str, Any]:
         llm = make_llm(args, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=mbt)
         engine = llm.engine
         for rep in range(args.repeats):
-            log(f"(a) engine: {len(prompts)} prompts x {args.output_len} tokens, max_num_batched_tokens={mbt}, "
-                f"max_num_seqs={args.max_num_seqs} (repeat {rep + 1}/{args.repeats})")
+            log(
+                f"(a) engine: {len(prompts)} prompts x {args.output_len} tokens, max_num_batched_tokens={mbt}, "
+                f"max_num_seqs={args.max_num_seqs} (repeat {rep + 1}/{args.repeats})"
+            )
             hits0, stats0 = prefix_hits(llm), engine.stats()
             phase: dict[str, float] = {}
             original_step = engine.step
@@ -255,8 +328,11 @@ def bench_engine_offline(args, prompts: list[list[int]]) -> dict[str, Any]:
             def step(engine=engine, original_step=original_step, phase=phase):
                 # timestamps the end of the prefill phase (every prompt fully computed)
                 out = original_step()
-                if "prefill_done" not in phase and not engine.scheduler.waiting and all(
-                        s.num_uncomputed <= 1 for s in engine.scheduler.running):
+                if (
+                    "prefill_done" not in phase
+                    and not engine.scheduler.waiting
+                    and all(s.num_uncomputed <= 1 for s in engine.scheduler.running)
+                ):
                     phase["prefill_done"] = time.perf_counter()
                     phase["tokens_at_prefill_done"] = engine.stats().num_generated_tokens
                 return out
@@ -274,18 +350,29 @@ def bench_engine_offline(args, prompts: list[list[int]]) -> dict[str, Any]:
             stats = engine.stats()
             prefill_s = phase["prefill_done"] - t0
             decode_tokens = stats.num_generated_tokens - phase["tokens_at_prefill_done"]
-            run = dict(max_num_batched_tokens=mbt, max_num_seqs=args.max_num_seqs, repeat=rep,
-                       elapsed_s=elapsed, cpu_s=cpu, num_output_tokens=num_out,
-                       output_tokens_per_s=num_out / elapsed, output_tokens_per_cpu_s=num_out / cpu,
-                       total_tokens_per_s=(num_out + sum(map(len, prompts))) / elapsed,
-                       prefill_phase_s=prefill_s,
-                       decode_phase_tokens_per_s=decode_tokens / (elapsed - prefill_s),
-                       num_steps=stats.num_steps - stats0.num_steps, num_kv_blocks=engine.kv_cache.num_blocks,
-                       num_preemptions=stats.num_preemptions - stats0.num_preemptions,
-                       prefix_cache_hit_tokens=prefix_hits(llm) - hits0, load_avg=load_average())
-            log(f"    {num_out} tokens in {elapsed:.1f}s = {run['output_tokens_per_s']:.1f} tok/s "
+            run = dict(
+                max_num_batched_tokens=mbt,
+                max_num_seqs=args.max_num_seqs,
+                repeat=rep,
+                elapsed_s=elapsed,
+                cpu_s=cpu,
+                num_output_tokens=num_out,
+                output_tokens_per_s=num_out / elapsed,
+                output_tokens_per_cpu_s=num_out / cpu,
+                total_tokens_per_s=(num_out + sum(map(len, prompts))) / elapsed,
+                prefill_phase_s=prefill_s,
+                decode_phase_tokens_per_s=decode_tokens / (elapsed - prefill_s),
+                num_steps=stats.num_steps - stats0.num_steps,
+                num_kv_blocks=engine.kv_cache.num_blocks,
+                num_preemptions=stats.num_preemptions - stats0.num_preemptions,
+                prefix_cache_hit_tokens=prefix_hits(llm) - hits0,
+                load_avg=load_average(),
+            )
+            log(
+                f"    {num_out} tokens in {elapsed:.1f}s = {run['output_tokens_per_s']:.1f} tok/s "
                 f"({run['num_steps']} steps; prefill phase {prefill_s:.1f}s, decode phase "
-                f"{run['decode_phase_tokens_per_s']:.1f} tok/s)")
+                f"{run['decode_phase_tokens_per_s']:.1f} tok/s)"
+            )
             runs.append(run)
             if run["output_tokens_per_s"] >= max(r["output_tokens_per_s"] for r in runs):
                 best_outputs = [r.outputs[0].token_ids for r in results]
@@ -298,7 +385,9 @@ def bench_engine_offline(args, prompts: list[list[int]]) -> dict[str, Any]:
     return {"runs": runs, "best": best, "outputs": best_outputs, "model_config": model_config}
 
 
-def offline_ceiling(args, model_config, prompt_lens: list[int], best_tok_s: float) -> dict[str, Any]:
+def offline_ceiling(
+    args, model_config, prompt_lens: list[int], best_tok_s: float
+) -> dict[str, Any]:
     """The run's arithmetic at this host's measured peak (loadtests/ceiling.py): the most output
     tokens/s any engine could reach here (bf16 models; int8 decoder linears at the int8 peak)."""
     if args.dtype != "bfloat16":
@@ -311,13 +400,24 @@ def offline_ceiling(args, model_config, prompt_lens: list[int], best_tok_s: floa
         return dict(skipped=str(exc))
     seconds = ceiling.ceiling_seconds(flops, bf16, int8)
     tok_s = len(prompt_lens) * args.output_len / seconds
-    log(f"(a) ceiling: {sum(flops.values()) / 1e12:.2f} TFLOP at bf16 {bf16:.0f} GFLOP/s"
-        + (f", int8 {int8:.0f} GOPS" if int8 else "") + f" peak: >= {seconds:.2f} s, <= {tok_s:.0f} tok/s")
-    return dict(flops=flops, bf16_peak_gflops=bf16, int8_peak_gops=int8, seconds=seconds,
-                output_tokens_per_s=tok_s, best_fraction=best_tok_s / tok_s)
+    log(
+        f"(a) ceiling: {sum(flops.values()) / 1e12:.2f} TFLOP at bf16 {bf16:.0f} GFLOP/s"
+        + (f", int8 {int8:.0f} GOPS" if int8 else "")
+        + f" peak: >= {seconds:.2f} s, <= {tok_s:.0f} tok/s"
+    )
+    return dict(
+        flops=flops,
+        bf16_peak_gflops=bf16,
+        int8_peak_gops=int8,
+        seconds=seconds,
+        output_tokens_per_s=tok_s,
+        best_fraction=best_tok_s / tok_s,
+    )
 
 
-def bench_hf_offline(args, prompts: list[list[int]], pad_token_id: int, dtype_name: str) -> dict[str, Any]:
+def bench_hf_offline(
+    args, prompts: list[list[int]], pad_token_id: int, dtype_name: str
+) -> dict[str, Any]:
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -326,7 +426,8 @@ def bench_hf_offline(args, prompts: list[list[int]], pad_token_id: int, dtype_na
     log(f"(a) transformers: loading the same GGUF (dequantized to {dtype_name})")
     t0 = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(args.model), gguf_file=os.path.basename(args.model), dtype=dtype).eval()
+        os.path.dirname(args.model), gguf_file=os.path.basename(args.model), dtype=dtype
+    ).eval()
     load_s = time.perf_counter() - t0
 
     def batch(ps: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -334,8 +435,8 @@ def bench_hf_offline(args, prompts: list[list[int]], pad_token_id: int, dtype_na
         ids = torch.full((len(ps), width), pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(ps), width), dtype=torch.long)
         for i, p in enumerate(ps):  # left padding
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
         return ids, mask
 
     calls: list[float] = []
@@ -349,35 +450,63 @@ def bench_hf_offline(args, prompts: list[list[int]], pad_token_id: int, dtype_na
         calls.clear()
         with torch.inference_mode():
             out = model.generate(  # noqa: F821 (a closure cell, which `del model` below empties)
-                input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                do_sample=False, temperature=None, top_p=None, top_k=None,
-                pad_token_id=pad_token_id, max_time=max_time,
-                logits_processor=transformers.LogitsProcessorList([timestamps]))
-        return out[:, ids.shape[1]:]
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                pad_token_id=pad_token_id,
+                max_time=max_time,
+                logits_processor=transformers.LogitsProcessorList([timestamps]),
+            )
+        return out[:, ids.shape[1] :]
 
     rng = random.Random(12345)
     generate(random_prompts(model.config.vocab_size, range(17), [48, 80], rng), 4)  # warm-up
-    log(f"(a) transformers: batch of {len(prompts)} x {args.output_len} tokens "
-        f"(stops early past {args.hf_max_time:.0f}s)")
+    log(
+        f"(a) transformers: batch of {len(prompts)} x {args.output_len} tokens "
+        f"(stops early past {args.hf_max_time:.0f}s)"
+    )
     t0, c0 = time.perf_counter(), time.process_time()
     new = generate(prompts, args.output_len, max_time=args.hf_max_time)
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     num_new = new.shape[1]
     prefill_s = calls[0] - t0
-    decode_tokens_per_s = (num_new - 1) * len(prompts) / (elapsed - prefill_s) if num_new > 1 else None
+    decode_tokens_per_s = (
+        (num_new - 1) * len(prompts) / (elapsed - prefill_s) if num_new > 1 else None
+    )
     complete = num_new == args.output_len
     num_out = num_new * len(prompts)
-    log(f"    {num_out} tokens in {elapsed:.1f}s = {num_out / elapsed:.1f} tok/s"
-        + ("" if complete else f" (TRUNCATED at {num_new}/{args.output_len} tokens per prompt)"))
-    result = dict(dtype=dtype_name, load_s=load_s, elapsed_s=elapsed, cpu_s=cpu, output_tokens_per_cpu_s=num_out / cpu,
-                  batch_size=len(prompts),
-                  new_tokens_per_prompt=num_new, complete=complete, num_output_tokens=num_out,
-                  output_tokens_per_s=num_out / elapsed, prefill_phase_s=prefill_s,
-                  decode_phase_tokens_per_s=decode_tokens_per_s, load_avg=load_average(), padded_width=max(map(len, prompts)),
-                  measured=(f"full batch: {len(prompts)} prompts x {num_new} tokens" if complete else
-                            f"full batch of {len(prompts)} prompts, stopped by max_time after {num_new} of "
-                            f"{args.output_len} tokens each; tok/s is over what was generated"),
-                  outputs=new.tolist())
+    log(
+        f"    {num_out} tokens in {elapsed:.1f}s = {num_out / elapsed:.1f} tok/s"
+        + ("" if complete else f" (TRUNCATED at {num_new}/{args.output_len} tokens per prompt)")
+    )
+    result = dict(
+        dtype=dtype_name,
+        load_s=load_s,
+        elapsed_s=elapsed,
+        cpu_s=cpu,
+        output_tokens_per_cpu_s=num_out / cpu,
+        batch_size=len(prompts),
+        new_tokens_per_prompt=num_new,
+        complete=complete,
+        num_output_tokens=num_out,
+        output_tokens_per_s=num_out / elapsed,
+        prefill_phase_s=prefill_s,
+        decode_phase_tokens_per_s=decode_tokens_per_s,
+        load_avg=load_average(),
+        padded_width=max(map(len, prompts)),
+        measured=(
+            f"full batch: {len(prompts)} prompts x {num_new} tokens"
+            if complete
+            else f"full batch of {len(prompts)} prompts, stopped by max_time after {num_new} of "
+            f"{args.output_len} tokens each; tok/s is over what was generated"
+        ),
+        outputs=new.tolist(),
+    )
     del model
     gc.collect()
     return result
@@ -392,8 +521,12 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, Any]:
             n += 1
         prefixes.append(n)
     compared = min(len(theirs[0]), len(ours[0])) if theirs else 0
-    return dict(tokens_compared=compared, identical_prompts=sum(p == compared for p in prefixes),
-                num_prompts=len(prefixes), median_common_prefix=statistics.median(prefixes))
+    return dict(
+        tokens_compared=compared,
+        identical_prompts=sum(p == compared for p in prefixes),
+        num_prompts=len(prefixes),
+        median_common_prefix=statistics.median(prefixes),
+    )
 
 
 # ---- (b)/(c) mixed trace --------------------------------------------------------------------------
@@ -402,9 +535,16 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, Any]:
 MIX_MODES = ("continuous", "static", "static_padded")
 
 
-def run_trace(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], *, label: str,
-              static_batch: int | None, contiguous_limits: dict[str, list[int]],
-              padded: bool = False) -> dict[str, Any]:
+def run_trace(
+    llm: LLM,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    *,
+    label: str,
+    static_batch: int | None,
+    contiguous_limits: dict[str, list[int]],
+    padded: bool = False,
+) -> dict[str, Any]:
     """Run the trace; static_batch=None submits everything at once (continuous batching), else B at a
     time, each batch stepped to completion. padded: every member of a static batch decodes as many
     tokens as its longest and only its own max_tokens are counted. Records a KVSample before every
@@ -418,16 +558,25 @@ def run_trace(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], 
     def execute(chunks):
         running = engine.scheduler.running
         live = sum(s.num_computed_tokens for s in running) + sum(len(c.token_ids) for c in chunks)
-        contiguous = {name: sum(limit[index_of[s.request.request_id]] for s in running)
-                      for name, limit in contiguous_limits.items()}
+        contiguous = {
+            name: sum(limit[index_of[s.request.request_id]] for s in running)
+            for name, limit in contiguous_limits.items()
+        }
         samples.append(KVSample(live, engine.block_manager.num_used_blocks * bs, contiguous))
         return original_execute(chunks)
 
     engine.runner.execute = execute  # instance attribute shadows the method; removed below
-    hits0, steps0, pre0 = prefix_hits(llm), engine.stats().num_steps, engine.scheduler.num_preemptions
+    hits0, steps0, pre0 = (
+        prefix_hits(llm),
+        engine.stats().num_steps,
+        engine.scheduler.num_preemptions,
+    )
     n = len(prompts)
-    groups = [range(n)] if static_batch is None else [range(i, min(i + static_batch, n))
-                                                       for i in range(0, n, static_batch)]
+    groups = (
+        [range(n)]
+        if static_batch is None
+        else [range(i, min(i + static_batch, n)) for i in range(0, n, static_batch)]
+    )
     num_tokens = [0] * n
     finish_s = [0.0] * n
     try:
@@ -437,8 +586,11 @@ def run_trace(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], 
             for i in group:
                 rid = f"{label}-{i}"
                 index_of[rid] = i
-                engine.add_request(rid, prompts[i], msgspec.structs.replace(params[i], max_tokens=longest)
-                                   if padded else params[i])
+                engine.add_request(
+                    rid,
+                    prompts[i],
+                    msgspec.structs.replace(params[i], max_tokens=longest) if padded else params[i],
+                )
             while engine.has_unfinished():
                 for out in engine.step():
                     i = index_of[out.request_id]
@@ -455,15 +607,21 @@ def run_trace(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], 
     if num_tokens != expected:
         raise RuntimeError(f"{label}: generated {num_tokens}, expected {expected}")
     total = sum(num_tokens)
-    result = dict(elapsed_s=elapsed, cpu_s=cpu, num_output_tokens=total, output_tokens_per_s=total / elapsed,
-                  output_tokens_per_cpu_s=total / cpu,
-                  num_steps=engine.stats().num_steps - steps0,
-                  num_preemptions=engine.scheduler.num_preemptions - pre0,
-                  prefix_cache_hit_tokens=prefix_hits(llm) - hits0,
-                  mean_e2e_s=statistics.fmean(finish_s), median_e2e_s=statistics.median(finish_s),
-                  mean_e2e_short_s=_mean_where(finish_s, expected, min(expected)),
-                  mean_e2e_long_s=_mean_where(finish_s, expected, max(expected)),
-                  kv=summarize_kv(samples))
+    result = dict(
+        elapsed_s=elapsed,
+        cpu_s=cpu,
+        num_output_tokens=total,
+        output_tokens_per_s=total / elapsed,
+        output_tokens_per_cpu_s=total / cpu,
+        num_steps=engine.stats().num_steps - steps0,
+        num_preemptions=engine.scheduler.num_preemptions - pre0,
+        prefix_cache_hit_tokens=prefix_hits(llm) - hits0,
+        mean_e2e_s=statistics.fmean(finish_s),
+        median_e2e_s=statistics.median(finish_s),
+        mean_e2e_short_s=_mean_where(finish_s, expected, min(expected)),
+        mean_e2e_long_s=_mean_where(finish_s, expected, max(expected)),
+        kv=summarize_kv(samples),
+    )
     reset_prefix_cache(llm)
     return result
 
@@ -474,15 +632,26 @@ def _mean_where(values: list[float], keys: list[int], key: int) -> float:
 
 def bench_mix(args, corpus: list[int] | None) -> dict[str, Any]:
     rng = random.Random(args.seed + 1)
-    trace = mixed_trace(args.mix_requests, rng, prompt_len_range=args.mix_prompt_len,
-                        short_tokens=args.mix_short, long_tokens=args.mix_long,
-                        long_fraction=args.mix_long_frac)
-    log(f"(b) mixed trace: {len(trace)} requests, outputs {args.mix_short}/{args.mix_long} "
+    trace = mixed_trace(
+        args.mix_requests,
+        rng,
+        prompt_len_range=args.mix_prompt_len,
+        short_tokens=args.mix_short,
+        long_tokens=args.mix_long,
+        long_fraction=args.mix_long_frac,
+    )
+    log(
+        f"(b) mixed trace: {len(trace)} requests, outputs {args.mix_short}/{args.mix_long} "
         f"({sum(r.max_tokens == args.mix_long for r in trace)} long), B={args.mix_batch}, "
-        f"max_num_batched_tokens={args.mix_batched_tokens}")
-    llm = make_llm(args, max_num_seqs=args.mix_batch, max_num_batched_tokens=args.mix_batched_tokens)
+        f"max_num_batched_tokens={args.mix_batched_tokens}"
+    )
+    llm = make_llm(
+        args, max_num_seqs=args.mix_batch, max_num_batched_tokens=args.mix_batched_tokens
+    )
     prompts = build_prompts(args, llm.tokenizer, [r.prompt_len for r in trace], rng, corpus)
-    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in trace]
+    params = [
+        SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in trace
+    ]
     max_out = max(r.max_tokens for r in trace)
     limits = {
         "prompt+max_tokens": [len(p) + r.max_tokens for p, r in zip(prompts, trace)],
@@ -494,10 +663,20 @@ def bench_mix(args, corpus: list[int] | None) -> dict[str, Any]:
     for rep in range(args.repeats):  # alternate the modes so drifting load hits all alike
         for mode in MIX_MODES:
             static_batch = None if mode == "continuous" else args.mix_batch
-            log(f"(b) {mode} batching" + (f" (batches of {static_batch})" if static_batch else "")
-                + f" (repeat {rep + 1}/{args.repeats})")
-            r = run_trace(llm, prompts, params, label=f"{mode}{rep}", static_batch=static_batch,
-                          contiguous_limits=limits, padded=mode == "static_padded")
+            log(
+                f"(b) {mode} batching"
+                + (f" (batches of {static_batch})" if static_batch else "")
+                + f" (repeat {rep + 1}/{args.repeats})"
+            )
+            r = run_trace(
+                llm,
+                prompts,
+                params,
+                label=f"{mode}{rep}",
+                static_batch=static_batch,
+                contiguous_limits=limits,
+                padded=mode == "static_padded",
+            )
             r["load_avg"] = load_average()
             log(f"    {r['output_tokens_per_s']:.1f} tok/s, {r['num_steps']} steps")
             all_tps[mode].append(r["output_tokens_per_s"])
@@ -507,17 +686,28 @@ def bench_mix(args, corpus: list[int] | None) -> dict[str, Any]:
         best[mode]["all_output_tokens_per_s"] = all_tps[mode]
     cont, stat, padded = best["continuous"], best["static"], best["static_padded"]
     out = dict(
-        trace=dict(num_requests=len(trace), short_tokens=args.mix_short, long_tokens=args.mix_long,
-                   num_long=sum(r.max_tokens == args.mix_long for r in trace),
-                   prompt_len_range=list(args.mix_prompt_len), batch_size=args.mix_batch,
-                   max_num_batched_tokens=args.mix_batched_tokens, max_model_len=llm.engine.max_model_len,
-                   block_size=llm.engine.block_manager.block_size, prompts_fingerprint=fingerprint(prompts),
-                   num_prompt_tokens=sum(map(len, prompts))),
-        continuous=cont, static=stat, static_padded=padded,
+        trace=dict(
+            num_requests=len(trace),
+            short_tokens=args.mix_short,
+            long_tokens=args.mix_long,
+            num_long=sum(r.max_tokens == args.mix_long for r in trace),
+            prompt_len_range=list(args.mix_prompt_len),
+            batch_size=args.mix_batch,
+            max_num_batched_tokens=args.mix_batched_tokens,
+            max_model_len=llm.engine.max_model_len,
+            block_size=llm.engine.block_manager.block_size,
+            prompts_fingerprint=fingerprint(prompts),
+            num_prompt_tokens=sum(map(len, prompts)),
+        ),
+        continuous=cont,
+        static=stat,
+        static_padded=padded,
         throughput_ratio=cont["output_tokens_per_s"] / stat["output_tokens_per_s"],
         cpu_throughput_ratio=cont["output_tokens_per_cpu_s"] / stat["output_tokens_per_cpu_s"],
         padded_throughput_ratio=cont["output_tokens_per_s"] / padded["output_tokens_per_s"],
-        padded_cpu_throughput_ratio=cont["output_tokens_per_cpu_s"] / padded["output_tokens_per_cpu_s"])
+        padded_cpu_throughput_ratio=cont["output_tokens_per_cpu_s"]
+        / padded["output_tokens_per_cpu_s"],
+    )
     del llm
     gc.collect()
     return out
@@ -538,10 +728,14 @@ def _breakdown_targets() -> dict[str, Any]:
     from shared.engine.scheduler import Scheduler
 
     funcs = [
-        ("schedule", Scheduler.schedule), ("attn_metadata", build_attention_metadata),
-        ("model_runner.execute", ModelRunner.execute), ("attention(all)", TorchAttentionBackend.attend),
+        ("schedule", Scheduler.schedule),
+        ("attn_metadata", build_attention_metadata),
+        ("model_runner.execute", ModelRunner.execute),
+        ("attention(all)", TorchAttentionBackend.attend),
         ("attention_decode", TorchAttentionBackend._decode),
-        ("lm_head", LlamaModel.compute_logits), ("sample", Engine._sample), ("block_commit", BlockManager.commit),
+        ("lm_head", LlamaModel.compute_logits),
+        ("sample", Engine._sample),
+        ("block_commit", BlockManager.commit),
         ("outputs", Engine._collect_outputs),
     ]  # the linears' share is in the op table (the fused path calls them without a module in between)
     codes = [(label, inspect.unwrap(f).__code__) for label, f in funcs]  # past @inference_mode
@@ -585,11 +779,22 @@ def profile_engine(args, prompts: list[list[int]], mbt: int) -> dict[str, Any]:
         s = io.StringIO()
         pstats.Stats(cp, stream=s).sort_stats("tottime").print_stats(12)
         report[name] = dict(
-            num_steps=num_steps, tokens_per_step=num_tokens, ms_per_step=1000 * wall / num_steps,
-            top_ops=[dict(op=e.key, calls=e.count, self_ms_per_step=e.self_cpu_time_total / 1000 / num_steps,
-                          self_pct=100 * e.self_cpu_time_total / total) for e in top],
-            cprofile_step_ms=1000 * cp_wall, cprofile_top=s.getvalue(),
-            breakdown_ms={k: 1000 * v for k, v in by_name.items()})
+            num_steps=num_steps,
+            tokens_per_step=num_tokens,
+            ms_per_step=1000 * wall / num_steps,
+            top_ops=[
+                dict(
+                    op=e.key,
+                    calls=e.count,
+                    self_ms_per_step=e.self_cpu_time_total / 1000 / num_steps,
+                    self_pct=100 * e.self_cpu_time_total / total,
+                )
+                for e in top
+            ],
+            cprofile_step_ms=1000 * cp_wall,
+            cprofile_top=s.getvalue(),
+            breakdown_ms={k: 1000 * v for k, v in by_name.items()},
+        )
 
     log(f"profile: first step (prefill chunk of up to {mbt} tokens)")
     profiled("prefill", 1)
@@ -606,8 +811,9 @@ def profile_engine(args, prompts: list[list[int]], mbt: int) -> dict[str, Any]:
     return report
 
 
-def decode_scaling(llm: LLM, prompts: list[list[int]], max_seqs: int, *, context: int = 256,
-                   num_steps: int = 5) -> list[dict[str, float]]:
+def decode_scaling(
+    llm: LLM, prompts: list[list[int]], max_seqs: int, *, context: int = 256, num_steps: int = 5
+) -> list[dict[str, float]]:
     """Decode-only step time vs batch size at a fixed context: how much batching buys per token.
     Requests get room for every token they may decode while the later ones still prefill; they are
     aborted once timed."""
@@ -619,18 +825,30 @@ def decode_scaling(llm: LLM, prompts: list[list[int]], max_seqs: int, *, context
             continue
         ids = [f"scale-{batch}-{i}" for i in range(batch)]
         for i, rid in enumerate(ids):  # same length, distinct starts (no prefix hits)
-            engine.add_request(rid, (prompts[i % len(prompts)] * 4)[i // len(prompts):][:context], params)
-        while engine.scheduler.waiting or any(s.num_uncomputed > 1 for s in engine.scheduler.running):
+            engine.add_request(
+                rid, (prompts[i % len(prompts)] * 4)[i // len(prompts) :][:context], params
+            )
+        while engine.scheduler.waiting or any(
+            s.num_uncomputed > 1 for s in engine.scheduler.running
+        ):
             engine.step()
         engine.step()  # first decode-only step, untimed
         if engine.scheduler.num_running != batch:
-            raise RuntimeError(f"decode scaling: {engine.scheduler.num_running} running, expected {batch}")
+            raise RuntimeError(
+                f"decode scaling: {engine.scheduler.num_running} running, expected {batch}"
+            )
         t0 = time.perf_counter()
         for _ in range(num_steps):
             engine.step()
         ms = 1000 * (time.perf_counter() - t0) / num_steps
-        rows.append(dict(batch=batch, context=context, ms_per_step=ms, output_tokens_per_s=1000 * batch / ms))
-        log(f"    decode batch {batch:>3} @ {context} ctx: {ms:.0f} ms/step = {rows[-1]['output_tokens_per_s']:.0f} tok/s")
+        rows.append(
+            dict(
+                batch=batch, context=context, ms_per_step=ms, output_tokens_per_s=1000 * batch / ms
+            )
+        )
+        log(
+            f"    decode batch {batch:>3} @ {context} ctx: {ms:.0f} ms/step = {rows[-1]['output_tokens_per_s']:.0f} tok/s"
+        )
         for rid in ids:
             engine.abort(rid)
         reset_prefix_cache(llm)
@@ -646,63 +864,99 @@ def print_ceiling(c: dict[str, Any], hf_runs: list[dict[str, Any]]) -> None:
         return
     f = c["flops"]
     peaks = f"bf16 {c['bf16_peak_gflops']:.0f} GFLOP/s" + (
-        f", int8 {c['int8_peak_gops']:.0f} GOPS" if c["int8_peak_gops"] else "")
-    versus = "".join(f", {c['output_tokens_per_s'] / hf['output_tokens_per_s']:.2f}x transformers {hf['dtype']}"
-                     for hf in hf_runs)
-    print(f"    ceiling: the run's {sum(f.values()) / 1e12:.2f} TFLOP (decoder linears {f['decoder_linears'] / 1e12:.2f}, "
-          f"lm_head {f['lm_head'] / 1e12:.2f}, attention {f['attention'] / 1e12:.2f})\n"
-          f"    take >= {c['seconds']:.2f} s at this host's measured peak ({peaks}; python -m loadtests.ceiling):\n"
-          f"    at most {c['output_tokens_per_s']:.0f} output tok/s{versus}; the best engine run reached "
-          f"{100 * c['best_fraction']:.0f}% of it")
+        f", int8 {c['int8_peak_gops']:.0f} GOPS" if c["int8_peak_gops"] else ""
+    )
+    versus = "".join(
+        f", {c['output_tokens_per_s'] / hf['output_tokens_per_s']:.2f}x transformers {hf['dtype']}"
+        for hf in hf_runs
+    )
+    print(
+        f"    ceiling: the run's {sum(f.values()) / 1e12:.2f} TFLOP (decoder linears {f['decoder_linears'] / 1e12:.2f}, "
+        f"lm_head {f['lm_head'] / 1e12:.2f}, attention {f['attention'] / 1e12:.2f})\n"
+        f"    take >= {c['seconds']:.2f} s at this host's measured peak ({peaks}; python -m loadtests.ceiling):\n"
+        f"    at most {c['output_tokens_per_s']:.0f} output tok/s{versus}; the best engine run reached "
+        f"{100 * c['best_fraction']:.0f}% of it"
+    )
 
 
 def print_report(res: dict[str, Any]) -> None:
     line = "-" * 96
     print(line)
-    print(f"bench_engine  model={os.path.basename(res['config']['model'])}  dtype={res['config']['dtype']}  "
-          f"quantization={res['config'].get('quantization')}  "
-          f"kv_cache_dtype={res['config'].get('kv_cache_dtype', 'auto')}  threads={res['config']['threads']}\n"
-          f"  OMP_WAIT_POLICY={res['env']['omp_wait_policy']}  "
-          f"malloc_tuned={res['env']['malloc_tuned']}  "
-          f"repeats={res['config']['repeats']} (best kept)  load avg start/end={res['env']['load_avg_start']}"
-          f"/{res['env']['load_avg_end']}  total {res['env']['total_s']:.0f}s\n  engine at commit "
-          f"{res['env']['commit']}" + (f" + uncommitted changes to {res['env']['engine_modified_files']}"
-                                       if res['env']['engine_modified_files'] else ""))
+    print(
+        f"bench_engine  model={os.path.basename(res['config']['model'])}  dtype={res['config']['dtype']}  "
+        f"quantization={res['config'].get('quantization')}  "
+        f"kv_cache_dtype={res['config'].get('kv_cache_dtype', 'auto')}  threads={res['config']['threads']}\n"
+        f"  OMP_WAIT_POLICY={res['env']['omp_wait_policy']}  "
+        f"malloc_tuned={res['env']['malloc_tuned']}  "
+        f"repeats={res['config']['repeats']} (best kept)  load avg start/end={res['env']['load_avg_start']}"
+        f"/{res['env']['load_avg_end']}  total {res['env']['total_s']:.0f}s\n  engine at commit "
+        f"{res['env']['commit']}"
+        + (
+            f" + uncommitted changes to {res['env']['engine_modified_files']}"
+            if res["env"]["engine_modified_files"]
+            else ""
+        )
+    )
     a = res.get("offline")
     if a:
         print(line)
-        print(f"(a) offline throughput: {a['num_prompts']} prompts, {a['prompt_len_range'][0]}-"
-              f"{a['prompt_len_range'][1]} tokens ({a['num_prompt_tokens']} total), {a['output_len']} greedy "
-              "output tokens each")
-        print(f"    {'system':<44}{'output tok/s':>13}{'elapsed s':>10}{'steps':>7}{'prefill s':>10}"
-              f"{'decode tok/s':>13}{'tok/CPU-s':>11}")
+        print(
+            f"(a) offline throughput: {a['num_prompts']} prompts, {a['prompt_len_range'][0]}-"
+            f"{a['prompt_len_range'][1]} tokens ({a['num_prompt_tokens']} total), {a['output_len']} greedy "
+            "output tokens each"
+        )
+        print(
+            f"    {'system':<44}{'output tok/s':>13}{'elapsed s':>10}{'steps':>7}{'prefill s':>10}"
+            f"{'decode tok/s':>13}{'tok/CPU-s':>11}"
+        )
         for r in a["engine"]["runs"]:
-            name = f"llmserve LLM.generate mbt={r['max_num_batched_tokens']} seqs={r['max_num_seqs']}"
-            if len([x for x in a["engine"]["runs"] if x["max_num_batched_tokens"] == r["max_num_batched_tokens"]]) > 1:
+            name = (
+                f"llmserve LLM.generate mbt={r['max_num_batched_tokens']} seqs={r['max_num_seqs']}"
+            )
+            if (
+                len(
+                    [
+                        x
+                        for x in a["engine"]["runs"]
+                        if x["max_num_batched_tokens"] == r["max_num_batched_tokens"]
+                    ]
+                )
+                > 1
+            ):
                 name += f" #{r['repeat'] + 1}"
-            print(f"    {name:<44}{r['output_tokens_per_s']:>13.1f}{r['elapsed_s']:>10.1f}{r['num_steps']:>7}"
-                  f"{r['prefill_phase_s']:>10.1f}{r['decode_phase_tokens_per_s']:>13.1f}"
-                  f"{r['output_tokens_per_cpu_s']:>11.1f}")
+            print(
+                f"    {name:<44}{r['output_tokens_per_s']:>13.1f}{r['elapsed_s']:>10.1f}{r['num_steps']:>7}"
+                f"{r['prefill_phase_s']:>10.1f}{r['decode_phase_tokens_per_s']:>13.1f}"
+                f"{r['output_tokens_per_cpu_s']:>11.1f}"
+            )
         hf_runs = a.get("hf_runs")
         if hf_runs:
             for hf in hf_runs:
                 dec = hf["decode_phase_tokens_per_s"]
                 name = f"transformers generate {hf['dtype']} (batched)"
-                print(f"    {name:<44}{hf['output_tokens_per_s']:>13.1f}"
-                      f"{hf['elapsed_s']:>10.1f}{hf['new_tokens_per_prompt']:>7}{hf['prefill_phase_s']:>10.1f}"
-                      f"{dec if dec is None else format(dec, '.1f'):>13}{hf['output_tokens_per_cpu_s']:>11.1f}")
-            print("    (prefill s: until every prompt is computed; decode tok/s: output tokens after that / time;\n"
-                  "     tok/CPU-s: output tokens per second of this process's CPU time, less sensitive to neighbours)")
+                print(
+                    f"    {name:<44}{hf['output_tokens_per_s']:>13.1f}"
+                    f"{hf['elapsed_s']:>10.1f}{hf['new_tokens_per_prompt']:>7}{hf['prefill_phase_s']:>10.1f}"
+                    f"{dec if dec is None else format(dec, '.1f'):>13}{hf['output_tokens_per_cpu_s']:>11.1f}"
+                )
+            print(
+                "    (prefill s: until every prompt is computed; decode tok/s: output tokens after that / time;\n"
+                "     tok/CPU-s: output tokens per second of this process's CPU time, less sensitive to neighbours)"
+            )
             engine = res["config"]["dtype"] + (" int8" if res["config"].get("quantization") else "")
             engine += ", int8 KV" if res["config"].get("kv_cache_dtype") == "int8" else ""
             for hf in hf_runs:
                 print(f"    transformers {hf['dtype']} measured: {hf['measured']}")
-                print(f"    ratio best engine (mbt={a['engine']['best']['max_num_batched_tokens']}, {engine}) / "
-                      f"transformers {hf['dtype']} = {hf['ratio']:.2f}x wall, "
-                      f"{hf['cpu_ratio']:.2f}x per CPU-second   (target >= 8x)")
+                print(
+                    f"    ratio best engine (mbt={a['engine']['best']['max_num_batched_tokens']}, {engine}) / "
+                    f"transformers {hf['dtype']} = {hf['ratio']:.2f}x wall, "
+                    f"{hf['cpu_ratio']:.2f}x per CPU-second   (target >= 8x)"
+                )
             ag = a["agreement"]
-            print(f"    greedy agreement with transformers {hf_runs[0]['dtype']} over {ag['tokens_compared']} tokens: {ag['identical_prompts']}/"
-                  f"{ag['num_prompts']} identical, median common prefix {ag['median_common_prefix']}")
+            print(
+                f"    greedy agreement with transformers {hf_runs[0]['dtype']} over {ag['tokens_compared']} tokens: {ag['identical_prompts']}/"
+                f"{ag['num_prompts']} identical, median common prefix {ag['median_common_prefix']}"
+            )
         else:
             print("    transformers baseline skipped")
         print_ceiling(a["ceiling"], hf_runs or [])
@@ -710,58 +964,99 @@ def print_report(res: dict[str, Any]) -> None:
     if b:
         t = b["trace"]
         print(line)
-        print(f"(b) continuous vs static batching: {t['num_requests']} requests ({t['num_long']} x "
-              f"{t['long_tokens']} + {t['num_requests'] - t['num_long']} x {t['short_tokens']} output "
-              f"tokens), prompts {t['prompt_len_range'][0]}-{t['prompt_len_range'][1]}, B=max_num_seqs="
-              f"{t['batch_size']}")
-        print(f"    {'mode':<14}{'output tok/s':>14}{'elapsed s':>12}{'steps':>8}{'mean E2E s':>12}"
-              f"{'short E2E':>11}{'long E2E':>10}{'tok/CPU-s':>11}")
+        print(
+            f"(b) continuous vs static batching: {t['num_requests']} requests ({t['num_long']} x "
+            f"{t['long_tokens']} + {t['num_requests'] - t['num_long']} x {t['short_tokens']} output "
+            f"tokens), prompts {t['prompt_len_range'][0]}-{t['prompt_len_range'][1]}, B=max_num_seqs="
+            f"{t['batch_size']}"
+        )
+        print(
+            f"    {'mode':<14}{'output tok/s':>14}{'elapsed s':>12}{'steps':>8}{'mean E2E s':>12}"
+            f"{'short E2E':>11}{'long E2E':>10}{'tok/CPU-s':>11}"
+        )
         for mode in MIX_MODES:
             r = b[mode]
-            print(f"    {mode:<14}{r['output_tokens_per_s']:>14.1f}{r['elapsed_s']:>12.1f}{r['num_steps']:>8}"
-                  f"{r['mean_e2e_s']:>12.1f}{r['mean_e2e_short_s']:>11.1f}{r['mean_e2e_long_s']:>10.1f}"
-                  f"{r['output_tokens_per_cpu_s']:>11.1f}")
+            print(
+                f"    {mode:<14}{r['output_tokens_per_s']:>14.1f}{r['elapsed_s']:>12.1f}{r['num_steps']:>8}"
+                f"{r['mean_e2e_s']:>12.1f}{r['mean_e2e_short_s']:>11.1f}{r['mean_e2e_long_s']:>10.1f}"
+                f"{r['output_tokens_per_cpu_s']:>11.1f}"
+            )
         for key, name in (("", "static"), ("padded_", "static_padded")):
-            print(f"    ratio continuous / {name} = {b[key + 'throughput_ratio']:.2f}x wall, "
-                  f"{b[key + 'cpu_throughput_ratio']:.2f}x per CPU-second   (target >= 2x)")
+            print(
+                f"    ratio continuous / {name} = {b[key + 'throughput_ratio']:.2f}x wall, "
+                f"{b[key + 'cpu_throughput_ratio']:.2f}x per CPU-second   (target >= 2x)"
+            )
         if len(b["continuous"]["all_output_tokens_per_s"]) > 1:
-            print("    all runs tok/s: " + ", ".join(
-                f"{mode} {[round(x, 1) for x in b[mode]['all_output_tokens_per_s']]}"
-                for mode in MIX_MODES))
-        print("    per step: " + ", ".join(
-            f"{mode} {1000 * r['elapsed_s'] / r['num_steps']:.0f} ms" + (
-                f" ({r['num_steps'] / b['continuous']['num_steps']:.2f}x the steps)" if mode != "continuous" else "")
-            for mode in MIX_MODES for r in [b[mode]]))
+            print(
+                "    all runs tok/s: "
+                + ", ".join(
+                    f"{mode} {[round(x, 1) for x in b[mode]['all_output_tokens_per_s']]}"
+                    for mode in MIX_MODES
+                )
+            )
+        print(
+            "    per step: "
+            + ", ".join(
+                f"{mode} {1000 * r['elapsed_s'] / r['num_steps']:.0f} ms"
+                + (
+                    f" ({r['num_steps'] / b['continuous']['num_steps']:.2f}x the steps)"
+                    if mode != "continuous"
+                    else ""
+                )
+                for mode in MIX_MODES
+                for r in [b[mode]]
+            )
+        )
         print(line)
         kv = b["continuous"]["kv"]
-        print(f"(c) KV utilization, live tokens / reserved slots, continuous run of (b), {kv['num_steps']} steps "
-              f"(block_size={t['block_size']}, max_model_len={t['max_model_len']})")
-        print(f"    {'scheme':<34}{'step mean':>10}{'weighted':>10}{'min':>8}{'@peak':>8}{'peak slots':>12}"
-              f"{'x paged':>9}")
+        print(
+            f"(c) KV utilization, live tokens / reserved slots, continuous run of (b), {kv['num_steps']} steps "
+            f"(block_size={t['block_size']}, max_model_len={t['max_model_len']})"
+        )
+        print(
+            f"    {'scheme':<34}{'step mean':>10}{'weighted':>10}{'min':>8}{'@peak':>8}{'peak slots':>12}"
+            f"{'x paged':>9}"
+        )
         rows = [("paged (block manager)", kv["paged"])] + [
-            (f"contiguous: {name}", s) for name, s in kv["contiguous"].items()]
+            (f"contiguous: {name}", s) for name, s in kv["contiguous"].items()
+        ]
         for name, s in rows:
-            print(f"    {name:<34}{100 * s['util_step_mean']:>9.1f}%{100 * s['util_slot_weighted']:>9.1f}%"
-                  f"{100 * s['util_min']:>7.1f}%{100 * s['util_at_peak_reserved']:>7.1f}%"
-                  f"{s['peak_reserved_slots']:>12}{s.get('mean_reserved_vs_paged', 1.0):>8.2f}x")
-        print(f"    peak live tokens {kv['peak_live_tokens']}; paged target >= 90% "
-              f"(static run: paged step mean {100 * b['static']['kv']['paged']['util_step_mean']:.1f}%)")
+            print(
+                f"    {name:<34}{100 * s['util_step_mean']:>9.1f}%{100 * s['util_slot_weighted']:>9.1f}%"
+                f"{100 * s['util_min']:>7.1f}%{100 * s['util_at_peak_reserved']:>7.1f}%"
+                f"{s['peak_reserved_slots']:>12}{s.get('mean_reserved_vs_paged', 1.0):>8.2f}x"
+            )
+        print(
+            f"    peak live tokens {kv['peak_live_tokens']}; paged target >= 90% "
+            f"(static run: paged step mean {100 * b['static']['kv']['paged']['util_step_mean']:.1f}%)"
+        )
     pr = res.get("profile")
     if pr:
         print(line)
         for phase in ("prefill", "decode"):
             ph = pr[phase]
-            print(f"profile {phase}: {ph['ms_per_step']:.0f} ms/step, tokens/step {ph['tokens_per_step']}, "
-                  f"cProfile step {ph['cprofile_step_ms']:.0f} ms")
-            print("    step breakdown (cProfile cumulative, ms): " + ", ".join(
-                f"{k}={v:.0f}" for k, v in ph["breakdown_ms"].items()))
+            print(
+                f"profile {phase}: {ph['ms_per_step']:.0f} ms/step, tokens/step {ph['tokens_per_step']}, "
+                f"cProfile step {ph['cprofile_step_ms']:.0f} ms"
+            )
+            print(
+                "    step breakdown (cProfile cumulative, ms): "
+                + ", ".join(f"{k}={v:.0f}" for k, v in ph["breakdown_ms"].items())
+            )
             for op in ph["top_ops"][:10]:
-                print(f"    {op['op']:<44}{op['calls']:>7}{op['self_ms_per_step']:>10.1f} ms/step"
-                      f"{op['self_pct']:>7.1f}%")
+                print(
+                    f"    {op['op']:<44}{op['calls']:>7}{op['self_ms_per_step']:>10.1f} ms/step"
+                    f"{op['self_pct']:>7.1f}%"
+                )
         if pr.get("decode_scaling"):
-            print("decode-only scaling (ms/step -> output tok/s): " + ", ".join(
-                f"B={r['batch']}: {r['ms_per_step']:.0f} -> {r['output_tokens_per_s']:.0f}"
-                for r in pr["decode_scaling"]) + f" (context {pr['decode_scaling'][0]['context']})")
+            print(
+                "decode-only scaling (ms/step -> output tok/s): "
+                + ", ".join(
+                    f"B={r['batch']}: {r['ms_per_step']:.0f} -> {r['output_tokens_per_s']:.0f}"
+                    for r in pr["decode_scaling"]
+                )
+                + f" (context {pr['decode_scaling'][0]['context']})"
+            )
     print(line)
 
 
@@ -771,10 +1066,17 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     res: dict[str, Any] = {
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()},
-        "env": dict(omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"), malloc_tuned=malloc_tuned,
-                    torch=torch.__version__, python=platform.python_version(), cpu_count=os.cpu_count(),
-                    torch_threads=torch.get_num_threads(), load_avg_start=load_average(), **engine_revision(),
-                    started=time.strftime("%Y-%m-%dT%H:%M:%S")),
+        "env": dict(
+            omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
+            malloc_tuned=malloc_tuned,
+            torch=torch.__version__,
+            python=platform.python_version(),
+            cpu_count=os.cpu_count(),
+            torch_threads=torch.get_num_threads(),
+            load_avg_start=load_average(),
+            **engine_revision(),
+            started=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        ),
     }
     t_start = time.perf_counter()
     from shared.engine.tokenizer import Tokenizer
@@ -782,22 +1084,33 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = Tokenizer.from_path(args.model)
     corpus = None
     if args.prompt_source == "text":
-        corpus = corpus_token_ids(lambda s: tokenizer.encode(s, add_special_tokens=False),
-                                  tokenizer.all_special_ids)
+        corpus = corpus_token_ids(
+            lambda s: tokenizer.encode(s, add_special_tokens=False), tokenizer.all_special_ids
+        )
         res["env"]["corpus_tokens"] = len(corpus)
     rng = random.Random(args.seed)
     lens = [rng.randint(*args.prompt_len) for _ in range(args.num_prompts)]
     prompts = build_prompts(args, tokenizer, lens, rng, corpus)
 
     if not args.skip_offline:
-        a: dict[str, Any] = dict(num_prompts=len(prompts), prompt_len_range=list(args.prompt_len),
-                                 num_prompt_tokens=sum(lens), output_len=args.output_len,
-                                 prompts_fingerprint=fingerprint(prompts))
+        a: dict[str, Any] = dict(
+            num_prompts=len(prompts),
+            prompt_len_range=list(args.prompt_len),
+            num_prompt_tokens=sum(lens),
+            output_len=args.output_len,
+            prompts_fingerprint=fingerprint(prompts),
+        )
         eng = bench_engine_offline(args, prompts)
         a["engine"] = {"runs": eng["runs"], "best": eng["best"]}
-        a["ceiling"] = offline_ceiling(args, eng["model_config"], lens, eng["best"]["output_tokens_per_s"])
+        a["ceiling"] = offline_ceiling(
+            args, eng["model_config"], lens, eng["best"]["output_tokens_per_s"]
+        )
         if not args.skip_hf:
-            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_ids[0]
+            pad = (
+                tokenizer.pad_token_id
+                if tokenizer.pad_token_id is not None
+                else tokenizer.eos_token_ids[0]
+            )
             a["hf_runs"] = []
             for dtype_name in args.hf_dtypes:
                 hf = bench_hf_offline(args, prompts, pad, dtype_name)
@@ -805,14 +1118,20 @@ def main(argv: list[str] | None = None) -> int:
                 if "agreement" not in a:
                     a["agreement"] = agreement(eng["outputs"], outputs)
                 hf["ratio"] = eng["best"]["output_tokens_per_s"] / hf["output_tokens_per_s"]
-                hf["cpu_ratio"] = (max(r["output_tokens_per_cpu_s"] for r in eng["runs"])
-                                   / hf["output_tokens_per_cpu_s"])
+                hf["cpu_ratio"] = (
+                    max(r["output_tokens_per_cpu_s"] for r in eng["runs"])
+                    / hf["output_tokens_per_cpu_s"]
+                )
                 a["hf_runs"].append(hf)
         res["offline"] = a
     if not args.skip_mix:
         res["mix"] = bench_mix(args, corpus)
     if args.profile:
-        mbt = res["offline"]["engine"]["best"]["max_num_batched_tokens"] if "offline" in res else args.batched_tokens[0]
+        mbt = (
+            res["offline"]["engine"]["best"]["max_num_batched_tokens"]
+            if "offline" in res
+            else args.batched_tokens[0]
+        )
         res["profile"] = profile_engine(args, prompts, mbt)
     res["env"]["load_avg_end"] = load_average()
     res["env"]["total_s"] = time.perf_counter() - t_start

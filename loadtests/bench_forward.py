@@ -36,7 +36,9 @@ from shared.engine.model_runner import ModelRunner, ScheduledChunk
 from shared.engine.models.loader import load_model, resolve_model_path
 
 BLOCK_SIZE = 16
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_forward.json")
+DEFAULT_OUT = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "results", "bench_forward.json"
+)
 
 
 def random_ids(n: int, vocab: int, seed: int) -> list[int]:
@@ -46,8 +48,12 @@ def random_ids(n: int, vocab: int, seed: int) -> list[int]:
 
 def summarize(samples_s: list[float]) -> dict:
     ms = sorted(s * 1e3 for s in samples_s)
-    return {"median_ms": statistics.median(ms), "p90_ms": ms[min(len(ms) - 1, int(0.9 * len(ms)))],
-            "mean_ms": statistics.fmean(ms), "n": len(ms)}
+    return {
+        "median_ms": statistics.median(ms),
+        "p90_ms": ms[min(len(ms) - 1, int(0.9 * len(ms)))],
+        "mean_ms": statistics.fmean(ms),
+        "n": len(ms),
+    }
 
 
 class Ours:
@@ -61,8 +67,9 @@ class Ours:
     def reset(self, max_tokens: int) -> None:
         num_blocks = -(-max_tokens // BLOCK_SIZE)
         self.table = list(range(1, num_blocks + 1))
-        self.runner = ModelRunner(self.model, KVCache(self.model.config, num_blocks + 1, BLOCK_SIZE,
-                                                      self.model.dtype))
+        self.runner = ModelRunner(
+            self.model, KVCache(self.model.config, num_blocks + 1, BLOCK_SIZE, self.model.dtype)
+        )
 
     def prefill(self, ids: list[int]) -> torch.Tensor:
         return self.runner.execute([ScheduledChunk(ids, 0, self.table)])[0]
@@ -92,7 +99,9 @@ class Reference:
 
     @torch.inference_mode()
     def prefill(self, ids: list[int]) -> torch.Tensor:
-        out = self.model(torch.tensor([ids]), past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        out = self.model(
+            torch.tensor([ids]), past_key_values=self.cache, use_cache=True, logits_to_keep=1
+        )
         return out.logits[0, -1].float()
 
     @torch.inference_mode()
@@ -103,8 +112,14 @@ class Reference:
     @torch.inference_mode()
     def generate(self, ids: list[int], n: int) -> None:
         prompt = torch.tensor([ids])
-        self.model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                            max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+        self.model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            pad_token_id=0,
+        )
 
 
 def timed(fn, *args):
@@ -123,7 +138,7 @@ def bench(contenders: list, args, vocab: int) -> dict[str, dict]:
         c.reset(args.context + steps + 1)
         logits[c.name] = c.prefill(prompt)
     for i in range(steps):
-        for c in (contenders if i % 2 == 0 else contenders[::-1]):
+        for c in contenders if i % 2 == 0 else contenders[::-1]:
             # Each follows its own greedy path; the work per step does not depend on the token.
             logits[c.name], dt = timed(c.step, int(logits[c.name].argmax()), args.context + i)
             if i >= args.warmup:
@@ -131,14 +146,14 @@ def bench(contenders: list, args, vocab: int) -> dict[str, dict]:
 
     long_prompt = random_ids(args.prefill_tokens, vocab, 2)
     for r in range(args.repeats + 1):
-        for c in (contenders if r % 2 == 0 else contenders[::-1]):
+        for c in contenders if r % 2 == 0 else contenders[::-1]:
             c.reset(args.prefill_tokens)
             _, dt = timed(c.prefill, long_prompt)
             if r:  # the first round is warm-up
                 times[c.name]["prefill"].append(dt)
 
     for r in range(args.generate_repeats):
-        for c in (contenders if r % 2 == 0 else contenders[::-1]):
+        for c in contenders if r % 2 == 0 else contenders[::-1]:
             _, dt = timed(c.generate, prompt, args.decode_tokens)
             times[c.name]["generate"].append(dt)
 
@@ -146,9 +161,12 @@ def bench(contenders: list, args, vocab: int) -> dict[str, dict]:
     for c in contenders:
         t = times[c.name]
         prefill_s = statistics.median(t["prefill"])
-        out[c.name] = {"decode": summarize(t["decode"]), "prefill_s": prefill_s,
-                       "prefill_tok_s": args.prefill_tokens / prefill_s,
-                       "generate_ms_per_token": statistics.median(t["generate"]) * 1e3 / args.decode_tokens}
+        out[c.name] = {
+            "decode": summarize(t["decode"]),
+            "prefill_s": prefill_s,
+            "prefill_tok_s": args.prefill_tokens / prefill_s,
+            "generate_ms_per_token": statistics.median(t["generate"]) * 1e3 / args.decode_tokens,
+        }
     if len(contenders) == 2:
         a, b = (times[c.name]["decode"] for c in contenders)
         out["decode_pair_ratio"] = statistics.median(y / x for x, y in zip(a, b))
@@ -158,8 +176,9 @@ def bench(contenders: list, args, vocab: int) -> dict[str, dict]:
 def load_hf(path: str):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
     return model.eval()
 
 
@@ -172,7 +191,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--prefill-tokens", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=3, help="timed prefills per implementation (median)")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed prefills per implementation (median)"
+    )
     p.add_argument("--generate-repeats", type=int, default=1)
     p.add_argument("--skip-hf", action="store_true", help="only our runtime")
     p.add_argument("--out", default=DEFAULT_OUT)
@@ -188,13 +209,17 @@ def main(argv: list[str] | None = None) -> dict:
         contenders = [Ours(ours)]
         if hf_fp32 is not None:
             # The reference's own dequantized weights, cast as from_pretrained(dtype=...) would.
-            hf = hf_fp32 if dtype_name == "float32" else load_hf(path).to(getattr(torch, dtype_name))
+            hf = (
+                hf_fp32 if dtype_name == "float32" else load_hf(path).to(getattr(torch, dtype_name))
+            )
             contenders.append(Reference(hf))
         measured = bench(contenders, args, ours.config.vocab_size)
         for c in contenders:
             results.append({"impl": c.name, "dtype": dtype_name, **measured[c.name]})
-            print(f"{c.name} {dtype_name}: decode {measured[c.name]['decode']['median_ms']:.2f} ms/tok",
-                  file=sys.stderr)
+            print(
+                f"{c.name} {dtype_name}: decode {measured[c.name]['decode']['median_ms']:.2f} ms/tok",
+                file=sys.stderr,
+            )
         if len(contenders) == 2:
             o, h = measured["llmserve"], measured["transformers"]
             speedups[dtype_name] = {
@@ -205,24 +230,35 @@ def main(argv: list[str] | None = None) -> dict:
             }
         del ours, contenders
 
-    header = (f"{'impl':<13}{'dtype':<10}{'decode ms/tok':>14}{'p90':>9}{'prefill tok/s':>15}"
-              f"{'generate ms/tok':>17}")
+    header = (
+        f"{'impl':<13}{'dtype':<10}{'decode ms/tok':>14}{'p90':>9}{'prefill tok/s':>15}"
+        f"{'generate ms/tok':>17}"
+    )
     print(header)
     print("-" * len(header))
     for r in results:
-        print(f"{r['impl']:<13}{r['dtype']:<10}{r['decode']['median_ms']:>14.2f}{r['decode']['p90_ms']:>9.2f}"
-              f"{r['prefill_tok_s']:>15.1f}{r['generate_ms_per_token']:>17.2f}")
+        print(
+            f"{r['impl']:<13}{r['dtype']:<10}{r['decode']['median_ms']:>14.2f}{r['decode']['p90_ms']:>9.2f}"
+            f"{r['prefill_tok_s']:>15.1f}{r['generate_ms_per_token']:>17.2f}"
+        )
     for dtype_name, s in speedups.items():
-        print(f"speedup llmserve vs transformers, {dtype_name}: decode {s['decode']:.2f}x "
-              f"(per-step pairs {s['decode_pair_ratio']:.2f}x), prefill {s['prefill']:.2f}x, "
-              f"generate {s['generate']:.2f}x")
+        print(
+            f"speedup llmserve vs transformers, {dtype_name}: decode {s['decode']:.2f}x "
+            f"(per-step pairs {s['decode_pair_ratio']:.2f}x), prefill {s['prefill']:.2f}x, "
+            f"generate {s['generate']:.2f}x"
+        )
 
     report = {
         "benchmark": "bench_forward",
         "model": os.path.basename(path),
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
-        "host": {"cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                 "machine": platform.machine(), "load_avg_1m_at_end": os.getloadavg()[0]},
+        "host": {
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "machine": platform.machine(),
+            "load_avg_1m_at_end": os.getloadavg()[0],
+        },
         "results": results,
         "speedups": speedups,
     }

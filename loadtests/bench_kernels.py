@@ -46,9 +46,18 @@ from shared.engine.models.known_configs import KNOWN_CONFIGS
 from shared.engine.quantization import KV_CACHE_DTYPES
 from shared.engine.quantize_rows import quantize_rows
 
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_kernels.json")
-SMOLLM2 = KNOWN_CONFIGS["smollm2-135m"]  # 30 layers, 9 query heads sharing 3 KV heads of 64, hidden 576
-LAYERS, HEADS, KV_HEADS, HEAD_DIM = SMOLLM2.num_layers, SMOLLM2.num_heads, SMOLLM2.num_kv_heads, SMOLLM2.head_dim
+DEFAULT_OUT = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "results", "bench_kernels.json"
+)
+SMOLLM2 = KNOWN_CONFIGS[
+    "smollm2-135m"
+]  # 30 layers, 9 query heads sharing 3 KV heads of 64, hidden 576
+LAYERS, HEADS, KV_HEADS, HEAD_DIM = (
+    SMOLLM2.num_layers,
+    SMOLLM2.num_heads,
+    SMOLLM2.num_kv_heads,
+    SMOLLM2.head_dim,
+)
 LINEARS = decoder_linear_shapes(SMOLLM2)  # (out, in): QKV, O, gate-up, down
 BLOCK = 16
 PROMPTS = [512, 300, 450, 200, 586]
@@ -81,7 +90,7 @@ def shuffled_tables(lengths: list[int], num_blocks: int) -> torch.Tensor:
     tables, used = [], 0
     for n in lengths:
         nb = -(-n // BLOCK)
-        tables.append(ids[used: used + nb])
+        tables.append(ids[used : used + nb])
         used += nb
     width = max(map(len, tables))
     return torch.tensor([t + [0] * (width - len(t)) for t in tables])
@@ -95,15 +104,31 @@ def bench_decode(ops, dtype, batch: int, context: int, repeats: int, kv_cache_dt
     lens = torch.full((batch,), context)
     q = torch.randn(batch, HEADS * HEAD_DIM, generator=g).to(dtype)
     scale = 1 / math.sqrt(HEAD_DIM)
-    ms = median_ms(lambda: [ops.decode_attention(q, k, v, tables, lens, HEADS, scale) for k, v in caches], repeats)
-    cached_tables = torch.arange(tables.shape[1]).repeat(batch, 1)  # every sequence: blocks 0, 1, ... of layer 0
+    ms = median_ms(
+        lambda: [ops.decode_attention(q, k, v, tables, lens, HEADS, scale) for k, v in caches],
+        repeats,
+    )
+    cached_tables = torch.arange(tables.shape[1]).repeat(
+        batch, 1
+    )  # every sequence: blocks 0, 1, ... of layer 0
     k0, v0 = caches[0]
-    cached_ms = median_ms(lambda: [ops.decode_attention(q, k0, v0, cached_tables, lens, HEADS, scale)
-                                   for _ in range(LAYERS)], repeats)
+    cached_ms = median_ms(
+        lambda: [
+            ops.decode_attention(q, k0, v0, cached_tables, lens, HEADS, scale)
+            for _ in range(LAYERS)
+        ],
+        repeats,
+    )
     row_bytes = caches[0][0].shape[-1] * caches[0][0].element_size()  # int8: values and scale
     kv_bytes = LAYERS * batch * context * KV_HEADS * row_bytes * 2
-    return dict(batch=batch, context=context, ms=ms, cached_ms=cached_ms, kv_mb=kv_bytes / 1e6,
-                gb_per_s=kv_bytes / ms / 1e6)
+    return dict(
+        batch=batch,
+        context=context,
+        ms=ms,
+        cached_ms=cached_ms,
+        kv_mb=kv_bytes / 1e6,
+        gb_per_s=kv_bytes / ms / 1e6,
+    )
 
 
 def bench_prefill(ops, dtype, repeats: int, kv_cache_dtype: str) -> dict:
@@ -115,8 +140,12 @@ def bench_prefill(ops, dtype, repeats: int, kv_cache_dtype: str) -> dict:
     lens = torch.tensor(PROMPTS)
     q = torch.randn(sum(PROMPTS), HEADS * HEAD_DIM, generator=g).to(dtype)
     scale = 1 / math.sqrt(HEAD_DIM)
-    ms = median_ms(lambda: [ops.prefill_attention(q, k, v, tables, starts, lens, HEADS, scale) for k, v in caches],
-                   repeats)
+    ms = median_ms(
+        lambda: [
+            ops.prefill_attention(q, k, v, tables, starts, lens, HEADS, scale) for k, v in caches
+        ],
+        repeats,
+    )
     # QK^T and PV over each query's keys up to itself: 2 matmuls x 2 FLOPs per multiply-add.
     flops = LAYERS * HEADS * sum(n * (n + 1) / 2 for n in PROMPTS) * HEAD_DIM * 4
     return dict(tokens=sum(PROMPTS), ms=ms, gflops=flops / ms / 1e6)
@@ -124,37 +153,75 @@ def bench_prefill(ops, dtype, repeats: int, kv_cache_dtype: str) -> dict:
 
 def bench_linear(ops, rows: list[int], repeats: int) -> list[dict]:
     g = torch.Generator().manual_seed(2)
-    weights = [[torch.randn(n, k, generator=g).bfloat16() for n, k in LINEARS] for _ in range(LAYERS)]
-    onednn = isa.onednn_usable(torch.bfloat16)  # the CPU's (or the cap's) oneDNN bf16, as a baseline
-    packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in layer] for layer in weights] if onednn else []
+    weights = [
+        [torch.randn(n, k, generator=g).bfloat16() for n, k in LINEARS] for _ in range(LAYERS)
+    ]
+    onednn = isa.onednn_usable(
+        torch.bfloat16
+    )  # the CPU's (or the cap's) oneDNN bf16, as a baseline
+    packed = (
+        [[torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in layer] for layer in weights]
+        if onednn
+        else []
+    )
     ours_packed = [[ops.pack_linear_bf16(w) for w in layer] for layer in weights]
     int8 = []
     for layer in weights:
         int8.append([])
         for w in layer:
             q, scale = quantize_rows(w.float())
-            int8[-1].append((ops.pack_linear_int8(q), scale, q.sum(1, dtype=torch.int32), torch.ones(w.shape[1])))
+            int8[-1].append(
+                (
+                    ops.pack_linear_int8(q),
+                    scale,
+                    q.sum(1, dtype=torch.int32),
+                    torch.ones(w.shape[1]),
+                )
+            )
     flops_per_row = 2 * LAYERS * sum(n * k for n, k in LINEARS)
     out = []
     for m in rows:
         xs = [torch.randn(m, k, generator=g).bfloat16() for _, k in LINEARS]
-        ours = median_ms(lambda xs=xs: [ops.linear_bf16(x, w, n, None) for layer in ours_packed
-                                  for x, w, (n, _) in zip(xs, layer, LINEARS)], repeats)
+        ours = median_ms(
+            lambda xs=xs: [
+                ops.linear_bf16(x, w, n, None)
+                for layer in ours_packed
+                for x, w, (n, _) in zip(xs, layer, LINEARS)
+            ],
+            repeats,
+        )
         row = dict(rows=m, linear_bf16_ms=ours, linear_bf16_gflops=flops_per_row * m / ours / 1e6)
         if onednn:
-            ms = median_ms(lambda xs=xs: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-                                    for layer in packed for x, w in zip(xs, layer)], repeats)
+            ms = median_ms(
+                lambda xs=xs: [
+                    torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+                    for layer in packed
+                    for x, w in zip(xs, layer)
+                ],
+                repeats,
+            )
             row.update(onednn_packed_ms=ms, onednn_gflops=flops_per_row * m / ms / 1e6)
-        ms = median_ms(lambda xs=xs: [ops.linear_int8(x, *w, None) for layer in int8 for x, w in zip(xs, layer)], repeats)
+        ms = median_ms(
+            lambda xs=xs: [
+                ops.linear_int8(x, *w, None) for layer in int8 for x, w in zip(xs, layer)
+            ],
+            repeats,
+        )
         row.update(linear_int8_ms=ms, linear_int8_gops=flops_per_row * m / ms / 1e6)
         out.append(row)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="attention data")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="attention caches")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="attention data"
+    )
+    p.add_argument(
+        "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="attention caches"
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--context", type=int, default=400, help="decode: tokens per sequence")
@@ -168,26 +235,44 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    res: dict = dict(isa=isa.best_level().name, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, threads=args.threads,
-                     repeats=args.repeats, layers=LAYERS)
-    print(f"bench_kernels  {res['isa']}  {args.dtype}  kv cache {args.kv_cache_dtype}  threads={args.threads}  "
-          f"SmolLM2-135M shapes x {LAYERS} layers  load avg {os.getloadavg()[0]:.2f}")
+    res: dict = dict(
+        isa=isa.best_level().name,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        threads=args.threads,
+        repeats=args.repeats,
+        layers=LAYERS,
+    )
+    print(
+        f"bench_kernels  {res['isa']}  {args.dtype}  kv cache {args.kv_cache_dtype}  threads={args.threads}  "
+        f"SmolLM2-135M shapes x {LAYERS} layers  load avg {os.getloadavg()[0]:.2f}"
+    )
     res["decode_attention"] = []
     for b in (int(x) for x in args.batches.split(",")):
         r = bench_decode(ops, dtype, b, args.context, args.repeats, args.kv_cache_dtype)
         res["decode_attention"].append(r)
-        print(f"  decode attention  B={b:<3} context {args.context}: {r['ms']:7.2f} ms  "
-              f"({r['kv_mb']:.0f} MB of K/V, {r['gb_per_s']:.1f} GB/s); cached {r['cached_ms']:7.2f} ms")
+        print(
+            f"  decode attention  B={b:<3} context {args.context}: {r['ms']:7.2f} ms  "
+            f"({r['kv_mb']:.0f} MB of K/V, {r['gb_per_s']:.1f} GB/s); cached {r['cached_ms']:7.2f} ms"
+        )
     r = res["prefill_attention"] = bench_prefill(ops, dtype, args.repeats, args.kv_cache_dtype)
-    print(f"  prefill attention {r['tokens']} new tokens in {len(PROMPTS)} prompts: {r['ms']:7.1f} ms  "
-          f"({r['gflops']:.0f} GFLOP/s causal)")
+    print(
+        f"  prefill attention {r['tokens']} new tokens in {len(PROMPTS)} prompts: {r['ms']:7.1f} ms  "
+        f"({r['gflops']:.0f} GFLOP/s causal)"
+    )
     res["linear"] = bench_linear(ops, [int(x) for x in args.rows.split(",")], args.repeats)
     for r in res["linear"]:
-        onednn = (f"   oneDNN {r['onednn_packed_ms']:8.2f} ms ({r['onednn_gflops']:3.0f} GFLOP/s)   "
-                  f"{r['onednn_packed_ms'] / r['linear_bf16_ms']:.2f}x" if "onednn_packed_ms" in r else "")
-        print(f"  linear M={r['rows']:<5} linear_bf16 {r['linear_bf16_ms']:8.2f} ms ({r['linear_bf16_gflops']:3.0f} "
-              f"GFLOP/s){onednn}   linear_int8 {r['linear_int8_ms']:8.2f} ms ({r['linear_int8_gops']:3.0f} GOP/s, "
-              f"{r['linear_bf16_ms'] / r['linear_int8_ms']:.2f}x bf16)")
+        onednn = (
+            f"   oneDNN {r['onednn_packed_ms']:8.2f} ms ({r['onednn_gflops']:3.0f} GFLOP/s)   "
+            f"{r['onednn_packed_ms'] / r['linear_bf16_ms']:.2f}x"
+            if "onednn_packed_ms" in r
+            else ""
+        )
+        print(
+            f"  linear M={r['rows']:<5} linear_bf16 {r['linear_bf16_ms']:8.2f} ms ({r['linear_bf16_gflops']:3.0f} "
+            f"GFLOP/s){onednn}   linear_int8 {r['linear_int8_ms']:8.2f} ms ({r['linear_int8_gops']:3.0f} GOP/s, "
+            f"{r['linear_bf16_ms'] / r['linear_int8_ms']:.2f}x bf16)"
+        )
     print(f"wrote {write_json(args.out, res)}")
     return 0
 

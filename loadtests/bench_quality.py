@@ -29,11 +29,15 @@ from shared.engine.models.loader import load_model
 from shared.engine.models.teacher_forcing import all_position_logits, perplexity
 from shared.engine.tokenizer import Tokenizer
 
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_quality.json")
+DEFAULT_OUT = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "results", "bench_quality.json"
+)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--tokens", type=int, default=1500, help="tokens of text scored")
     p.add_argument("--alphas", default="0.5", help="SmoothQuant alphas to try (comma-separated)")
@@ -45,15 +49,22 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = Tokenizer.from_gguf(path)
     ids = tokenizer.encode(corpus_text())[: args.tokens]
     calibration = tokenizer.encode(int8_linear.calibration_text())
-    print(f"bench_quality  {os.path.basename(path)}  {len(ids)} tokens scored, {len(calibration)} calibration tokens")
+    print(
+        f"bench_quality  {os.path.basename(path)}  {len(ids)} tokens scored, {len(calibration)} calibration tokens"
+    )
 
     ref = all_position_logits(load_model(path, dtype="float32", progress=False), ids)
     # (name, dtype, SmoothQuant alpha, int8 linears, KV cache dtype)
-    configs = [("fp32", "float32", None, False, "auto"), ("bf16", "bfloat16", None, False, "auto"),
-               ("bf16, int8 KV", "bfloat16", None, False, "int8")]
+    configs = [
+        ("fp32", "float32", None, False, "auto"),
+        ("bf16", "bfloat16", None, False, "auto"),
+        ("bf16, int8 KV", "bfloat16", None, False, "int8"),
+    ]
     for a in args.alphas.split(","):
-        configs += [(f"int8 alpha={a}", "bfloat16", float(a), True, "auto"),
-                    (f"int8 alpha={a}, int8 KV", "bfloat16", float(a), True, "int8")]
+        configs += [
+            (f"int8 alpha={a}", "bfloat16", float(a), True, "auto"),
+            (f"int8 alpha={a}, int8 KV", "bfloat16", float(a), True, "int8"),
+        ]
     configs.append(("int8 no smoothing", "bfloat16", None, True, "auto"))
     rows = []
     for name, dtype, alpha, int8, kv_cache_dtype in configs:
@@ -64,17 +75,32 @@ def main(argv: list[str] | None = None) -> int:
         quantize_s = time.perf_counter() - t0
         logits = all_position_logits(model, ids, kv_cache_dtype=kv_cache_dtype)
         diff = (logits - ref).abs()
-        row = dict(config=name, dtype=dtype, alpha=alpha, kv_cache_dtype=kv_cache_dtype,
-                   perplexity=perplexity(logits, ids),
-                   top1_agreement=(logits.argmax(-1) == ref.argmax(-1)).float().mean().item(),
-                   mean_abs_logit_diff=diff.mean().item(), max_abs_logit_diff=diff.max().item(),
-                   weight_bytes=model.weight_bytes(), quantize_s=quantize_s)
+        row = dict(
+            config=name,
+            dtype=dtype,
+            alpha=alpha,
+            kv_cache_dtype=kv_cache_dtype,
+            perplexity=perplexity(logits, ids),
+            top1_agreement=(logits.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+            mean_abs_logit_diff=diff.mean().item(),
+            max_abs_logit_diff=diff.max().item(),
+            weight_bytes=model.weight_bytes(),
+            quantize_s=quantize_s,
+        )
         rows.append(row)
-        print(f"  {name:<26} perplexity {row['perplexity']:7.3f}   top-1 = fp32 {100 * row['top1_agreement']:5.1f}%   "
-              f"|logit diff| mean {row['mean_abs_logit_diff']:.3f} max {row['max_abs_logit_diff']:.2f}   "
-              f"weights {row['weight_bytes'] / 2**20:.0f} MiB", flush=True)
+        print(
+            f"  {name:<26} perplexity {row['perplexity']:7.3f}   top-1 = fp32 {100 * row['top1_agreement']:5.1f}%   "
+            f"|logit diff| mean {row['mean_abs_logit_diff']:.3f} max {row['max_abs_logit_diff']:.2f}   "
+            f"weights {row['weight_bytes'] / 2**20:.0f} MiB",
+            flush=True,
+        )
         del model
-    result = dict(model=os.path.basename(path), tokens=len(ids), calibration_tokens=len(calibration), rows=rows)
+    result = dict(
+        model=os.path.basename(path),
+        tokens=len(ids),
+        calibration_tokens=len(calibration),
+        rows=rows,
+    )
     print(f"wrote {write_json(args.out, result)}")
     return 0
 

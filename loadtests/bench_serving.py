@@ -51,8 +51,10 @@ light large team each best power main public country good began following severa
 season line however early major down still area show make region village south north east west local
 night form held set river high order death following much because company member led great point
 """.split()
-FIXED_TEXT = ("The quick brown fox jumps over the lazy dog while the patient engineer measures how "
-              "long each token takes to arrive at the client across the network. ")
+FIXED_TEXT = (
+    "The quick brown fox jumps over the lazy dog while the patient engineer measures how "
+    "long each token takes to arrive at the client across the network. "
+)
 
 
 @dataclass
@@ -68,37 +70,71 @@ class RequestResult:
 
     @property
     def tpot_s(self) -> float | None:
-        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+        return (
+            (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+            if self.output_tokens > 1
+            else None
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (without /v1)")
-    p.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or os.environ.get("LLMSERVE_API_KEY"))
+    p.add_argument(
+        "--model", default=None, help="model name (default: the first of GET /v1/models)"
+    )
+    p.add_argument(
+        "--api-key", default=os.environ.get("OPENAI_API_KEY") or os.environ.get("LLMSERVE_API_KEY")
+    )
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--num-prompts", type=int, default=32)
     arrivals = p.add_mutually_exclusive_group()
-    arrivals.add_argument("--concurrency", type=int, default=None, help="fixed concurrent clients (default 4)")
-    arrivals.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals, requests/s")
-    p.add_argument("--max-concurrency", type=int, default=None, help="cap in-flight requests (Poisson mode)")
-    p.add_argument("--input-len", type=int, default=128, help="prompt length in tokens (approximate "
-                   "without --tokenizer)")
+    arrivals.add_argument(
+        "--concurrency", type=int, default=None, help="fixed concurrent clients (default 4)"
+    )
+    arrivals.add_argument(
+        "--request-rate", type=float, default=None, help="Poisson arrivals, requests/s"
+    )
+    p.add_argument(
+        "--max-concurrency", type=int, default=None, help="cap in-flight requests (Poisson mode)"
+    )
+    p.add_argument(
+        "--input-len",
+        type=int,
+        default=128,
+        help="prompt length in tokens (approximate without --tokenizer)",
+    )
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--prompt-mode", choices=["words", "fixed", "ids"], default="words",
-                   help="words: random common words (distinct prompts); fixed: one fixed text for all "
-                   "(tokenizer-free, prefix-cache friendly); ids: random token ids (completions only)")
-    p.add_argument("--vocab-range", default="100:20000", help="ids mode: token ids drawn from LOW:HIGH")
-    p.add_argument("--tokenizer", default=None, help="GGUF / tokenizer.json / HF dir to make text prompts "
-                   "exactly --input-len tokens")
-    p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (OpenAI itself)")
+    p.add_argument(
+        "--prompt-mode",
+        choices=["words", "fixed", "ids"],
+        default="words",
+        help="words: random common words (distinct prompts); fixed: one fixed text for all "
+        "(tokenizer-free, prefix-cache friendly); ids: random token ids (completions only)",
+    )
+    p.add_argument(
+        "--vocab-range", default="100:20000", help="ids mode: token ids drawn from LOW:HIGH"
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="GGUF / tokenizer.json / HF dir to make text prompts exactly --input-len tokens",
+    )
+    p.add_argument(
+        "--no-ignore-eos", action="store_true", help="do not send ignore_eos (OpenAI itself)"
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--warmup", type=int, default=1, help="requests sent (and discarded) first")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the results as JSON here")
-    p.add_argument("--save-requests", action="store_true", help="include per-request results in the JSON")
+    p.add_argument(
+        "--save-requests", action="store_true", help="include per-request results in the JSON"
+    )
     args = p.parse_args(argv)
     if args.request_rate is None and args.concurrency is None:
         args.concurrency = 4
@@ -112,15 +148,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # ------------------------------------------------------------------------------------- prompts
 
+
 def _token_counter(path: str | None):
     if path is None:
         return None
     if path.endswith(".gguf") or os.path.isdir(path):
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         from shared.engine.tokenizer import Tokenizer
+
         tok = Tokenizer.from_path(path)
         return lambda text: len(tok.encode(text, add_special_tokens=False))
     from tokenizers import Tokenizer as HFTokenizer
+
     hf = HFTokenizer.from_file(path)
     return lambda text: len(hf.encode(text, add_special_tokens=False).ids)
 
@@ -149,15 +188,23 @@ def make_prompts(args: argparse.Namespace, rng: random.Random) -> list[str | lis
             words = (FIXED_TEXT * (args.input_len // 10 + 2)).split()
         else:
             words = [rng.choice(WORDS) for _ in range(args.input_len * (2 if count else 1))]
-        prompts.append(_fit(words, args.input_len, count) if count else " ".join(words[:args.input_len]))
+        prompts.append(
+            _fit(words, args.input_len, count) if count else " ".join(words[: args.input_len])
+        )
     return prompts
 
 
 # ------------------------------------------------------------------------------------ requests
 
+
 def request_body(args: argparse.Namespace, model: str, prompt: str | list[int]) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "max_tokens": args.output_len, "temperature": args.temperature,
-                            "stream": True, "stream_options": {"include_usage": True}}
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": args.output_len,
+        "temperature": args.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if not args.no_ignore_eos:
         body["ignore_eos"] = True
     if args.endpoint == "chat":
@@ -167,7 +214,9 @@ def request_body(args: argparse.Namespace, model: str, prompt: str | list[int]) 
     return body
 
 
-async def send_one(client: httpx.AsyncClient, url: str, body: dict[str, Any], chat: bool) -> RequestResult:
+async def send_one(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], chat: bool
+) -> RequestResult:
     res = RequestResult()
     num_chunks = 0
     start = time.perf_counter()
@@ -190,8 +239,10 @@ async def send_one(client: httpx.AsyncClient, url: str, body: dict[str, Any], ch
                     return res
                 if chunk.get("usage"):
                     res.output_tokens = chunk["usage"].get("completion_tokens", 0)
-                text = "".join((c.get("delta", {}).get("content") or "") if chat else (c.get("text") or "")
-                               for c in chunk.get("choices", []))
+                text = "".join(
+                    (c.get("delta", {}).get("content") or "") if chat else (c.get("text") or "")
+                    for c in chunk.get("choices", [])
+                )
                 if text:
                     now = time.perf_counter()
                     if num_chunks == 0:
@@ -216,8 +267,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limit = args.concurrency or args.max_concurrency or args.num_prompts
     limits = httpx.Limits(max_connections=limit + 1, max_keepalive_connections=limit + 1)
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(args.timeout, connect=30)) as client:
+    async with httpx.AsyncClient(
+        base_url=args.base_url,
+        headers=headers,
+        limits=limits,
+        timeout=httpx.Timeout(args.timeout, connect=30),
+    ) as client:
         model = args.model
         if model is None:
             r = await client.get("/v1/models")
@@ -226,17 +281,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         url = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
         chat = args.endpoint == "chat"
         prompts = make_prompts(args, rng)
-        for prompt in prompts[:args.warmup]:
+        for prompt in prompts[: args.warmup]:
             warm = await send_one(client, url, request_body(args, model, prompt), chat)
             if not warm.ok:
                 raise SystemExit(f"warm-up request failed ({warm.status}): {warm.error}")
-        prompts = prompts[args.warmup:]
+        prompts = prompts[args.warmup :]
         results: list[RequestResult] = [RequestResult() for _ in prompts]
         sem = asyncio.Semaphore(limit)
 
         async def one(i: int) -> None:
             async with sem:
-                results[i] = await send_one(client, url, request_body(args, model, prompts[i]), chat)
+                results[i] = await send_one(
+                    client, url, request_body(args, model, prompts[i]), chat
+                )
 
         start = time.perf_counter()
         if args.request_rate is None or math.isinf(args.request_rate):
@@ -253,6 +310,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------- report
 
+
 def percentile(values: list[float], q: float) -> float:
     """Linear interpolation between closest ranks (numpy's default)."""
     if not values:
@@ -267,11 +325,16 @@ def _stats_ms(values: list[float]) -> dict[str, float]:
     ms = [v * 1000 for v in values]
     if not ms:
         return {"mean": float("nan"), "median": float("nan"), "p99": float("nan")}
-    return {"mean": statistics.fmean(ms), "median": statistics.median(ms), "p99": percentile(ms, 99)}
+    return {
+        "mean": statistics.fmean(ms),
+        "median": statistics.median(ms),
+        "p99": percentile(ms, 99),
+    }
 
 
-def summarize(args: argparse.Namespace, model: str, results: list[RequestResult],
-              duration: float) -> dict[str, Any]:
+def summarize(
+    args: argparse.Namespace, model: str, results: list[RequestResult], duration: float
+) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     errors: dict[str, int] = {}
@@ -281,8 +344,11 @@ def summarize(args: argparse.Namespace, model: str, results: list[RequestResult]
             errors[key] = errors.get(key, 0) + 1
     summary = {
         "config": {k: v for k, v in vars(args).items() if k not in ("api_key", "out")},
-        "model": model, "duration_s": duration,
-        "num_requests": len(results), "num_completed": len(ok), "num_failed": len(results) - len(ok),
+        "model": model,
+        "duration_s": duration,
+        "num_requests": len(results),
+        "num_completed": len(ok),
+        "num_failed": len(results) - len(ok),
         "errors": errors,
         "request_throughput_rps": len(ok) / duration,
         "output_throughput_tps": out_tokens / duration,
@@ -300,11 +366,16 @@ def summarize(args: argparse.Namespace, model: str, results: list[RequestResult]
 
 def print_report(s: dict[str, Any]) -> None:
     c = s["config"]
-    arrivals = (f"concurrency {c['concurrency']}" if c["concurrency"]
-                else f"Poisson {c['request_rate']} req/s")
+    arrivals = (
+        f"concurrency {c['concurrency']}"
+        if c["concurrency"]
+        else f"Poisson {c['request_rate']} req/s"
+    )
     print(f"\n{'=' * 20} serving benchmark {'=' * 20}")
     print(f"{'model':<28}{s['model']}\n{'arrivals':<28}{arrivals}")
-    print(f"{'prompt / output tokens':<28}{c['input_len']} / {c['output_len']} ({c['prompt_mode']})")
+    print(
+        f"{'prompt / output tokens':<28}{c['input_len']} / {c['output_len']} ({c['prompt_mode']})"
+    )
     print(f"{'completed / failed':<28}{s['num_completed']} / {s['num_failed']}")
     print(f"{'duration (s)':<28}{s['duration_s']:.2f}")
     print(f"{'request throughput (req/s)':<28}{s['request_throughput_rps']:.3f}")

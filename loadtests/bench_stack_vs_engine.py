@@ -30,7 +30,9 @@ from loadtests.results import write_json  # noqa: E402 (after the OpenMP policy)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--input-len", type=int, default=128)
@@ -43,18 +45,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def serving_namespace(args: argparse.Namespace, base_url: str | None) -> argparse.Namespace:
-    return serving_args([
-        "--base-url", base_url or "", "--num-prompts", str(args.num_prompts),
-        "--concurrency", str(args.concurrency), "--input-len", str(args.input_len),
-        "--output-len", str(args.output_len), "--prompt-mode", "ids", "--warmup", "1"])
+    return serving_args(
+        [
+            "--base-url",
+            base_url or "",
+            "--num-prompts",
+            str(args.num_prompts),
+            "--concurrency",
+            str(args.concurrency),
+            "--input-len",
+            str(args.input_len),
+            "--output-len",
+            str(args.output_len),
+            "--prompt-mode",
+            "ids",
+            "--warmup",
+            "1",
+        ]
+    )
 
 
 def step_counts(before, after) -> dict:
     """Engine steps between two ``EngineStats`` and what each step carried on average."""
     steps = after.num_steps - before.num_steps
-    return dict(num_steps=steps,
-                generated_tokens_per_step=(after.num_generated_tokens - before.num_generated_tokens) / max(steps, 1),
-                computed_tokens_per_step=(after.num_computed_tokens - before.num_computed_tokens) / max(steps, 1))
+    return dict(
+        num_steps=steps,
+        generated_tokens_per_step=(after.num_generated_tokens - before.num_generated_tokens)
+        / max(steps, 1),
+        computed_tokens_per_step=(after.num_computed_tokens - before.num_computed_tokens)
+        / max(steps, 1),
+    )
 
 
 async def next_heartbeat_stats(nats_url: str):
@@ -75,9 +95,15 @@ def run_engine(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     from shared.engine.engine import Engine, EngineConfig
     from shared.wire.sampling_params import SamplingParams
 
-    engine = Engine(EngineConfig(dtype=args.dtype, max_num_seqs=max(64, args.concurrency),
-                                 max_num_batched_tokens=args.max_num_batched_tokens,
-                                 num_threads=args.num_threads), progress=False)
+    engine = Engine(
+        EngineConfig(
+            dtype=args.dtype,
+            max_num_seqs=max(64, args.concurrency),
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            num_threads=args.num_threads,
+        ),
+        progress=False,
+    )
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     warm, prompts = prompts[0], prompts[1:]
     engine.add_request("warmup", warm, params)
@@ -108,7 +134,9 @@ def run_engine(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
                 r.output_tokens += n
             if out.finished:
                 r.ok, r.status, r.e2e_s = True, 200, now - started[out.request_id]
-    summary = summarize(serving_namespace(args, None), "in-process", results, time.perf_counter() - start)
+    summary = summarize(
+        serving_namespace(args, None), "in-process", results, time.perf_counter() - start
+    )
     summary["steps"] = step_counts(stats0, engine.stats())
     return summary
 
@@ -130,9 +158,16 @@ def run_stack(args: argparse.Namespace) -> dict:
     heartbeats (the warm-up request included)."""
     from services.cli.launcher import StackConfig, launch
 
-    stack = launch(StackConfig.of(port=0, dtype=args.dtype, max_num_seqs=max(64, args.concurrency),
-                               max_num_batched_tokens=args.max_num_batched_tokens,
-                               num_threads=args.num_threads, max_queue_len=1024))
+    stack = launch(
+        StackConfig.of(
+            port=0,
+            dtype=args.dtype,
+            max_num_seqs=max(64, args.concurrency),
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            num_threads=args.num_threads,
+            max_queue_len=1024,
+        )
+    )
     try:
         procs = {name: svc.pid for name, svc in stack.services.items()}
         procs.update({server.name: server.pid for server in stack.servers})
@@ -156,7 +191,7 @@ def run_stack(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     ns = serving_namespace(args, None)
-    prompts = make_prompts(ns, random.Random(ns.seed))   # exactly the prompts the HTTP client sends
+    prompts = make_prompts(ns, random.Random(ns.seed))  # exactly the prompts the HTTP client sends
     print("stack: starting the services and sending requests over HTTP ...", file=sys.stderr)
     stack = run_stack(args)
     print("engine: the same requests in process ...", file=sys.stderr)
@@ -164,16 +199,27 @@ def main(argv: list[str] | None = None) -> int:
     for name, s in (("stack over HTTP", stack), ("in-process engine", engine)):
         print(f"\n### {name}")
         print_report(s)
-    print(f"\nCPU seconds during the stack run ({stack['duration_s']:.1f} s on {os.cpu_count()} cores): " + ", ".join(
-        f"{name} {sec:.1f}" for name, sec in sorted(stack["cpu_s"].items(), key=lambda kv: -kv[1])))
+    print(
+        f"\nCPU seconds during the stack run ({stack['duration_s']:.1f} s on {os.cpu_count()} cores): "
+        + ", ".join(
+            f"{name} {sec:.1f}"
+            for name, sec in sorted(stack["cpu_s"].items(), key=lambda kv: -kv[1])
+        )
+    )
     for name, s in (("stack", stack), ("in process", engine)):
         st = s["steps"]
-        print(f"engine steps, {name}: {st['num_steps']}, {st['generated_tokens_per_step']:.1f} tokens generated and "
-              f"{st['computed_tokens_per_step']:.1f} computed per step, {1000 * s['duration_s'] / st['num_steps']:.1f} ms per step")
+        print(
+            f"engine steps, {name}: {st['num_steps']}, {st['generated_tokens_per_step']:.1f} tokens generated and "
+            f"{st['computed_tokens_per_step']:.1f} computed per step, {1000 * s['duration_s'] / st['num_steps']:.1f} ms per step"
+        )
     ratio = stack["output_throughput_tps"] / engine["output_throughput_tps"]
     print(f"\nstack / in-process output throughput: {ratio:.3f} (target >= 0.90)")
-    result = {"stack": stack, "engine": engine, "throughput_ratio": ratio,
-              "load_avg": os.getloadavg()}
+    result = {
+        "stack": stack,
+        "engine": engine,
+        "throughput_ratio": ratio,
+        "load_avg": os.getloadavg(),
+    }
     print(f"wrote {write_json(args.out, result)}")
     return 0
 

@@ -43,7 +43,9 @@ _HEADER = r"""
 
 # Each function: (iters, threads) -> G(FL)OP/s, or -1 if its sums came out wrong.
 _SOURCES = {
-    "avx512_bf16": (["-mavx512f", "-mavx512bw", "-mavx512bf16", "-mavx512vnni"], r"""
+    "avx512_bf16": (
+        ["-mavx512f", "-mavx512bw", "-mavx512bf16", "-mavx512vnni"],
+        r"""
 /* 16 independent accumulators: enough chains to hide the instruction's latency (5-6 cycles) at
    up to two issues per cycle, with registers to spare (32 zmm). */
 #define CHAINS 16
@@ -95,8 +97,11 @@ double int8_peak(long iters, int threads) {
   if (sink != (long)threads * CHAINS * 16 * 4 * iters) return -1.0;
   return 128.0 * CHAINS * (double)iters * threads / (t1 - t0) / 1e9;
 }
-"""),
-    "avx2": (["-mavx2", "-mfma"], r"""
+""",
+    ),
+    "avx2": (
+        ["-mavx2", "-mfma"],
+        r"""
 /* 12 chains: 16 ymm registers hold them and the constant operand without spilling; 12 still hide
    a 4-cycle latency at two issues per cycle. */
 #define CHAINS 12
@@ -157,7 +162,8 @@ double int8_peak(long iters, int threads) {  /* int16 pair products, as the AVX2
   if (sink != (long)threads * CHAINS * 8 * 2 * iters) return -1.0;
   return 32.0 * CHAINS * (double)iters * threads / (t1 - t0) / 1e9;
 }
-"""),
+""",
+    ),
 }
 
 
@@ -178,13 +184,25 @@ def _library(level: str) -> ctypes.CDLL:
         src, lib = os.path.join(build, "peak.c"), os.path.join(build, "peak.so")
         with open(src, "w") as f:
             f.write(_HEADER + body)
-        cmd = [os.environ.get("CC", "cc"), "-O2", *flags, "-fopenmp", "-shared", "-fPIC", src, "-o", lib]
+        cmd = [
+            os.environ.get("CC", "cc"),
+            "-O2",
+            *flags,
+            "-fopenmp",
+            "-shared",
+            "-fPIC",
+            src,
+            "-o",
+            lib,
+        ]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True)
         except OSError as exc:  # no compiler
             raise RuntimeError(f"could not build the peak microbenchmark: {exc}") from exc
         if proc.returncode != 0:
-            raise RuntimeError(f"could not build the peak microbenchmark ({' '.join(cmd)}): {proc.stderr.strip()}")
+            raise RuntimeError(
+                f"could not build the peak microbenchmark ({' '.join(cmd)}): {proc.stderr.strip()}"
+            )
         dll = ctypes.CDLL(lib)
     for name in ("bf16_peak", "int8_peak"):
         fn = getattr(dll, name)
@@ -223,12 +241,16 @@ def run_flops(cfg: ModelConfig, prompt_lens: list[int], output_len: int) -> dict
     fed = [n + output_len - 1 for n in prompt_lens]  # the last sampled token is never fed back
     # The token at position p attends p + 1 keys: 2 * head_dim FLOPs per key for QK^T, as many for PV.
     attended = sum(m * (m + 1) // 2 for m in fed)
-    return dict(decoder_linears=2.0 * params_per_layer * layers * sum(fed),
-                lm_head=2.0 * cfg.vocab_size * h * len(prompt_lens) * output_len,
-                attention=4.0 * cfg.num_heads * hd * layers * attended)
+    return dict(
+        decoder_linears=2.0 * params_per_layer * layers * sum(fed),
+        lm_head=2.0 * cfg.vocab_size * h * len(prompt_lens) * output_len,
+        attention=4.0 * cfg.num_heads * hd * layers * attended,
+    )
 
 
-def ceiling_seconds(flops: dict[str, float], bf16_gflops: float, int8_gops: float | None = None) -> float:
+def ceiling_seconds(
+    flops: dict[str, float], bf16_gflops: float, int8_gops: float | None = None
+) -> float:
     """Least time for `flops` with every part at peak: bf16, or the decoder linears in int8 when
     `int8_gops` is given (W8A8; the lm_head and attention stay bf16)."""
     linears = flops["decoder_linears"] / ((int8_gops or bf16_gflops) * 1e9)
@@ -236,7 +258,9 @@ def ceiling_seconds(flops: dict[str, float], bf16_gflops: float, int8_gops: floa
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = p.parse_args(argv)
     top = peak_level()
@@ -244,10 +268,14 @@ def main(argv: list[str] | None = None) -> None:
     for level in sorted(levels, key=isa.LEVEL_NAMES.index):
         lib = _library(level)
         for threads in sorted({1, args.threads}):
-            print(f"{level:<12} {threads} thread(s) at once, best of 20: bf16 {_best_rate(lib.bf16_peak, threads, 20):7.1f} "
-                  f"GFLOP/s   int8 {_best_rate(lib.int8_peak, threads, 20):7.1f} GOPS")
-    print(f"peak used for ceilings ({top}, {args.threads} threads): bf16 {bf16_peak_gflops(args.threads):7.1f} GFLOP/s   "
-          f"int8 {int8_peak_gops(args.threads):7.1f} GOPS")
+            print(
+                f"{level:<12} {threads} thread(s) at once, best of 20: bf16 {_best_rate(lib.bf16_peak, threads, 20):7.1f} "
+                f"GFLOP/s   int8 {_best_rate(lib.int8_peak, threads, 20):7.1f} GOPS"
+            )
+    print(
+        f"peak used for ceilings ({top}, {args.threads} threads): bf16 {bf16_peak_gflops(args.threads):7.1f} GFLOP/s   "
+        f"int8 {int8_peak_gops(args.threads):7.1f} GOPS"
+    )
 
 
 if __name__ == "__main__":

@@ -28,10 +28,36 @@ __all__ = [
 ]
 
 CORPUS_MODULES = (
-    "argparse", "collections", "json", "logging", "email", "http", "unittest", "asyncio", "pathlib",
-    "subprocess", "typing", "dataclasses", "functools", "itertools", "re", "textwrap", "datetime",
-    "decimal", "fractions", "statistics", "random", "heapq", "bisect", "threading", "socket", "pickle",
-    "csv", "sqlite3", "zipfile", "tarfile",
+    "argparse",
+    "collections",
+    "json",
+    "logging",
+    "email",
+    "http",
+    "unittest",
+    "asyncio",
+    "pathlib",
+    "subprocess",
+    "typing",
+    "dataclasses",
+    "functools",
+    "itertools",
+    "re",
+    "textwrap",
+    "datetime",
+    "decimal",
+    "fractions",
+    "statistics",
+    "random",
+    "heapq",
+    "bisect",
+    "threading",
+    "socket",
+    "pickle",
+    "csv",
+    "sqlite3",
+    "zipfile",
+    "tarfile",
 )
 
 
@@ -41,8 +67,9 @@ def corpus_text(modules: Sequence[str] = CORPUS_MODULES) -> str:
     parts: list[str] = []
     for name in modules:
         module = importlib.import_module(name)
-        objects = [module] + [getattr(module, attr) for attr in sorted(dir(module))
-                              if not attr.startswith("_")]
+        objects = [module] + [
+            getattr(module, attr) for attr in sorted(dir(module)) if not attr.startswith("_")
+        ]
         for obj in objects:
             if obj is not module and not (inspect.isclass(obj) or inspect.isfunction(obj)):
                 continue
@@ -53,15 +80,17 @@ def corpus_text(modules: Sequence[str] = CORPUS_MODULES) -> str:
     return "\n\n".join(parts)
 
 
-def corpus_token_ids(encode: Callable[[str], list[int]], special_ids: Collection[int],
-                     text: str | None = None) -> list[int]:
+def corpus_token_ids(
+    encode: Callable[[str], list[int]], special_ids: Collection[int], text: str | None = None
+) -> list[int]:
     """The corpus as one token stream, special tokens dropped (``encode`` must not add BOS/EOS)."""
     special = set(special_ids)
     return [t for t in encode(corpus_text() if text is None else text) if t not in special]
 
 
-def text_prompts(corpus_ids: Sequence[int], lens: Sequence[int], rng: random.Random,
-                 *, distinct_prefix: int = 16) -> list[list[int]]:
+def text_prompts(
+    corpus_ids: Sequence[int], lens: Sequence[int], rng: random.Random, *, distinct_prefix: int = 16
+) -> list[list[int]]:
     """One slice of the corpus per length, at seeded offsets whose first ``distinct_prefix`` tokens
     differ from every other prompt's (so no two prompts share a first KV block)."""
     if not lens:
@@ -73,7 +102,7 @@ def text_prompts(corpus_ids: Sequence[int], lens: Sequence[int], rng: random.Ran
     for n in lens:
         for _ in range(1000):
             start = rng.randrange(len(corpus_ids) - n + 1)
-            prompt = list(corpus_ids[start:start + n])
+            prompt = list(corpus_ids[start : start + n])
             head = tuple(prompt[:distinct_prefix])
             if head not in heads:
                 break
@@ -84,8 +113,9 @@ def text_prompts(corpus_ids: Sequence[int], lens: Sequence[int], rng: random.Ran
     return prompts
 
 
-def random_prompts(vocab_size: int, special_ids: Collection[int], lens: Sequence[int],
-                   rng: random.Random) -> list[list[int]]:
+def random_prompts(
+    vocab_size: int, special_ids: Collection[int], lens: Sequence[int], rng: random.Random
+) -> list[list[int]]:
     """Uniform random token ids in [0, vocab_size) minus the special ids."""
     special = set(special_ids)
     allowed = [t for t in range(vocab_size) if t not in special]
@@ -98,8 +128,15 @@ class TraceRequest:
     max_tokens: int
 
 
-def mixed_trace(num_requests: int, rng: random.Random, *, prompt_len_range: tuple[int, int],
-                short_tokens: int, long_tokens: int, long_fraction: float) -> list[TraceRequest]:
+def mixed_trace(
+    num_requests: int,
+    rng: random.Random,
+    *,
+    prompt_len_range: tuple[int, int],
+    short_tokens: int,
+    long_tokens: int,
+    long_fraction: float,
+) -> list[TraceRequest]:
     """``num_requests`` requests in a shuffled order: exactly round(long_fraction * n) of them ask for
     ``long_tokens`` output tokens, the rest for ``short_tokens``; prompt lengths uniform in the range."""
     if not 0.0 <= long_fraction <= 1.0:

@@ -49,7 +49,9 @@ def ops_at(level_name: str):
     lv = isa.level(level_name)
     missing = isa.missing_flags(lv)
     if missing:
-        raise ValueError(f"this CPU cannot run the {level_name} kernels: it lacks {', '.join(missing)}")
+        raise ValueError(
+            f"this CPU cannot run the {level_name} kernels: it lacks {', '.join(missing)}"
+        )
     return load(lv)
 
 

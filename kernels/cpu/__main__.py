@@ -20,11 +20,17 @@ from kernels.cpu.build import KernelBuildError, load
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--require", action="store_true", help="fail if a level this CPU has does not build")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--require", action="store_true", help="fail if a level this CPU has does not build"
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print(f"CPU: {isa.cpu_name()} ({', '.join(f for f in sorted(isa.cpu_flags()) if f.startswith(('avx', 'fma', 'f16c', 'amx'))) or 'no AVX flags'})")
+    print(
+        f"CPU: {isa.cpu_name()} ({', '.join(f for f in sorted(isa.cpu_flags()) if f.startswith(('avx', 'fma', 'f16c', 'amx'))) or 'no AVX flags'})"
+    )
     if not enabled():
         print(f"CPU kernels: switched off ({KERNELS_ENV}=0): every op runs the torch path")
         return 0
@@ -34,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     best, failures = None, []
     for lv in isa.LEVELS:
         why = isa.why_not(lv)
-        if why and not why.startswith(isa.ISA_ENV):  # a capped level is still built: the tests compare levels
+        if why and not why.startswith(
+            isa.ISA_ENV
+        ):  # a capped level is still built: the tests compare levels
             print(f"  {lv.name:<12} not run here: {why}")
             continue
         t0 = time.perf_counter()
@@ -44,7 +52,10 @@ def main(argv: list[str] | None = None) -> int:
             failures.append(lv.name)
             print(f"  {lv.name:<12} BUILD FAILED: {exc}")
             continue
-        print(f"  {lv.name:<12} ready in {time.perf_counter() - t0:.1f} s" + (f" (not used: {why})" if why else ""))
+        print(
+            f"  {lv.name:<12} ready in {time.perf_counter() - t0:.1f} s"
+            + (f" (not used: {why})" if why else "")
+        )
         if not why:
             best = (lv, ops)
     if best is None:
@@ -55,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         for path in ops.paths():
             print(f"  {path}")
     onednn = isa.onednn_usable(torch.bfloat16)
-    print(f"oneDNN bf16 matmul: {'usable' if onednn else 'not usable here'} (bf16 linears use it only without the kernels)")
+    print(
+        f"oneDNN bf16 matmul: {'usable' if onednn else 'not usable here'} (bf16 linears use it only without the kernels)"
+    )
     return 1 if args.require and failures else 0
 
 

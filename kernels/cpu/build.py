@@ -47,7 +47,9 @@ def namespace(level: Level) -> str:
 def _compiler_version() -> str:
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None:
-        raise KernelBuildError(f"no C++ compiler ({cxx!r} is not on PATH): install g++ to build the CPU kernels")
+        raise KernelBuildError(
+            f"no C++ compiler ({cxx!r} is not on PATH): install g++ to build the CPU kernels"
+        )
     out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
     return out.splitlines()[0] if out else cxx
 
@@ -62,7 +64,9 @@ def library_name(level: Level) -> str:
     h = hashlib.sha256()
     for path in sorted(CSRC.iterdir()):
         h.update(path.name.encode() + b"\0" + path.read_bytes())
-    h.update(" ".join(_flags(level)).encode() + _compiler_version().encode() + torch.__version__.encode())
+    h.update(
+        " ".join(_flags(level)).encode() + _compiler_version().encode() + torch.__version__.encode()
+    )
     h.update(sys.version.encode())
     return f"{namespace(level)}_{h.hexdigest()[:12]}"
 
@@ -93,14 +97,20 @@ def _built_library(directory: Path) -> Path | None:
         if locked is None:
             return None
         if time.monotonic() > deadline:
-            raise KernelBuildError(f"a kernel build has held {lock} for {_LOCK_WAIT_S:.0f} s; if no build is "
-                                   "running, delete it")
+            raise KernelBuildError(
+                f"a kernel build has held {lock} for {_LOCK_WAIT_S:.0f} s; if no build is "
+                "running, delete it"
+            )
         time.sleep(0.5)
 
 
 def _summary(output: str) -> str:
     """The compiler's first error lines, or the output's last line if it names none."""
-    errors = [line.strip() for line in output.splitlines() if "error" in line and ("error:" in line or "Error" in line)]
+    errors = [
+        line.strip()
+        for line in output.splitlines()
+        if "error" in line and ("error:" in line or "Error" in line)
+    ]
     lines = errors[:3] or output.strip().splitlines()[-1:]
     return " | ".join(lines)[:1000]
 
@@ -117,8 +127,10 @@ def load(level: Level):
     directory = build_dir(level)
     failed = directory / _FAILED
     if failed.exists():
-        raise KernelBuildError(f"{level.name} kernels failed to build earlier: {_summary(failed.read_text())} "
-                               f"(the compiler's output: {failed}; delete it to try again)")
+        raise KernelBuildError(
+            f"{level.name} kernels failed to build earlier: {_summary(failed.read_text())} "
+            f"(the compiler's output: {failed}; delete it to try again)"
+        )
     directory.mkdir(parents=True, exist_ok=True)
     name = directory.name
     built = _built_library(directory)
@@ -130,13 +142,22 @@ def load(level: Level):
     t0 = time.perf_counter()
     log.info("building the %s CPU kernels (once per machine, about a minute)", level.name)
     try:
-        cpp_extension.load(name=name, sources=[str(p) for p in sources()], extra_cflags=_flags(level),
-                           extra_include_paths=[str(CSRC)], extra_ldflags=["-fopenmp"], build_directory=str(directory),
-                           is_python_module=False, verbose=False)
+        cpp_extension.load(
+            name=name,
+            sources=[str(p) for p in sources()],
+            extra_cflags=_flags(level),
+            extra_include_paths=[str(CSRC)],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=False,
+        )
     except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
         message = str(exc)
         failed.write_text(message)
-        raise KernelBuildError(f"{level.name} kernels failed to build: {_summary(message)} "
-                               f"(the compiler's output: {failed})") from exc
+        raise KernelBuildError(
+            f"{level.name} kernels failed to build: {_summary(message)} "
+            f"(the compiler's output: {failed})"
+        ) from exc
     log.info("%s CPU kernels ready in %.1f s", level.name, time.perf_counter() - t0)
     return getattr(torch.ops, ns)

@@ -28,14 +28,20 @@ ISA_ENV = "LLMSERVE_CPU_ISA"
 class Level:
     name: str
     cpu_flags: tuple[str, ...]  # /proc/cpuinfo flags the level needs, its lower levels' included
-    cflags: tuple[str, ...]     # what the compiler may use at this level
+    cflags: tuple[str, ...]  # what the compiler may use at this level
 
 
 _AVX2 = Level("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"))
-_AVX512 = Level("avx512", _AVX2.cpu_flags + ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
-                _AVX2.cflags + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"))
-_AVX512_BF16 = Level("avx512_bf16", _AVX512.cpu_flags + ("avx512_bf16", "avx512_vnni"),
-                     _AVX512.cflags + ("-mavx512bf16", "-mavx512vnni"))
+_AVX512 = Level(
+    "avx512",
+    _AVX2.cpu_flags + ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
+    _AVX2.cflags + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
+)
+_AVX512_BF16 = Level(
+    "avx512_bf16",
+    _AVX512.cpu_flags + ("avx512_bf16", "avx512_vnni"),
+    _AVX512.cflags + ("-mavx512bf16", "-mavx512vnni"),
+)
 LEVELS: tuple[Level, ...] = (_AVX2, _AVX512, _AVX512_BF16)
 LEVEL_NAMES = tuple(level.name for level in LEVELS)
 
@@ -123,7 +129,9 @@ def onednn_usable(dtype) -> bool:
     for a CPU without them."""
     import torch
 
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+    if not (
+        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ):
         return False
     limit = cap()
     if limit is not None and LEVEL_NAMES.index(limit) < LEVEL_NAMES.index("avx512"):
