@@ -2,32 +2,35 @@
 
 (a) Offline throughput: N prompts (seeded lengths in [64, 512], cut from real text tokenized by the
     engine's tokenizer), M greedy output tokens each (ignore_eos), through ``LLM.generate`` for each
-    ``--batched-tokens`` value, against Hugging Face ``transformers`` batched ``generate`` on the same
-    token ids (left padding + attention mask, min_new_tokens = max_new_tokens, the model loaded from
-    the same GGUF), in our dtype and in fp32, transformers' default for a GGUF (``--hf-dtypes``).
+    ``--batched-tokens`` value, against Hugging Face ``transformers`` batched ``generate`` on the
+    same token ids (left padding + attention mask, min_new_tokens = max_new_tokens, the model loaded
+    from the same GGUF), in our dtype and in fp32, transformers' default for a GGUF
+    (``--hf-dtypes``).
 (b) Continuous vs static batching on a mixed short/long trace: the same engine (max_num_seqs = B),
     either given every request at once (continuous) or given them B at a time, each batch stepped
-    until its longest member finishes before the next is admitted (static). Static batching comes in
-    two forms: "static" lets a finished member leave the forward pass (its slot idles, its compute is
-    saved; the harder baseline on a CPU, where a step's cost grows with its rows), "static_padded"
-    keeps decoding it until the batch's longest is done and discards the surplus tokens, as a
-    fixed-shape batch does (transformers ``generate``, FasterTransformer).
+    until its longest member finishes before the next is admitted (static). Static batching comes
+    in two forms: "static" lets a finished member leave the forward pass (its slot idles, its
+    compute is saved; the harder baseline on a CPU, where a step's cost grows with its rows),
+    "static_padded" keeps decoding it until the batch's longest is done and discards the surplus
+    tokens, as a fixed-shape batch does (transformers ``generate``, FasterTransformer).
 (c) KV utilization on trace (b): per engine step, live tokens / reserved slots for the paged block
     manager vs contiguous per-request reservations of prompt + max_tokens, prompt + the trace's
     largest max_tokens (a server-wide output cap) and max_model_len.
 
-Process settings, the same for our engine and transformers (both printed and in the JSON): libgomp's
-wait policy as the environment sets it (unset: spin briefly, then sleep; on a quiet machine that is
-~2x faster per decode step than OMP_WAIT_POLICY=PASSIVE, which only pays off on a host shared with
-other busy processes) and glibc's mmap/trim thresholds raised (``tune_malloc``; ``--no-tune-malloc``
-keeps the defaults).
+Process settings, the same for our engine and transformers (both printed and in the JSON):
+libgomp's wait policy as the environment sets it (unset: spin briefly, then sleep; on a quiet
+machine that is ~2x faster per decode step than OMP_WAIT_POLICY=PASSIVE, which only pays off on a
+host shared with other busy processes) and glibc's mmap/trim thresholds raised (``tune_malloc``;
+``--no-tune-malloc`` keeps the defaults).
 
     python -m loadtests.bench_engine --repeats 2 --profile   # what the report used
     python -m loadtests.bench_engine --quantization int8     # the same with W8A8 decoder linears
     python -m loadtests.bench_engine --kv-cache-dtype int8   # ... with an int8 KV cache (combines)
-    python -m loadtests.bench_engine                 # full run, writes loadtests/results/bench_engine.json
+    python -m loadtests.bench_engine                 # full run, writes
+                                                     # loadtests/results/bench_engine.json
     python -m loadtests.bench_engine --quick --skip-hf
-    python -m loadtests.bench_engine --profile-only  # torch.profiler + cProfile of prefill/decode steps
+    python -m loadtests.bench_engine --profile-only  # torch.profiler + cProfile of
+                                                     # prefill/decode steps
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -83,7 +88,8 @@ def log(msg: str) -> None:
 
 
 def engine_revision() -> dict[str, Any]:
-    """The commit measured and whether shared/engine differs from it (the tree is shared and moves)."""
+    """The commit measured and whether shared/engine differs from it (the tree is shared and
+    moves)."""
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -118,13 +124,14 @@ def load_average() -> list[float] | None:
 
 
 def tune_malloc(threshold: int = 1 << 30) -> bool:
-    """Keep glibc from returning big freed blocks to the OS (mmap threshold and trim threshold raised).
+    """Keep glibc from returning big freed blocks to the OS (mmap threshold and trim threshold
+    raised).
 
-    With glibc's defaults the engine's per-layer decode temporaries (the gathered K/V upcast to fp32,
-    ~15 MB each at 32 sequences x 600 tokens) are mmapped and unmapped on every layer of every step:
-    measured here ~237k minor page faults and ~0.5 s of system time per 32-sequence decode step, 2-3x
-    the step's cost, and whether a process falls into that state varies from run to run. glibc only;
-    returns whether both settings were accepted."""
+    With glibc's defaults the engine's per-layer decode temporaries (the gathered K/V upcast to
+    fp32, ~15 MB each at 32 sequences x 600 tokens) are mmapped and unmapped on every layer of every
+    step: measured here ~237k minor page faults and ~0.5 s of system time per 32-sequence decode
+    step, 2-3x the step's cost, and whether a process falls into that state varies from run to run.
+    glibc only; returns whether both settings were accepted."""
     try:
         import ctypes
 
@@ -167,7 +174,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-tune-malloc",
         dest="tune_malloc",
         action="store_false",
-        help="keep glibc's default mmap/trim thresholds (see tune_malloc(); the default raises them)",
+        help=(
+            "keep glibc's default mmap/trim thresholds (see tune_malloc(); the default raises them)"
+        ),
     )
     p.add_argument(
         "--repeats",
@@ -194,7 +203,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument(
         "--hf-dtypes",
         default="same,float32",
-        help="dtypes of the transformers baselines ('same' = --dtype); the first is compared token by token",
+        help=(
+            "dtypes of the transformers baselines ('same' = --dtype); the first is compared token "
+            "by token"
+        ),
     )
     g.add_argument(
         "--hf-max-time",
@@ -281,7 +293,8 @@ def make_llm(args, *, max_num_seqs: int, max_num_batched_tokens: int) -> LLM:
 
 
 def warm_up(llm: LLM) -> None:
-    """A short generate to warm the kernels and allocator; then forget its blocks so nothing hits the prefix cache."""
+    """A short generate to warm the kernels and allocator; then forget its blocks so nothing hits
+    the prefix cache."""
     rng = random.Random(12345)
     tok = llm.tokenizer
     prompts = random_prompts(tok.vocab_size, tok.all_special_ids, [48, 80], rng)
@@ -318,8 +331,9 @@ def bench_engine_offline(args, prompts: list[list[int]]) -> dict[str, Any]:
         engine = llm.engine
         for rep in range(args.repeats):
             log(
-                f"(a) engine: {len(prompts)} prompts x {args.output_len} tokens, max_num_batched_tokens={mbt}, "
-                f"max_num_seqs={args.max_num_seqs} (repeat {rep + 1}/{args.repeats})"
+                f"(a) engine: {len(prompts)} prompts x {args.output_len} tokens, "
+                f"max_num_batched_tokens={mbt}, max_num_seqs={args.max_num_seqs} "
+                f"(repeat {rep + 1}/{args.repeats})"
             )
             hits0, stats0 = prefix_hits(llm), engine.stats()
             phase: dict[str, float] = {}
@@ -337,13 +351,10 @@ def bench_engine_offline(args, prompts: list[list[int]]) -> dict[str, Any]:
                     phase["tokens_at_prefill_done"] = engine.stats().num_generated_tokens
                 return out
 
-            engine.step = step
-            try:
+            with mock.patch.object(engine, "step", step):
                 t0, c0 = time.perf_counter(), time.process_time()
                 results = llm.generate(prompts, params)
                 elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
-            finally:
-                del engine.step
             num_out = sum(len(r.outputs[0].token_ids) for r in results)
             if num_out != expected:
                 raise RuntimeError(f"engine produced {num_out} tokens, expected {expected}")
@@ -515,7 +526,7 @@ def bench_hf_offline(
 def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, Any]:
     """Greedy agreement (informative: bf16 paths may diverge where the top-2 logits nearly tie)."""
     prefixes = []
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
         n = 0
         while n < min(len(a), len(b)) and a[n] == b[n]:
             n += 1
@@ -529,7 +540,7 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, Any]:
     )
 
 
-# ---- (b)/(c) mixed trace --------------------------------------------------------------------------
+# ---- (b)/(c) mixed trace -------------------------------------------------------------------------
 
 # continuous first, then the two static baselines (see the module docstring)
 MIX_MODES = ("continuous", "static", "static_padded")
@@ -545,10 +556,10 @@ def run_trace(
     contiguous_limits: dict[str, list[int]],
     padded: bool = False,
 ) -> dict[str, Any]:
-    """Run the trace; static_batch=None submits everything at once (continuous batching), else B at a
-    time, each batch stepped to completion. padded: every member of a static batch decodes as many
-    tokens as its longest and only its own max_tokens are counted. Records a KVSample before every
-    forward pass."""
+    """Run the trace; static_batch=None submits everything at once (continuous batching), else B at
+    a time, each batch stepped to completion. padded: every member of a static batch decodes as
+    many tokens as its longest and only its own max_tokens are counted. Records a KVSample before
+    every forward pass."""
     engine = llm.engine
     bs = engine.block_manager.block_size
     samples: list[KVSample] = []
@@ -565,7 +576,6 @@ def run_trace(
         samples.append(KVSample(live, engine.block_manager.num_used_blocks * bs, contiguous))
         return original_execute(chunks)
 
-    engine.runner.execute = execute  # instance attribute shadows the method; removed below
     hits0, steps0, pre0 = (
         prefix_hits(llm),
         engine.stats().num_steps,
@@ -579,10 +589,12 @@ def run_trace(
     )
     num_tokens = [0] * n
     finish_s = [0.0] * n
-    try:
+    expected = [_fixed_max_tokens(p) for p in params]
+    # an instance attribute shadows the method until the run is over
+    with mock.patch.object(engine.runner, "execute", execute):
         t0, c0 = time.perf_counter(), time.process_time()
         for group in groups:
-            longest = max(params[i].max_tokens for i in group)
+            longest = max(expected[i] for i in group)
             for i in group:
                 rid = f"{label}-{i}"
                 index_of[rid] = i
@@ -599,11 +611,8 @@ def run_trace(
                         finish_s[i] = time.perf_counter() - t0
             if padded:  # the surplus a fixed-shape batch computes and throws away
                 for i in group:
-                    num_tokens[i] = min(num_tokens[i], params[i].max_tokens)
+                    num_tokens[i] = min(num_tokens[i], expected[i])
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
-    finally:
-        del engine.runner.execute
-    expected = [p.max_tokens for p in params]
     if num_tokens != expected:
         raise RuntimeError(f"{label}: generated {num_tokens}, expected {expected}")
     total = sum(num_tokens)
@@ -626,8 +635,13 @@ def run_trace(
     return result
 
 
+def _fixed_max_tokens(p: SamplingParams) -> int:
+    assert p.max_tokens is not None  # every request of the trace asks for a set number of tokens
+    return p.max_tokens
+
+
 def _mean_where(values: list[float], keys: list[int], key: int) -> float:
-    return statistics.fmean(v for v, k in zip(values, keys) if k == key)
+    return statistics.fmean(v for v, k in zip(values, keys, strict=True) if k == key)
 
 
 def bench_mix(args, corpus: list[int] | None) -> dict[str, Any]:
@@ -654,7 +668,7 @@ def bench_mix(args, corpus: list[int] | None) -> dict[str, Any]:
     ]
     max_out = max(r.max_tokens for r in trace)
     limits = {
-        "prompt+max_tokens": [len(p) + r.max_tokens for p, r in zip(prompts, trace)],
+        "prompt+max_tokens": [len(p) + r.max_tokens for p, r in zip(prompts, trace, strict=True)],
         "prompt+trace_max_tokens": [len(p) + max_out for p in prompts],
         "max_model_len": [llm.engine.max_model_len] * len(prompts),
     }
@@ -713,10 +727,10 @@ def bench_mix(args, corpus: list[int] | None) -> dict[str, Any]:
     return out
 
 
-# ---- profile ---------------------------------------------------------------------------------------
+# ---- profile -------------------------------------------------------------------------------------
 
 
-def _breakdown_targets() -> dict[str, Any]:
+def _breakdown_targets() -> dict[tuple[str, int, str], str]:
     """Engine functions whose cumulative time in one cProfiled step is reported, keyed by cProfile's
     (file, first line, name) of their code objects."""
     from shared.engine.attention.backend import TorchAttentionBackend
@@ -727,7 +741,9 @@ def _breakdown_targets() -> dict[str, Any]:
     from shared.engine.models.llama import LlamaModel
     from shared.engine.scheduler import Scheduler
 
-    funcs = [
+    # The linears' share is in the op table (the fused path calls them without a module in
+    # between).
+    funcs: list[tuple[str, Callable[..., Any]]] = [
         ("schedule", Scheduler.schedule),
         ("attn_metadata", build_attention_metadata),
         ("model_runner.execute", ModelRunner.execute),
@@ -737,14 +753,14 @@ def _breakdown_targets() -> dict[str, Any]:
         ("sample", Engine._sample),
         ("block_commit", BlockManager.commit),
         ("outputs", Engine._collect_outputs),
-    ]  # the linears' share is in the op table (the fused path calls them without a module in between)
+    ]
     codes = [(label, inspect.unwrap(f).__code__) for label, f in funcs]  # past @inference_mode
     return {(c.co_filename, c.co_firstlineno, c.co_name): label for label, c in codes}
 
 
 def profile_engine(args, prompts: list[list[int]], mbt: int) -> dict[str, Any]:
-    """Profile (1) the first step of the offline workload (a full prefill chunk) and (2) decode steps
-    with every prompt running, with torch.profiler (ops) and cProfile (Python)."""
+    """Profile (1) the first step of the offline workload (a full prefill chunk) and (2) decode
+    steps with every prompt running, with torch.profiler (ops) and cProfile (Python)."""
     from torch.profiler import ProfilerActivity, profile
 
     llm = make_llm(args, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=mbt)
@@ -770,7 +786,8 @@ def profile_engine(args, prompts: list[list[int]], mbt: int) -> dict[str, Any]:
         cp_wall = time.perf_counter() - t1
         targets = _breakdown_targets()
         by_name = dict.fromkeys(targets.values(), 0.0)
-        for key, (_, _, _, cumtime, _) in pstats.Stats(cp).stats.items():
+        cp.create_stats()  # what pstats.Stats(cp) reads: cp.stats
+        for key, (_, _, _, cumtime, _) in cp.stats.items():
             if key in targets:
                 by_name[targets[key]] += cumtime
         ka = prof.key_averages()
@@ -847,7 +864,8 @@ def decode_scaling(
             )
         )
         log(
-            f"    decode batch {batch:>3} @ {context} ctx: {ms:.0f} ms/step = {rows[-1]['output_tokens_per_s']:.0f} tok/s"
+            f"    decode batch {batch:>3} @ {context} ctx: {ms:.0f} ms/step = "
+            f"{rows[-1]['output_tokens_per_s']:.0f} tok/s"
         )
         for rid in ids:
             engine.abort(rid)
@@ -855,7 +873,7 @@ def decode_scaling(
     return rows
 
 
-# ---- report ----------------------------------------------------------------------------------------
+# ---- report --------------------------------------------------------------------------------------
 
 
 def print_ceiling(c: dict[str, Any], hf_runs: list[dict[str, Any]]) -> None:
@@ -871,11 +889,13 @@ def print_ceiling(c: dict[str, Any], hf_runs: list[dict[str, Any]]) -> None:
         for hf in hf_runs
     )
     print(
-        f"    ceiling: the run's {sum(f.values()) / 1e12:.2f} TFLOP (decoder linears {f['decoder_linears'] / 1e12:.2f}, "
+        f"    ceiling: the run's {sum(f.values()) / 1e12:.2f} TFLOP "
+        f"(decoder linears {f['decoder_linears'] / 1e12:.2f}, "
         f"lm_head {f['lm_head'] / 1e12:.2f}, attention {f['attention'] / 1e12:.2f})\n"
-        f"    take >= {c['seconds']:.2f} s at this host's measured peak ({peaks}; python -m loadtests.ceiling):\n"
-        f"    at most {c['output_tokens_per_s']:.0f} output tok/s{versus}; the best engine run reached "
-        f"{100 * c['best_fraction']:.0f}% of it"
+        f"    take >= {c['seconds']:.2f} s at this host's measured peak "
+        f"({peaks}; python -m loadtests.ceiling):\n"
+        f"    at most {c['output_tokens_per_s']:.0f} output tok/s{versus}; "
+        f"the best engine run reached {100 * c['best_fraction']:.0f}% of it"
     )
 
 
@@ -883,12 +903,15 @@ def print_report(res: dict[str, Any]) -> None:
     line = "-" * 96
     print(line)
     print(
-        f"bench_engine  model={os.path.basename(res['config']['model'])}  dtype={res['config']['dtype']}  "
+        f"bench_engine  model={os.path.basename(res['config']['model'])}  "
+        f"dtype={res['config']['dtype']}  "
         f"quantization={res['config'].get('quantization')}  "
-        f"kv_cache_dtype={res['config'].get('kv_cache_dtype', 'auto')}  threads={res['config']['threads']}\n"
+        f"kv_cache_dtype={res['config'].get('kv_cache_dtype', 'auto')}  "
+        f"threads={res['config']['threads']}\n"
         f"  OMP_WAIT_POLICY={res['env']['omp_wait_policy']}  "
         f"malloc_tuned={res['env']['malloc_tuned']}  "
-        f"repeats={res['config']['repeats']} (best kept)  load avg start/end={res['env']['load_avg_start']}"
+        f"repeats={res['config']['repeats']} (best kept)  "
+        f"load avg start/end={res['env']['load_avg_start']}"
         f"/{res['env']['load_avg_end']}  total {res['env']['total_s']:.0f}s\n  engine at commit "
         f"{res['env']['commit']}"
         + (
@@ -902,8 +925,8 @@ def print_report(res: dict[str, Any]) -> None:
         print(line)
         print(
             f"(a) offline throughput: {a['num_prompts']} prompts, {a['prompt_len_range'][0]}-"
-            f"{a['prompt_len_range'][1]} tokens ({a['num_prompt_tokens']} total), {a['output_len']} greedy "
-            "output tokens each"
+            f"{a['prompt_len_range'][1]} tokens ({a['num_prompt_tokens']} total), "
+            f"{a['output_len']} greedy output tokens each"
         )
         print(
             f"    {'system':<44}{'output tok/s':>13}{'elapsed s':>10}{'steps':>7}{'prefill s':>10}"
@@ -925,7 +948,8 @@ def print_report(res: dict[str, Any]) -> None:
             ):
                 name += f" #{r['repeat'] + 1}"
             print(
-                f"    {name:<44}{r['output_tokens_per_s']:>13.1f}{r['elapsed_s']:>10.1f}{r['num_steps']:>7}"
+                f"    {name:<44}{r['output_tokens_per_s']:>13.1f}{r['elapsed_s']:>10.1f}"
+                f"{r['num_steps']:>7}"
                 f"{r['prefill_phase_s']:>10.1f}{r['decode_phase_tokens_per_s']:>13.1f}"
                 f"{r['output_tokens_per_cpu_s']:>11.1f}"
             )
@@ -936,25 +960,31 @@ def print_report(res: dict[str, Any]) -> None:
                 name = f"transformers generate {hf['dtype']} (batched)"
                 print(
                     f"    {name:<44}{hf['output_tokens_per_s']:>13.1f}"
-                    f"{hf['elapsed_s']:>10.1f}{hf['new_tokens_per_prompt']:>7}{hf['prefill_phase_s']:>10.1f}"
-                    f"{dec if dec is None else format(dec, '.1f'):>13}{hf['output_tokens_per_cpu_s']:>11.1f}"
+                    f"{hf['elapsed_s']:>10.1f}{hf['new_tokens_per_prompt']:>7}"
+                    f"{hf['prefill_phase_s']:>10.1f}"
+                    f"{dec if dec is None else format(dec, '.1f'):>13}"
+                    f"{hf['output_tokens_per_cpu_s']:>11.1f}"
                 )
             print(
-                "    (prefill s: until every prompt is computed; decode tok/s: output tokens after that / time;\n"
-                "     tok/CPU-s: output tokens per second of this process's CPU time, less sensitive to neighbours)"
+                "    (prefill s: until every prompt is computed; "
+                "decode tok/s: output tokens after that / time;\n"
+                "     tok/CPU-s: output tokens per second of this process's CPU time, "
+                "less sensitive to neighbours)"
             )
             engine = res["config"]["dtype"] + (" int8" if res["config"].get("quantization") else "")
             engine += ", int8 KV" if res["config"].get("kv_cache_dtype") == "int8" else ""
             for hf in hf_runs:
                 print(f"    transformers {hf['dtype']} measured: {hf['measured']}")
                 print(
-                    f"    ratio best engine (mbt={a['engine']['best']['max_num_batched_tokens']}, {engine}) / "
+                    "    ratio best engine "
+                    f"(mbt={a['engine']['best']['max_num_batched_tokens']}, {engine}) / "
                     f"transformers {hf['dtype']} = {hf['ratio']:.2f}x wall, "
                     f"{hf['cpu_ratio']:.2f}x per CPU-second   (target >= 8x)"
                 )
             ag = a["agreement"]
             print(
-                f"    greedy agreement with transformers {hf_runs[0]['dtype']} over {ag['tokens_compared']} tokens: {ag['identical_prompts']}/"
+                f"    greedy agreement with transformers {hf_runs[0]['dtype']} over "
+                f"{ag['tokens_compared']} tokens: {ag['identical_prompts']}/"
                 f"{ag['num_prompts']} identical, median common prefix {ag['median_common_prefix']}"
             )
         else:
@@ -966,9 +996,9 @@ def print_report(res: dict[str, Any]) -> None:
         print(line)
         print(
             f"(b) continuous vs static batching: {t['num_requests']} requests ({t['num_long']} x "
-            f"{t['long_tokens']} + {t['num_requests'] - t['num_long']} x {t['short_tokens']} output "
-            f"tokens), prompts {t['prompt_len_range'][0]}-{t['prompt_len_range'][1]}, B=max_num_seqs="
-            f"{t['batch_size']}"
+            f"{t['long_tokens']} + {t['num_requests'] - t['num_long']} x {t['short_tokens']} "
+            f"output tokens), prompts {t['prompt_len_range'][0]}-{t['prompt_len_range'][1]}, "
+            f"B=max_num_seqs={t['batch_size']}"
         )
         print(
             f"    {'mode':<14}{'output tok/s':>14}{'elapsed s':>12}{'steps':>8}{'mean E2E s':>12}"
@@ -977,7 +1007,8 @@ def print_report(res: dict[str, Any]) -> None:
         for mode in MIX_MODES:
             r = b[mode]
             print(
-                f"    {mode:<14}{r['output_tokens_per_s']:>14.1f}{r['elapsed_s']:>12.1f}{r['num_steps']:>8}"
+                f"    {mode:<14}{r['output_tokens_per_s']:>14.1f}{r['elapsed_s']:>12.1f}"
+                f"{r['num_steps']:>8}"
                 f"{r['mean_e2e_s']:>12.1f}{r['mean_e2e_short_s']:>11.1f}{r['mean_e2e_long_s']:>10.1f}"
                 f"{r['output_tokens_per_cpu_s']:>11.1f}"
             )
@@ -1010,25 +1041,28 @@ def print_report(res: dict[str, Any]) -> None:
         print(line)
         kv = b["continuous"]["kv"]
         print(
-            f"(c) KV utilization, live tokens / reserved slots, continuous run of (b), {kv['num_steps']} steps "
+            "(c) KV utilization, live tokens / reserved slots, continuous run of (b), "
+            f"{kv['num_steps']} steps "
             f"(block_size={t['block_size']}, max_model_len={t['max_model_len']})"
         )
         print(
-            f"    {'scheme':<34}{'step mean':>10}{'weighted':>10}{'min':>8}{'@peak':>8}{'peak slots':>12}"
-            f"{'x paged':>9}"
+            f"    {'scheme':<34}{'step mean':>10}{'weighted':>10}{'min':>8}{'@peak':>8}"
+            f"{'peak slots':>12}{'x paged':>9}"
         )
         rows = [("paged (block manager)", kv["paged"])] + [
             (f"contiguous: {name}", s) for name, s in kv["contiguous"].items()
         ]
         for name, s in rows:
             print(
-                f"    {name:<34}{100 * s['util_step_mean']:>9.1f}%{100 * s['util_slot_weighted']:>9.1f}%"
+                f"    {name:<34}{100 * s['util_step_mean']:>9.1f}%"
+                f"{100 * s['util_slot_weighted']:>9.1f}%"
                 f"{100 * s['util_min']:>7.1f}%{100 * s['util_at_peak_reserved']:>7.1f}%"
                 f"{s['peak_reserved_slots']:>12}{s.get('mean_reserved_vs_paged', 1.0):>8.2f}x"
             )
         print(
             f"    peak live tokens {kv['peak_live_tokens']}; paged target >= 90% "
-            f"(static run: paged step mean {100 * b['static']['kv']['paged']['util_step_mean']:.1f}%)"
+            "(static run: paged step mean "
+            f"{100 * b['static']['kv']['paged']['util_step_mean']:.1f}%)"
         )
     pr = res.get("profile")
     if pr:
@@ -1036,7 +1070,8 @@ def print_report(res: dict[str, Any]) -> None:
         for phase in ("prefill", "decode"):
             ph = pr[phase]
             print(
-                f"profile {phase}: {ph['ms_per_step']:.0f} ms/step, tokens/step {ph['tokens_per_step']}, "
+                f"profile {phase}: {ph['ms_per_step']:.0f} ms/step, "
+                f"tokens/step {ph['tokens_per_step']}, "
                 f"cProfile step {ph['cprofile_step_ms']:.0f} ms"
             )
             print(

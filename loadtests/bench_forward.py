@@ -1,9 +1,10 @@
-"""Single-stream forward-pass speed of our runtime vs the transformers reference, same run, same host.
+"""Single-stream forward-pass speed of our runtime vs the transformers reference, same run, same
+host.
 
 For SmolLM2-135M-Instruct (default GGUF), per dtype (fp32, bf16):
-  - decode ms/token: prefill a ``--context``-token prompt, ``--warmup`` decode steps, then the median
-    (and p90) of ``--decode-tokens`` individually timed single-token steps (transformers: the same
-    loop over a DynamicCache);
+  - decode ms/token: prefill a ``--context``-token prompt, ``--warmup`` decode steps, then the
+    median (and p90) of ``--decode-tokens`` individually timed single-token steps (transformers:
+    the same loop over a DynamicCache);
   - prefill tokens/s: one forward over a ``--prefill-tokens`` prompt from an empty cache, median of
     ``--repeats`` after one warm-up (only the last position's logits computed, on both sides);
   - generate ms/token: prompt + N greedy tokens end to end, divided by N (transformers:
@@ -12,7 +13,8 @@ The two implementations are timed interleaved, step by step, so that load from o
 a shared machine hits both alike; ``decode_pair_ratio`` is the median of per-step ratios. Absolute
 numbers on a shared 2-core CPU mean little: the ratios are the result.
 
-    python loadtests/bench_forward.py [--threads 2] [--skip-hf] [--out loadtests/results/bench_forward.json]
+    python loadtests/bench_forward.py [--threads 2] [--skip-hf] \\
+        [--out loadtests/results/bench_forward.json]
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import random
 import statistics
 import sys
 import time
+from typing import Any
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -128,9 +131,11 @@ def timed(fn, *args):
     return result, time.perf_counter() - t0
 
 
-def bench(contenders: list, args, vocab: int) -> dict[str, dict]:
+def bench(contenders: list, args, vocab: int) -> dict[str, Any]:
     """Every measurement interleaves the contenders (alternating who goes first)."""
-    times = {c.name: {"decode": [], "prefill": [], "generate": []} for c in contenders}
+    times: dict[str, dict[str, list[float]]] = {
+        c.name: {"decode": [], "prefill": [], "generate": []} for c in contenders
+    }
     prompt = random_ids(args.context, vocab, 1)
     steps = args.warmup + args.decode_tokens
     logits = {}
@@ -157,7 +162,7 @@ def bench(contenders: list, args, vocab: int) -> dict[str, dict]:
             _, dt = timed(c.generate, prompt, args.decode_tokens)
             times[c.name]["generate"].append(dt)
 
-    out = {}
+    out: dict[str, Any] = {}  # a dict per contender, and "decode_pair_ratio"
     for c in contenders:
         t = times[c.name]
         prefill_s = statistics.median(t["prefill"])
@@ -169,7 +174,7 @@ def bench(contenders: list, args, vocab: int) -> dict[str, dict]:
         }
     if len(contenders) == 2:
         a, b = (times[c.name]["decode"] for c in contenders)
-        out["decode_pair_ratio"] = statistics.median(y / x for x, y in zip(a, b))
+        out["decode_pair_ratio"] = statistics.median(y / x for x, y in zip(a, b, strict=True))
     return out
 
 
@@ -206,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
     results, speedups = [], {}
     for dtype_name in dtypes:
         ours = load_model(path, dtype=dtype_name, progress=False)
-        contenders = [Ours(ours)]
+        contenders: list[Ours | Reference] = [Ours(ours)]
         if hf_fp32 is not None:
             # The reference's own dequantized weights, cast as from_pretrained(dtype=...) would.
             hf = (
@@ -217,7 +222,8 @@ def main(argv: list[str] | None = None) -> dict:
         for c in contenders:
             results.append({"impl": c.name, "dtype": dtype_name, **measured[c.name]})
             print(
-                f"{c.name} {dtype_name}: decode {measured[c.name]['decode']['median_ms']:.2f} ms/tok",
+                f"{c.name} {dtype_name}: decode "
+                f"{measured[c.name]['decode']['median_ms']:.2f} ms/tok",
                 file=sys.stderr,
             )
         if len(contenders) == 2:

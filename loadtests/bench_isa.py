@@ -55,7 +55,7 @@ def configurations() -> list[tuple[str, dict[str, str], str]]:
     return configs
 
 
-# ---- one configuration, in its own process -----------------------------------------------------------
+# ---- one configuration, in its own process -------------------------------------------------------
 
 
 def worker(args) -> dict[str, Any]:
@@ -83,7 +83,12 @@ def worker(args) -> dict[str, Any]:
         ]
     )
     ops = cpu_ops()
-    level = "torch" if ops is None else isa.best_level().name
+    if ops is None:
+        level = "torch"
+    else:
+        best = isa.best_level()
+        assert best is not None  # cpu_ops() found kernels, so a level runs here
+        level = best.name
     llm = be.make_llm(ns, max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=512)
     tok = llm.tokenizer
     corpus = corpus_token_ids(
@@ -128,7 +133,7 @@ def worker(args) -> dict[str, Any]:
     )
 
 
-# ---- the driver ---------------------------------------------------------------------------------------
+# ---- the driver ----------------------------------------------------------------------------------
 
 
 def run_config(label: str, env: dict[str, str], dtype: str, args) -> dict[str, Any]:
@@ -156,8 +161,9 @@ def run_config(label: str, env: dict[str, str], dtype: str, args) -> dict[str, A
         raise SystemExit(f"{label} failed:\n{proc.stderr[-3000:]}")
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     print(
-        f"  {label:<18} offline {res['offline_tok_s']:7.1f} tok/s ({res['offline_s']:.1f} s)   single stream "
-        f"{res['single_tpot_ms']:6.1f} ms/token (TTFT {res['single_ttft_ms']:.0f} ms)   load {os.getloadavg()[0]:.2f}",
+        f"  {label:<18} offline {res['offline_tok_s']:7.1f} tok/s ({res['offline_s']:.1f} s)   "
+        f"single stream {res['single_tpot_ms']:6.1f} ms/token "
+        f"(TTFT {res['single_ttft_ms']:.0f} ms)   load {os.getloadavg()[0]:.2f}",
         flush=True,
     )
     return res
@@ -186,8 +192,9 @@ def main(argv: list[str] | None = None) -> int:
 
     configs = configurations()
     print(
-        f"bench_isa  {isa.cpu_name()}  threads={args.threads}  {args.num_prompts} prompts x {args.output_len} "
-        f"tokens; single stream {SINGLE_PROMPT}/{SINGLE_OUTPUT}; {args.repeats} alternating rounds",
+        f"bench_isa  {isa.cpu_name()}  threads={args.threads}  "
+        f"{args.num_prompts} prompts x {args.output_len} tokens; "
+        f"single stream {SINGLE_PROMPT}/{SINGLE_OUTPUT}; {args.repeats} alternating rounds",
         flush=True,
     )
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in configs}
@@ -218,9 +225,12 @@ def main(argv: list[str] | None = None) -> int:
         avx2_single_tpot_ms=avx2["single_tpot_ms"],
     )
     print(
-        f"offline: avx2 bf16 {avx2['offline_tok_s']:.1f} tok/s = {summary['avx2_vs_fp32_torch']:.2f}x the fp32 "
-        f"torch path ({torch_fp32['offline_tok_s']:.1f}); the run's {summary['run_tflop']:.2f} TFLOP at the "
-        f"avx2 peak ({avx2_peak:.0f} GFLOP/s fp32 FMA) allow {avx2_ceiling:.0f} tok/s: avx2 reaches "
+        f"offline: avx2 bf16 {avx2['offline_tok_s']:.1f} tok/s = "
+        f"{summary['avx2_vs_fp32_torch']:.2f}x the fp32 "
+        f"torch path ({torch_fp32['offline_tok_s']:.1f}); "
+        f"the run's {summary['run_tflop']:.2f} TFLOP at the "
+        f"avx2 peak ({avx2_peak:.0f} GFLOP/s fp32 FMA) allow {avx2_ceiling:.0f} tok/s: "
+        "avx2 reaches "
         f"{100 * summary['avx2_share_of_ceiling']:.0f}% of it"
     )
     print(
@@ -233,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         summary["best_vs_avx2_single"] = avx2["single_tpot_ms"] / best[top]["single_tpot_ms"]
         print(
             f"{top} vs avx2 bf16: offline {summary['best_vs_avx2_offline']:.2f}x "
-            f"({best[top]['offline_tok_s']:.1f} tok/s), single stream {summary['best_vs_avx2_single']:.2f}x "
+            f"({best[top]['offline_tok_s']:.1f} tok/s), "
+            f"single stream {summary['best_vs_avx2_single']:.2f}x "
             f"({best[top]['single_tpot_ms']:.1f} ms/token)"
         )
     for rs in runs.values():

@@ -1,23 +1,26 @@
 """The CPU kernels on their own, at SmolLM2-135M's shapes over all 30 layers (each layer its own
 weights and cache, so the data comes from DRAM as in a real step, not from a warm L3).
 
-  - decode attention: B sequences x ``--context`` tokens, blocks shuffled through a pool on huge pages
-    (as the engine's); ms and the K/V bytes read per second (``--kv-cache-dtype int8``: the caches in
-    the engine's int8 layout, rows with their scales); and "cached": the same calls with every
-    sequence reading one layer's first blocks, which stay in L2, so what is left is the kernel's
-    compute;
-  - prefill attention: fresh prompts of 512, 300, 450, 200 and 586 tokens (2,048) in one call; ms and
-    GFLOP/s over the causal half (what has to be computed);
+  - decode attention: B sequences x ``--context`` tokens, blocks shuffled through a pool on huge
+    pages (as the engine's); ms and the K/V bytes read per second (``--kv-cache-dtype int8``: the
+    caches in the engine's int8 layout, rows with their scales); and "cached": the same calls with
+    every sequence reading one layer's first blocks, which stay in L2, so what is left is the
+    kernel's compute;
+  - prefill attention: fresh prompts of 512, 300, 450, 200 and 586 tokens (2,048) in one call; ms
+    and GFLOP/s over the causal half (what has to be computed);
   - linear: the four layer matmuls (QKV, O, gate-up, down) at M rows, ``linear_bf16`` on its packed
-    weight vs oneDNN on its own (the two layouts ``PackedLinear`` can hold), and ``linear_int8`` (W8A8,
-    input quantized in the call, as ``Int8Linear`` runs it); ms and GFLOP/s. oneDNN only where it runs
-    bf16 (not below the avx512 level).
+    weight vs oneDNN on its own (the two layouts ``PackedLinear`` can hold), and ``linear_int8``
+    (W8A8, input quantized in the call, as ``Int8Linear`` runs it); ms and GFLOP/s. oneDNN only
+    where it runs bf16 (not below the avx512 level).
 
-Each figure is the median of ``--repeats`` timed runs after one warm-up, at the level the kernels run
-at here (``LLMSERVE_CPU_ISA=avx2`` for the AVX2 kernels); past figures are in ``loadtests/RESULTS.md``.
+Each figure is the median of ``--repeats`` timed runs after one warm-up, at the level the kernels
+run at here (``LLMSERVE_CPU_ISA=avx2`` for the AVX2 kernels); past figures are in
+``loadtests/RESULTS.md``.
 
-    python -m loadtests.bench_kernels [--dtype bfloat16] [--out loadtests/results/bench_kernels.json]
-    python -m loadtests.bench_kernels --kv-cache-dtype int8 --rows 1 --out loadtests/results/bench_kernels_kv_int8.json
+    python -m loadtests.bench_kernels [--dtype bfloat16] \\
+        [--out loadtests/results/bench_kernels.json]
+    python -m loadtests.bench_kernels --kv-cache-dtype int8 --rows 1 \\
+        --out loadtests/results/bench_kernels_kv_int8.json
 """
 
 from __future__ import annotations
@@ -49,9 +52,8 @@ from shared.engine.quantize_rows import quantize_rows
 DEFAULT_OUT = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "results", "bench_kernels.json"
 )
-SMOLLM2 = KNOWN_CONFIGS[
-    "smollm2-135m"
-]  # 30 layers, 9 query heads sharing 3 KV heads of 64, hidden 576
+# 30 layers, 9 query heads sharing 3 KV heads of 64, hidden 576
+SMOLLM2 = KNOWN_CONFIGS["smollm2-135m"]
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = (
     SMOLLM2.num_layers,
     SMOLLM2.num_heads,
@@ -63,7 +65,7 @@ BLOCK = 16
 PROMPTS = [512, 300, 450, 200, 586]
 
 
-def median_ms(fn: Callable[[], None], repeats: int) -> float:
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
     fn()
     times = []
     for _ in range(repeats):
@@ -108,9 +110,8 @@ def bench_decode(ops, dtype, batch: int, context: int, repeats: int, kv_cache_dt
         lambda: [ops.decode_attention(q, k, v, tables, lens, HEADS, scale) for k, v in caches],
         repeats,
     )
-    cached_tables = torch.arange(tables.shape[1]).repeat(
-        batch, 1
-    )  # every sequence: blocks 0, 1, ... of layer 0
+    # every sequence: blocks 0, 1, ... of layer 0
+    cached_tables = torch.arange(tables.shape[1]).repeat(batch, 1)
     k0, v0 = caches[0]
     cached_ms = median_ms(
         lambda: [
@@ -156,16 +157,15 @@ def bench_linear(ops, rows: list[int], repeats: int) -> list[dict]:
     weights = [
         [torch.randn(n, k, generator=g).bfloat16() for n, k in LINEARS] for _ in range(LAYERS)
     ]
-    onednn = isa.onednn_usable(
-        torch.bfloat16
-    )  # the CPU's (or the cap's) oneDNN bf16, as a baseline
+    # the CPU's (or the cap's) oneDNN bf16, as a baseline
+    onednn = isa.onednn_usable(torch.bfloat16)
     packed = (
         [[torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in layer] for layer in weights]
         if onednn
         else []
     )
     ours_packed = [[ops.pack_linear_bf16(w) for w in layer] for layer in weights]
-    int8 = []
+    int8: list[list[tuple[torch.Tensor, ...]]] = []
     for layer in weights:
         int8.append([])
         for w in layer:
@@ -182,31 +182,36 @@ def bench_linear(ops, rows: list[int], repeats: int) -> list[dict]:
     out = []
     for m in rows:
         xs = [torch.randn(m, k, generator=g).bfloat16() for _, k in LINEARS]
-        ours = median_ms(
-            lambda xs=xs: [
+
+        def run_bf16(xs: list[torch.Tensor] = xs) -> list[torch.Tensor]:
+            return [
                 ops.linear_bf16(x, w, n, None)
                 for layer in ours_packed
-                for x, w, (n, _) in zip(xs, layer, LINEARS)
-            ],
-            repeats,
-        )
+                for x, w, (n, _) in zip(xs, layer, LINEARS, strict=True)
+            ]
+
+        ours = median_ms(run_bf16, repeats)
         row = dict(rows=m, linear_bf16_ms=ours, linear_bf16_gflops=flops_per_row * m / ours / 1e6)
         if onednn:
-            ms = median_ms(
-                lambda xs=xs: [
+
+            def run_onednn(xs: list[torch.Tensor] = xs) -> list[torch.Tensor]:
+                return [
                     torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
                     for layer in packed
-                    for x, w in zip(xs, layer)
-                ],
-                repeats,
-            )
+                    for x, w in zip(xs, layer, strict=True)
+                ]
+
+            ms = median_ms(run_onednn, repeats)
             row.update(onednn_packed_ms=ms, onednn_gflops=flops_per_row * m / ms / 1e6)
-        ms = median_ms(
-            lambda xs=xs: [
-                ops.linear_int8(x, *w, None) for layer in int8 for x, w in zip(xs, layer)
-            ],
-            repeats,
-        )
+
+        def run_int8(xs: list[torch.Tensor] = xs) -> list[torch.Tensor]:
+            return [
+                ops.linear_int8(x, *w, None)
+                for layer in int8
+                for x, w in zip(xs, layer, strict=True)
+            ]
+
+        ms = median_ms(run_int8, repeats)
         row.update(linear_int8_ms=ms, linear_int8_gops=flops_per_row * m / ms / 1e6)
         out.append(row)
     return out
@@ -235,8 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
+    best = isa.best_level()
+    assert best is not None  # cpu_ops() found kernels, so a level runs here
     res: dict = dict(
-        isa=isa.best_level().name,
+        isa=best.name,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         threads=args.threads,
@@ -244,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         layers=LAYERS,
     )
     print(
-        f"bench_kernels  {res['isa']}  {args.dtype}  kv cache {args.kv_cache_dtype}  threads={args.threads}  "
+        f"bench_kernels  {res['isa']}  {args.dtype}  kv cache {args.kv_cache_dtype}  "
+        f"threads={args.threads}  "
         f"SmolLM2-135M shapes x {LAYERS} layers  load avg {os.getloadavg()[0]:.2f}"
     )
     res["decode_attention"] = []
@@ -253,11 +261,13 @@ def main(argv: list[str] | None = None) -> int:
         res["decode_attention"].append(r)
         print(
             f"  decode attention  B={b:<3} context {args.context}: {r['ms']:7.2f} ms  "
-            f"({r['kv_mb']:.0f} MB of K/V, {r['gb_per_s']:.1f} GB/s); cached {r['cached_ms']:7.2f} ms"
+            f"({r['kv_mb']:.0f} MB of K/V, {r['gb_per_s']:.1f} GB/s); "
+            f"cached {r['cached_ms']:7.2f} ms"
         )
     r = res["prefill_attention"] = bench_prefill(ops, dtype, args.repeats, args.kv_cache_dtype)
     print(
-        f"  prefill attention {r['tokens']} new tokens in {len(PROMPTS)} prompts: {r['ms']:7.1f} ms  "
+        f"  prefill attention {r['tokens']} new tokens in {len(PROMPTS)} prompts: "
+        f"{r['ms']:7.1f} ms  "
         f"({r['gflops']:.0f} GFLOP/s causal)"
     )
     res["linear"] = bench_linear(ops, [int(x) for x in args.rows.split(",")], args.repeats)
@@ -269,8 +279,9 @@ def main(argv: list[str] | None = None) -> int:
             else ""
         )
         print(
-            f"  linear M={r['rows']:<5} linear_bf16 {r['linear_bf16_ms']:8.2f} ms ({r['linear_bf16_gflops']:3.0f} "
-            f"GFLOP/s){onednn}   linear_int8 {r['linear_int8_ms']:8.2f} ms ({r['linear_int8_gops']:3.0f} GOP/s, "
+            f"  linear M={r['rows']:<5} linear_bf16 {r['linear_bf16_ms']:8.2f} ms "
+            f"({r['linear_bf16_gflops']:3.0f} GFLOP/s){onednn}   "
+            f"linear_int8 {r['linear_int8_ms']:8.2f} ms ({r['linear_int8_gops']:3.0f} GOP/s, "
             f"{r['linear_bf16_ms'] / r['linear_int8_ms']:.2f}x bf16)"
         )
     print(f"wrote {write_json(args.out, res)}")

@@ -1,12 +1,13 @@
 """What quantization costs in quality: SmolLM2 in bf16 and int8 (W8A8, per SmoothQuant alpha, and
-without smoothing), each also with an int8 KV cache, against fp32, teacher-forced over the same text
-(the engine's own docstrings, none of it in the int8 calibration text). With an int8 KV cache every
-position attends to the quantized keys and values, as in the engine.
+without smoothing), each also with an int8 KV cache, against fp32, teacher-forced over the same
+text (the engine's own docstrings, none of it in the int8 calibration text). With an int8 KV cache
+every position attends to the quantized keys and values, as in the engine.
 
-Per configuration: perplexity of the text, top-1 agreement with fp32 at every position, and the mean
-and max |logit - fp32 logit|; plus the bytes the model holds.
+Per configuration: perplexity of the text, top-1 agreement with fp32 at every position, and the
+mean and max |logit - fp32 logit|; plus the bytes the model holds.
 
-    python -m loadtests.bench_quality [--tokens 1500] [--alphas 0.5] [--out loadtests/results/bench_quality.json]
+    python -m loadtests.bench_quality [--tokens 1500] [--alphas 0.5] \\
+        [--out loadtests/results/bench_quality.json]
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -50,12 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     ids = tokenizer.encode(corpus_text())[: args.tokens]
     calibration = tokenizer.encode(int8_linear.calibration_text())
     print(
-        f"bench_quality  {os.path.basename(path)}  {len(ids)} tokens scored, {len(calibration)} calibration tokens"
+        f"bench_quality  {os.path.basename(path)}  {len(ids)} tokens scored, "
+        f"{len(calibration)} calibration tokens"
     )
 
     ref = all_position_logits(load_model(path, dtype="float32", progress=False), ids)
     # (name, dtype, SmoothQuant alpha, int8 linears, KV cache dtype)
-    configs = [
+    configs: list[tuple[str, str, float | None, bool, str]] = [
         ("fp32", "float32", None, False, "auto"),
         ("bf16", "bfloat16", None, False, "auto"),
         ("bf16, int8 KV", "bfloat16", None, False, "int8"),
@@ -75,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         quantize_s = time.perf_counter() - t0
         logits = all_position_logits(model, ids, kv_cache_dtype=kv_cache_dtype)
         diff = (logits - ref).abs()
-        row = dict(
+        row: dict[str, Any] = dict(
             config=name,
             dtype=dtype,
             alpha=alpha,
@@ -89,8 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         rows.append(row)
         print(
-            f"  {name:<26} perplexity {row['perplexity']:7.3f}   top-1 = fp32 {100 * row['top1_agreement']:5.1f}%   "
-            f"|logit diff| mean {row['mean_abs_logit_diff']:.3f} max {row['max_abs_logit_diff']:.2f}   "
+            f"  {name:<26} perplexity {row['perplexity']:7.3f}   "
+            f"top-1 = fp32 {100 * row['top1_agreement']:5.1f}%   "
+            f"|logit diff| mean {row['mean_abs_logit_diff']:.3f} "
+            f"max {row['max_abs_logit_diff']:.2f}   "
             f"weights {row['weight_bytes'] / 2**20:.0f} MiB",
             flush=True,
         )

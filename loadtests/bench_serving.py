@@ -3,9 +3,10 @@
     python loadtests/bench_serving.py --base-url http://127.0.0.1:8000 --num-prompts 64 \\
         --concurrency 8 --input-len 128 --output-len 64 --out loadtests/results/serving.json
 
-Arrivals: a fixed number of concurrent clients (--concurrency), or a Poisson process (--request-rate,
-requests/s; optionally capped by --max-concurrency). Every request streams (SSE) and asks for exactly
---output-len tokens (ignore_eos + max_tokens; --no-ignore-eos for servers that reject the field).
+Arrivals: a fixed number of concurrent clients (--concurrency), or a Poisson process
+(--request-rate, requests/s; optionally capped by --max-concurrency). Every request streams (SSE)
+and asks for exactly --output-len tokens (ignore_eos + max_tokens; --no-ignore-eos for servers that
+reject the field).
 
 Metrics, per request, as vLLM's benchmark_serving defines them:
     TTFT  first chunk carrying text − request sent

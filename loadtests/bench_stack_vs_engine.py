@@ -1,10 +1,11 @@
 """The cost of the architecture: the same requests through the whole stack over HTTP (gateway →
 tokenizer → scheduler → executor over NATS) and through the engine in process, in one run.
 
-    python -m loadtests.bench_stack_vs_engine [--num-prompts 64 --concurrency 16 --input-len 128 --output-len 128]
+    python -m loadtests.bench_stack_vs_engine \\
+        [--num-prompts 64 --concurrency 16 --input-len 128 --output-len 128]
 
-Both sides see identical token-id prompts, greedy decoding with ignore_eos, the same engine config and
-the same number of requests in flight. The in-process side keeps ``concurrency`` requests in the
+Both sides see identical token-id prompts, greedy decoding with ignore_eos, the same engine config
+and the same number of requests in flight. The in-process side keeps ``concurrency`` requests in the
 engine and adds the next one as soon as one finishes, timing each request from when it is added.
 Writes loadtests/results/bench_stack_vs_engine.json.
 """
@@ -91,7 +92,7 @@ async def next_heartbeat_stats(nats_url: str):
         await nc.close()
 
 
-def run_engine(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
+def run_engine(args: argparse.Namespace, prompts: list[str | list[int]]) -> dict:
     from shared.engine.engine import Engine, EngineConfig
     from shared.wire.sampling_params import SamplingParams
 
@@ -154,8 +155,8 @@ def cpu_seconds(pid: int) -> float:
 def run_stack(args: argparse.Namespace) -> dict:
     """The serving run's summary, plus ``cpu_s``: CPU seconds each process spent during the run (the
     services, nats-server, redis-server, and this client; on a host with few cores, what the others
-    take is what the executor does not get), and ``steps``: the executor's steps over the run, from its
-    heartbeats (the warm-up request included)."""
+    take is what the executor does not get), and ``steps``: the executor's steps over the run, from
+    its heartbeats (the warm-up request included)."""
     from services.cli.launcher import StackConfig, launch
 
     stack = launch(
@@ -200,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n### {name}")
         print_report(s)
     print(
-        f"\nCPU seconds during the stack run ({stack['duration_s']:.1f} s on {os.cpu_count()} cores): "
+        "\nCPU seconds during the stack run "
+        f"({stack['duration_s']:.1f} s on {os.cpu_count()} cores): "
         + ", ".join(
             f"{name} {sec:.1f}"
             for name, sec in sorted(stack["cpu_s"].items(), key=lambda kv: -kv[1])
@@ -209,8 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, s in (("stack", stack), ("in process", engine)):
         st = s["steps"]
         print(
-            f"engine steps, {name}: {st['num_steps']}, {st['generated_tokens_per_step']:.1f} tokens generated and "
-            f"{st['computed_tokens_per_step']:.1f} computed per step, {1000 * s['duration_s'] / st['num_steps']:.1f} ms per step"
+            f"engine steps, {name}: {st['num_steps']}, "
+            f"{st['generated_tokens_per_step']:.1f} tokens generated and "
+            f"{st['computed_tokens_per_step']:.1f} computed per step, "
+            f"{1000 * s['duration_s'] / st['num_steps']:.1f} ms per step"
         )
     ratio = stack["output_throughput_tps"] / engine["output_throughput_tps"]
     print(f"\nstack / in-process output throughput: {ratio:.3f} (target >= 0.90)")

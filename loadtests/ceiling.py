@@ -6,17 +6,17 @@ each token fed through the model (the prompt, then each output token but the las
 each sampled token, and causal attention (QK^T and PV) over every fed token's context. Decode
 attention's KV reads (a bandwidth cost) are left out, so the ceiling is generous.
 
-The peak, per kernel level (kernels/cpu/isa.py): each thread runs independent chains of the instruction
-that level's linear kernels are built on, on registers only (no loads, no dependencies between chains),
-so it runs at the units' throughput:
+The peak, per kernel level (kernels/cpu/isa.py): each thread runs independent chains of the
+instruction that level's linear kernels are built on, on registers only (no loads, no dependencies
+between chains), so it runs at the units' throughput:
 
 - ``avx512_bf16``: ``vdpbf16ps`` (32 bf16 products summed into 16 fp32 lanes, 64 FLOP) and
   ``vpdpbusd`` (64 u8 x s8 products into 16 int32 lanes, 128 ops);
 - ``avx2``: ``vfmadd231ps`` on 8 fp32 lanes (16 FLOP; bf16 runs as fp32 after widening) and
   ``vpmaddwd`` + ``vpaddd`` on 16 int16 products (32 ops).
 
-A C file per level compiled by the system's compiler with that level's flags and called through ctypes
-(no torch headers: it builds in well under a second).
+A C file per level compiled by the system's compiler with that level's flags and called through
+ctypes (no torch headers: it builds in well under a second).
 
     python -m loadtests.ceiling                     # this host's peaks at its best level
     LLMSERVE_CPU_ISA=avx2 python -m loadtests.ceiling  # ... at the AVX2 level
@@ -148,7 +148,8 @@ double int8_peak(long iters, int threads) {  /* int16 pair products, as the AVX2
     t0 = omp_get_wtime();
     for (long it = 0; it < iters; ++it) {
 #pragma GCC unroll 12
-      for (int i = 0; i < CHAINS; ++i) acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(one, one));
+      for (int i = 0; i < CHAINS; ++i)
+        acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(one, one));
     }
 #pragma omp barrier
 #pragma omp master
@@ -169,7 +170,8 @@ double int8_peak(long iters, int threads) {  /* int16 pair products, as the AVX2
 
 def peak_level() -> str:
     """The level whose peak a ceiling uses: the one the kernels run at here (``LLMSERVE_CPU_ISA``
-    caps it), measured with the instructions of the nearest level below that has a microbenchmark."""
+    caps it), measured with the instructions of the nearest level below that has a
+    microbenchmark."""
     best = isa.best_level()
     if best is None:
         raise RuntimeError("no kernel level runs on this CPU: " + isa.why_not(isa.LEVELS[0]))
@@ -239,7 +241,8 @@ def run_flops(cfg: ModelConfig, prompt_lens: list[int], output_len: int) -> dict
     h, hd, layers = cfg.hidden_size, cfg.head_dim, cfg.num_layers
     params_per_layer = sum(n * k for n, k in decoder_linear_shapes(cfg))  # QKV, O, gate-up, down
     fed = [n + output_len - 1 for n in prompt_lens]  # the last sampled token is never fed back
-    # The token at position p attends p + 1 keys: 2 * head_dim FLOPs per key for QK^T, as many for PV.
+    # The token at position p attends p + 1 keys: 2 * head_dim FLOPs per key for QK^T, as many for
+    # PV.
     attended = sum(m * (m + 1) // 2 for m in fed)
     return dict(
         decoder_linears=2.0 * params_per_layer * layers * sum(fed),
@@ -269,11 +272,13 @@ def main(argv: list[str] | None = None) -> None:
         lib = _library(level)
         for threads in sorted({1, args.threads}):
             print(
-                f"{level:<12} {threads} thread(s) at once, best of 20: bf16 {_best_rate(lib.bf16_peak, threads, 20):7.1f} "
-                f"GFLOP/s   int8 {_best_rate(lib.int8_peak, threads, 20):7.1f} GOPS"
+                f"{level:<12} {threads} thread(s) at once, best of 20: "
+                f"bf16 {_best_rate(lib.bf16_peak, threads, 20):7.1f} GFLOP/s   "
+                f"int8 {_best_rate(lib.int8_peak, threads, 20):7.1f} GOPS"
             )
     print(
-        f"peak used for ceilings ({top}, {args.threads} threads): bf16 {bf16_peak_gflops(args.threads):7.1f} GFLOP/s   "
+        f"peak used for ceilings ({top}, {args.threads} threads): "
+        f"bf16 {bf16_peak_gflops(args.threads):7.1f} GFLOP/s   "
         f"int8 {int8_peak_gops(args.threads):7.1f} GOPS"
     )
 

@@ -1,4 +1,5 @@
-"""KV-cache utilization accounting: paged blocks vs contiguous per-request reservations (pure logic).
+"""KV-cache utilization accounting: paged blocks vs contiguous per-request reservations (pure
+logic).
 
 At every engine step (sampled just before the forward pass, when this step's blocks are allocated)
 one ``KVSample`` records, over the running sequences:
@@ -6,11 +7,13 @@ one ``KVSample`` records, over the running sequences:
 - ``live_tokens``: tokens whose K/V sit in the cache once this step's forward has written them
   (``num_computed_tokens`` + the tokens scheduled now);
 - ``paged_reserved``: slots the block manager has handed out (used blocks x block_size);
-- ``contiguous_reserved[name]``: what a contiguous allocator would hold for the same running set when
-  it reserves a fixed maximum per request at admission (e.g. prompt + max_tokens, or max_model_len).
+- ``contiguous_reserved[name]``: what a contiguous allocator would hold for the same running set
+  when it reserves a fixed maximum per request at admission (e.g. prompt + max_tokens, or
+  max_model_len).
 
 Utilization = live / reserved. Two averages are reported: the mean of the per-step ratios ("step
-mean") and the ratio of sums over all steps ("slot-weighted", i.e. weighted by how much was reserved).
+mean") and the ratio of sums over all steps ("slot-weighted", i.e. weighted by how much was
+reserved).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ class KVSample:
 
 
 def _stats(live: Sequence[int], reserved: Sequence[int]) -> dict[str, float | int]:
-    ratios = [lv / r for lv, r in zip(live, reserved) if r > 0]
+    ratios = [lv / r for lv, r in zip(live, reserved, strict=True) if r > 0]
     peak_step = max(range(len(reserved)), key=lambda i: reserved[i])
     return {
         "util_step_mean": sum(ratios) / len(ratios),
@@ -42,8 +45,9 @@ def _stats(live: Sequence[int], reserved: Sequence[int]) -> dict[str, float | in
 
 
 def summarize_kv(samples: Sequence[KVSample]) -> dict:
-    """Per scheme (``paged`` and each contiguous variant): utilization stats; plus live-token peaks and
-    each contiguous variant's mean reservation relative to paged (how many times more memory)."""
+    """Per scheme (``paged`` and each contiguous variant): utilization stats; plus live-token peaks
+    and each contiguous variant's mean reservation relative to paged (how many times more
+    memory)."""
     samples = [s for s in samples if s.paged_reserved > 0]
     if not samples:
         raise ValueError("no engine step held any KV blocks")

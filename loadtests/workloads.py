@@ -1,10 +1,11 @@
 """Deterministic benchmark workloads as token-id prompts (pure logic: no torch, no engine).
 
-Prompts are cut from a corpus of real English text: the docstrings of a fixed list of standard-library
-modules (and their public classes and functions), tokenized by the model's own tokenizer. Each prompt
-is a slice at its own seeded random offset, so prompts do not share leading blocks and the prefix
-cache cannot serve any of them (the benchmarks report the hit count to prove it). A ``random`` source
-(uniform token ids that avoid special tokens) is the fallback when text is not wanted.
+Prompts are cut from a corpus of real English text: the docstrings of a fixed list of
+standard-library modules (and their public classes and functions), tokenized by the model's own
+tokenizer. Each prompt is a slice at its own seeded random offset, so prompts do not share leading
+blocks and the prefix cache cannot serve any of them (the benchmarks report the hit count to prove
+it). A ``random`` source (uniform token ids that avoid special tokens) is the fallback when text is
+not wanted.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ CORPUS_MODULES = (
 
 
 def corpus_text(modules: Sequence[str] = CORPUS_MODULES) -> str:
-    """Docstrings of the modules and their public classes/functions, each docstring once, in order."""
+    """Docstrings of the modules and their public classes/functions, each docstring once, in
+    order."""
     seen: set[str] = set()
     parts: list[str] = []
     for name in modules:
@@ -137,8 +139,9 @@ def mixed_trace(
     long_tokens: int,
     long_fraction: float,
 ) -> list[TraceRequest]:
-    """``num_requests`` requests in a shuffled order: exactly round(long_fraction * n) of them ask for
-    ``long_tokens`` output tokens, the rest for ``short_tokens``; prompt lengths uniform in the range."""
+    """``num_requests`` requests in a shuffled order: exactly round(long_fraction * n) of them ask
+    for ``long_tokens`` output tokens, the rest for ``short_tokens``; prompt lengths uniform in the
+    range."""
     if not 0.0 <= long_fraction <= 1.0:
         raise ValueError(f"long_fraction must be in [0, 1], got {long_fraction}")
     num_long = round(long_fraction * num_requests)

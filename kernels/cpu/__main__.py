@@ -1,9 +1,9 @@
-"""Build (or load from cache) the CPU kernels of every level this CPU runs, and say which path each op
-takes here and why: ``python -m kernels.cpu``.
+"""Build (or load from cache) the CPU kernels of every level this CPU runs, and say which path each
+op takes here and why: ``python -m kernels.cpu``.
 
-`make install` runs this so the first server start or test does not pay the compile. Exits 0 whatever
-it finds (without kernels the engine runs the plain torch path), unless ``--require`` is given: then a
-level this CPU has whose kernels do not build is an error (CI sets it).
+`make install` runs this so the first server start or test does not pay the compile. Exits 0
+whatever it finds (without kernels the engine runs the plain torch path), unless ``--require`` is
+given: then a level this CPU has whose kernels do not build is an error (CI sets it).
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print(
-        f"CPU: {isa.cpu_name()} ({', '.join(f for f in sorted(isa.cpu_flags()) if f.startswith(('avx', 'fma', 'f16c', 'amx'))) or 'no AVX flags'})"
-    )
+    simd_flags = [f for f in sorted(isa.cpu_flags()) if f.startswith(("avx", "fma", "f16c", "amx"))]
+    print(f"CPU: {isa.cpu_name()} ({', '.join(simd_flags) or 'no AVX flags'})")
     if not enabled():
         print(f"CPU kernels: switched off ({KERNELS_ENV}=0): every op runs the torch path")
         return 0
@@ -40,9 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     best, failures = None, []
     for lv in isa.LEVELS:
         why = isa.why_not(lv)
-        if why and not why.startswith(
-            isa.ISA_ENV
-        ):  # a capped level is still built: the tests compare levels
+        # A capped level is still built: the tests compare levels.
+        if why and not why.startswith(isa.ISA_ENV):
             print(f"  {lv.name:<12} not run here: {why}")
             continue
         t0 = time.perf_counter()
@@ -67,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {path}")
     onednn = isa.onednn_usable(torch.bfloat16)
     print(
-        f"oneDNN bf16 matmul: {'usable' if onednn else 'not usable here'} (bf16 linears use it only without the kernels)"
+        f"oneDNN bf16 matmul: {'usable' if onednn else 'not usable here'} "
+        "(bf16 linears use it only without the kernels)"
     )
     return 1 if args.require and failures else 0
 

@@ -1,12 +1,12 @@
 """Compiles the kernels of one ISA level into a library (once per machine) and loads it.
 
-Each level's library is named by a digest of the sources, the level's flags, the compiler and torch,
-and kept under ``LLMSERVE_KERNEL_CACHE`` (default ``~/.cache/llmserve/kernels``): later processes load
-it in milliseconds, whichever checkout of the sources built it; a changed source builds anew. A build
-that fails leaves ``build.failed`` beside it with the compiler's message, and every later process
-raises that message at once instead of compiling again (delete the file, or change the sources, to
-retry). Processes building the same library at once
-wait on torch's build lock.
+Each level's library is named by a digest of the sources, the level's flags, the compiler and
+torch, and kept under ``LLMSERVE_KERNEL_CACHE`` (default ``~/.cache/llmserve/kernels``): later
+processes load it in milliseconds, whichever checkout of the sources built it; a changed source
+builds anew. A build that fails leaves ``build.failed`` beside it with the compiler's message, and
+every later process raises that message at once instead of compiling again (delete the file, or
+change the sources, to retry). Processes building the same library at once wait on torch's build
+lock.
 """
 
 from __future__ import annotations
@@ -86,8 +86,9 @@ def _mtime(path: Path) -> float | None:
 def _built_library(directory: Path) -> Path | None:
     """The library built under ``directory``, or None if there is none and no build is under way.
 
-    A library older than the build lock is whole (a lock left by a killed build does not hold up its
-    users); one written after the lock was taken may still be being linked, so that wait is bounded."""
+    A library older than the build lock is whole (a lock left by a killed build does not hold up
+    its users); one written after the lock was taken may still be being linked, so that wait is
+    bounded."""
     library, lock = directory / f"{directory.name}.so", directory / _LOCK
     deadline = time.monotonic() + _LOCK_WAIT_S
     while True:
@@ -135,8 +136,9 @@ def load(level: Level):
     name = directory.name
     built = _built_library(directory)
     if built is not None:
-        # The name is a digest of everything the library depends on, so a library under it is current.
-        # Loaded directly: cpp_extension would rebuild it for sources at another path (another checkout).
+        # The name is a digest of everything the library depends on, so a library under it is
+        # current. Loaded directly: cpp_extension would rebuild it for sources at another path
+        # (another checkout).
         torch.ops.load_library(str(built))
         return getattr(torch.ops, ns)
     t0 = time.perf_counter()

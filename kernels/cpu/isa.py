@@ -1,12 +1,12 @@
 """Which instruction-set levels the CPU kernels can run at on this CPU, read at run time.
 
-The kernels are built once per level, each with that level's compiler flags (never ``-march=native``),
-and the engine takes the highest level this CPU has, capped by ``LLMSERVE_CPU_ISA``: with
-``LLMSERVE_CPU_ISA=avx2`` an AVX-512 host runs the AVX2 kernels, which is how their path is tested on
-any x86-64 machine. Levels, lowest first:
+The kernels are built once per level, each with that level's compiler flags (never
+``-march=native``), and the engine takes the highest level this CPU has, capped by
+``LLMSERVE_CPU_ISA``: with ``LLMSERVE_CPU_ISA=avx2`` an AVX-512 host runs the AVX2 kernels, which
+is how their path is tested on any x86-64 machine. Levels, lowest first:
 
-- ``avx2``: AVX2 + FMA + F16C, the x86-64 baseline (every CPU since ~2015). bf16 values widen to fp32
-  by a shift; int8 dot products by ``vpmaddubsw`` / ``vpmaddwd``.
+- ``avx2``: AVX2 + FMA + F16C, the x86-64 baseline (every CPU since ~2015). bf16 values widen to
+  fp32 by a shift; int8 dot products by ``vpmaddubsw`` / ``vpmaddwd``.
 - ``avx512``: + AVX-512 F/BW/VL/DQ: 16 fp32 lanes a register.
 - ``avx512_bf16``: + AVX512-BF16 (``vdpbf16ps``: bf16 pairs multiplied as they are) and AVX512-VNNI
   (``vpdpbusd`` / ``vpdpwssd``).
@@ -78,7 +78,8 @@ def cpu_name() -> str:
 
 
 def cap() -> str | None:
-    """The level named by ``LLMSERVE_CPU_ISA`` (None: no cap); a name that is not a level is an error."""
+    """The level named by ``LLMSERVE_CPU_ISA`` (None: no cap); a name that is not a level is an
+    error."""
     value = os.environ.get(ISA_ENV, "").strip().lower()
     if not value:
         return None
@@ -124,9 +125,9 @@ def why_not(lv: Level) -> str:
 
 
 def onednn_usable(dtype) -> bool:
-    """Whether oneDNN's packed matmul runs in `dtype` (torch.bfloat16 or torch.float16) here: it needs
-    AVX-512 (BW/VL/DQ; fp16 also AVX512-FP16) or AVX-NE-CONVERT, and a cap below ``avx512`` stands
-    for a CPU without them."""
+    """Whether oneDNN's packed matmul runs in `dtype` (torch.bfloat16 or torch.float16) here: it
+    needs AVX-512 (BW/VL/DQ; fp16 also AVX512-FP16) or AVX-NE-CONVERT, and a cap below ``avx512``
+    stands for a CPU without them."""
     import torch
 
     if not (
