@@ -33,7 +33,8 @@ import torch  # noqa: E402
 from loadtests.results import write_json  # noqa: E402
 from shared.engine.kv_cache import KVCache  # noqa: E402
 from shared.engine.model_runner import ModelRunner, ScheduledChunk  # noqa: E402
-from shared.engine.models.loader import load_model, resolve_model_path  # noqa: E402
+from shared.engine.models.loader import resolve_model_path  # noqa: E402
+from shared.engine.models.runtime import load_runtime  # noqa: E402
 
 BLOCK_SIZE = 16
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_forward.json")
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
     hf_fp32 = None if args.skip_hf else load_hf(path)
     results, speedups = [], {}
     for dtype_name in dtypes:
-        ours = load_model(path, dtype=dtype_name, progress=False)
+        ours = load_runtime(path, dtype=dtype_name, progress=False)
         contenders = [Ours(ours)]
         if hf_fp32 is not None:
             # The reference's own dequantized weights, cast as from_pretrained(dtype=...) would.

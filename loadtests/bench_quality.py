@@ -25,7 +25,7 @@ from loadtests.results import write_json  # noqa: E402
 from loadtests.workloads import corpus_text  # noqa: E402
 from shared.engine.default_model import default_model_path  # noqa: E402
 from shared.engine.models import int8_linear  # noqa: E402
-from shared.engine.models.loader import load_model  # noqa: E402
+from shared.engine.models.runtime import load_runtime  # noqa: E402
 from shared.engine.models.teacher_forcing import all_position_logits, perplexity  # noqa: E402
 from shared.engine.tokenizer import Tokenizer  # noqa: E402
 
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     calibration = tokenizer.encode(int8_linear.calibration_text())
     print(f"bench_quality  {os.path.basename(path)}  {len(ids)} tokens scored, {len(calibration)} calibration tokens")
 
-    ref = all_position_logits(load_model(path, dtype="float32", progress=False), ids)
+    ref = all_position_logits(load_runtime(path, dtype="float32", progress=False), ids)
     # (name, dtype, SmoothQuant alpha, int8 linears, KV cache dtype)
     configs = [("fp32", "float32", None, False, "auto"), ("bf16", "bfloat16", None, False, "auto"),
                ("bf16, int8 KV", "bfloat16", None, False, "int8")]
@@ -57,10 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     configs.append(("int8 no smoothing", "bfloat16", None, True, "auto"))
     rows = []
     for name, dtype, alpha, int8, kv_cache_dtype in configs:
-        model = load_model(path, dtype=dtype, progress=False)
+        model = load_runtime(path, dtype=dtype, progress=False)
         t0 = time.perf_counter()
         if int8:
-            int8_linear.quantize_model_int8(model, calibration, alpha)
+            int8_linear.quantize_model_int8(model, calibration, model.backend, alpha)
         quantize_s = time.perf_counter() - t0
         logits = all_position_logits(model, ids, kv_cache_dtype=kv_cache_dtype)
         diff = (logits - ref).abs()
