@@ -224,7 +224,7 @@ class Engine:
             [s.output_token_ids for s in seqs],
             [s.generator for s in seqs],
             self.model_config.vocab_size, logits.device)
-        result = sample(logits, batch)
+        result = sample(logits, batch, self.backend)
         for seq, token, lp in zip(seqs, result.sampled_token_ids, result.logprobs):
             self.outputs.append_token(seq, token, lp)
         self._counters["num_generated_tokens"] += len(seqs)
