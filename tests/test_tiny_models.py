@@ -183,7 +183,7 @@ def test_gguf_roundtrip_undoes_llama_cpp_permutation(tied, tmp_path):
     assert ours.config.architecture == "llama" and ours.config.tie_word_embeddings == tied
     assert ours.config.num_heads == 4 and ours.config.num_kv_heads == 2
     # The loader put Q/K back in transformers' layout: the fused weight holds the original rows.
-    qkv = ours.layers[0].self_attn.qkv_proj.weight
+    qkv = ours.model.layers[0].self_attn.qkv_proj.weight
     assert torch.equal(qkv[:64], q)
     assert torch.equal(qkv[64:96], hf_model.model.layers[0].self_attn.k_proj.weight)
     diff = compare(ours, hf_model, seed=2)
