@@ -36,7 +36,8 @@ import torch
 from loadtests.results import write_json
 from shared.engine.kv_cache import KVCache
 from shared.engine.model_runner import ModelRunner, ScheduledChunk
-from shared.engine.models.loader import load_model, resolve_model_path
+from shared.engine.models.loader import resolve_model_path
+from shared.engine.models.runtime import load_runtime
 
 BLOCK_SIZE = 16
 DEFAULT_OUT = os.path.join(
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
     hf_fp32 = None if args.skip_hf else load_hf(path)
     results, speedups = [], {}
     for dtype_name in dtypes:
-        ours = load_model(path, dtype=dtype_name, progress=False)
+        ours = load_runtime(path, dtype=dtype_name, progress=False)
         contenders: list[Ours | Reference] = [Ours(ours)]
         if hf_fp32 is not None:
             # The reference's own dequantized weights, cast as from_pretrained(dtype=...) would.

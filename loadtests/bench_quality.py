@@ -27,7 +27,7 @@ from loadtests.results import write_json
 from loadtests.workloads import corpus_text
 from shared.engine.default_model import default_model_path
 from shared.engine.models import int8_linear
-from shared.engine.models.loader import load_model
+from shared.engine.models.runtime import load_runtime
 from shared.engine.models.teacher_forcing import all_position_logits, perplexity
 from shared.engine.tokenizer import Tokenizer
 
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(calibration)} calibration tokens"
     )
 
-    ref = all_position_logits(load_model(path, dtype="float32", progress=False), ids)
+    ref = all_position_logits(load_runtime(path, dtype="float32", progress=False), ids)
     # (name, dtype, SmoothQuant alpha, int8 linears, KV cache dtype)
     configs: list[tuple[str, str, float | None, bool, str]] = [
         ("fp32", "float32", None, False, "auto"),
@@ -71,10 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     configs.append(("int8 no smoothing", "bfloat16", None, True, "auto"))
     rows = []
     for name, dtype, alpha, int8, kv_cache_dtype in configs:
-        model = load_model(path, dtype=dtype, progress=False)
+        model = load_runtime(path, dtype=dtype, progress=False)
         t0 = time.perf_counter()
         if int8:
-            int8_linear.quantize_model_int8(model, calibration, alpha)
+            int8_linear.quantize_model_int8(model, calibration, model.backend, alpha)
         quantize_s = time.perf_counter() - t0
         logits = all_position_logits(model, ids, kv_cache_dtype=kv_cache_dtype)
         diff = (logits - ref).abs()

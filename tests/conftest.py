@@ -39,18 +39,20 @@ def hf_reference_model(smollm2_path):
 
 @pytest.fixture(scope="session")
 def runtime_fp32(smollm2_path):
-    """Our LlamaModel for SmolLM2 in fp32 (no KV cache: build one per test, see helpers.greedy)."""
-    from shared.engine.models.loader import load_model
+    """Our LlamaModel for SmolLM2 in fp32 on this host's CPU backend (no KV cache: build one per test,
+    see helpers.greedy)."""
+    from shared.engine.models.runtime import load_runtime
 
-    return load_model(smollm2_path, dtype="float32", progress=False)
+    return load_runtime(smollm2_path, dtype="float32", progress=False)
 
 
 @pytest.fixture(scope="session")
 def runtime_bf16(smollm2_path):
-    """Our LlamaModel for SmolLM2 in bf16 (CPU: linears pre-packed for oneDNN)."""
-    from shared.engine.models.loader import load_model
+    """Our LlamaModel for SmolLM2 in bf16 on this host's CPU backend (linears pre-packed for the
+    kernels, or for oneDNN without them)."""
+    from shared.engine.models.runtime import load_runtime
 
-    return load_model(smollm2_path, dtype="bfloat16", progress=False)
+    return load_runtime(smollm2_path, dtype="bfloat16", progress=False)
 
 # ============================================================================ end model runtime
 

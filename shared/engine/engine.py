@@ -13,14 +13,15 @@ import os
 
 import torch
 
-from kernels.cpu import unavailable_reason
 from shared.engine.block_manager import BlockManager
 from shared.engine.config import EngineConfig
+from shared.engine.cpu_backend import CpuBackend
 from shared.engine.kv_cache import KVCache
 from shared.engine.memory import parse_bytes, plan_memory
 from shared.engine.model_runner import ModelRunner, ScheduledChunk
 from shared.engine.models.int8_linear import calibration_text, int8_supported, quantize_model_int8
-from shared.engine.models.loader import load_model, resolve_model_path
+from shared.engine.models.loader import resolve_dtype, resolve_model_path
+from shared.engine.models.runtime import load_runtime
 from shared.engine.output_processor import OutputProcessor
 from shared.engine.quantization import kv_dtype_name
 from shared.wire.outputs import EngineStats, RequestOutput
@@ -35,7 +36,10 @@ class PromptTooLongError(ValueError):
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, *, progress: bool = True) -> None:
+    """``backend``: the CPU kernels to run on (default: ``CpuBackend.pick``, the best this host has for
+    the configured device and dtype); the model, attention and the sampler all run on this one."""
+
+    def __init__(self, config: EngineConfig, *, progress: bool = True, backend: CpuBackend | None = None) -> None:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -43,12 +47,14 @@ class Engine:
         path = resolve_model_path(config.model)
         self.model_name = os.path.basename(os.path.normpath(path))
         self.tokenizer = Tokenizer.from_path(path)
-        self.model = load_model(path, dtype=config.dtype, device=config.device, progress=progress)
+        self.backend = backend or CpuBackend.pick(config.device, resolve_dtype(config.dtype))
+        if config.quantization == "int8" and not int8_supported(self.backend.ops):
+            raise ValueError("quantization='int8' needs the CPU kernels (kernels/cpu), which are unavailable "
+                             f"here: {self.backend.reason}")
+        self.model = load_runtime(path, dtype=config.dtype, device=config.device, backend=self.backend,
+                                  progress=progress)
         if config.quantization == "int8":
-            if not int8_supported(self.model.cpu_ops):
-                raise ValueError("quantization='int8' needs the CPU kernels (kernels/cpu), which are unavailable "
-                                 f"here: {unavailable_reason()}")
-            quantize_model_int8(self.model, self.tokenizer.encode(calibration_text()))
+            quantize_model_int8(self.model, self.tokenizer.encode(calibration_text()), self.backend)
         self.model_config = self.model.config
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
@@ -184,7 +190,7 @@ class Engine:
             [s.output_token_ids for s in seqs],
             [s.generator for s in seqs],
             self.model_config.vocab_size, logits.device)
-        result = sample(logits, batch)
+        result = sample(logits, batch, self.backend)
         for seq, token, lp in zip(seqs, result.sampled_token_ids, result.logprobs):
             self.outputs.append_token(seq, token, lp)
         self._counters["num_generated_tokens"] += len(seqs)

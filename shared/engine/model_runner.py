@@ -9,6 +9,7 @@ import torch
 from shared.engine.attention.metadata import build_attention_metadata
 from shared.engine.kv_cache import KVCache
 from shared.engine.models.llama import LlamaModel
+from shared.engine.models.runtime import ModelRuntime
 
 
 @dataclass(frozen=True)
@@ -44,10 +45,12 @@ class ScheduledChunk:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache) -> None:
+    """``model``: a model on its backend (``ModelRuntime``), or a bare ``LlamaModel`` (the torch path)."""
+
+    def __init__(self, model: ModelRuntime | LlamaModel, kv_cache: KVCache) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        self.device = model.embed_tokens.weight.device
+        self.device = model.device
 
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Logits [num chunks with need_logits, vocab] (fp32), in the order of ``chunks``."""

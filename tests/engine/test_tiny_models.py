@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers.greedy import all_position_logits, greedy_generate
-from shared.engine.models.loader import load_model
+from shared.engine.models.runtime import load_runtime
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -94,7 +94,7 @@ def test_safetensors_model_matches_transformers(variant, tmp_path):
     hf_model.save_pretrained(tmp_path, safe_serialization=True)
     assert (tmp_path / "config.json").exists() and list(tmp_path.glob("*.safetensors"))
 
-    ours = load_model(str(tmp_path), dtype="float32", progress=False)
+    ours = load_runtime(str(tmp_path), dtype="float32", progress=False)
     c = ours.config
     assert c.architecture == arch and c.num_layers == 2 and c.num_kv_heads == 2 and c.head_dim == 16
     assert c.tie_word_embeddings == overrides["tie_word_embeddings"]
@@ -179,11 +179,11 @@ def test_gguf_roundtrip_undoes_llama_cpp_permutation(tied, tmp_path):
     path = tmp_path / "tiny.gguf"
     write_llama_gguf(hf_model, path)
 
-    ours = load_model(str(path), dtype="float32", progress=False)
+    ours = load_runtime(str(path), dtype="float32", progress=False)
     assert ours.config.architecture == "llama" and ours.config.tie_word_embeddings == tied
     assert ours.config.num_heads == 4 and ours.config.num_kv_heads == 2
     # The loader put Q/K back in transformers' layout: the fused weight holds the original rows.
-    qkv = ours.layers[0].self_attn.qkv_proj.weight
+    qkv = ours.model.layers[0].self_attn.qkv_proj.weight
     assert torch.equal(qkv[:64], q)
     assert torch.equal(qkv[64:96], hf_model.model.layers[0].self_attn.k_proj.weight)
     diff = compare(ours, hf_model, seed=2)

@@ -4,15 +4,18 @@ non-zero block ids (block 0 is padding and must never be written)."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 from dataclasses import dataclass, field
 
 import torch
 
+from shared.engine.cpu_backend import CpuBackend
 from shared.engine.kv_cache import KVCache
 from shared.engine.model_runner import ModelRunner, ScheduledChunk
 from shared.engine.models import teacher_forcing
 from shared.engine.models.llama import LlamaModel
+from shared.engine.models.runtime import ModelRuntime
 
 BLOCK_SIZE = 16
 
@@ -21,7 +24,7 @@ def blocks_needed(num_tokens: int, block_size: int = BLOCK_SIZE) -> int:
     return -(-num_tokens // block_size)
 
 
-def make_runner(model: LlamaModel, num_blocks: int, block_size: int = BLOCK_SIZE,
+def make_runner(model: ModelRuntime | LlamaModel, num_blocks: int, block_size: int = BLOCK_SIZE,
                 kv_cache_dtype: str = "auto") -> ModelRunner:
     """A runner over a fresh, zeroed KV cache in the model's dtype (or int8)."""
     return ModelRunner(model, KVCache(model.config, num_blocks, block_size, model.dtype,
@@ -44,7 +47,7 @@ class GreedyResult:
     logits: list[torch.Tensor] = field(default_factory=list)       # fp32 [vocab] per step, if kept
 
 
-def greedy_generate(model: LlamaModel, prompt_ids: list[int], max_new_tokens: int, *,
+def greedy_generate(model: ModelRuntime | LlamaModel, prompt_ids: list[int], max_new_tokens: int, *,
                     chunk_size: int | None = None, block_size: int = BLOCK_SIZE,
                     seed: int = 0, keep_logits: bool = False,
                     stop_token_ids: tuple[int, ...] = ()) -> GreedyResult:
@@ -83,7 +86,7 @@ def greedy_generate(model: LlamaModel, prompt_ids: list[int], max_new_tokens: in
     return result
 
 
-def all_position_logits(model: LlamaModel, token_ids: list[int], block_size: int = BLOCK_SIZE,
+def all_position_logits(model: ModelRuntime | LlamaModel, token_ids: list[int], block_size: int = BLOCK_SIZE,
                         seed: int = 0, kv_cache_dtype: str = "auto") -> torch.Tensor:
     """fp32 logits [len(token_ids), vocab] at every position of one paged prefill (teacher forcing),
     over a scattered block table: row i is the distribution of the token after ``token_ids[:i + 1]``."""
@@ -94,11 +97,24 @@ def all_position_logits(model: LlamaModel, token_ids: list[int], block_size: int
                                                num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype)
 
 
-def mixed_batch_logits(model, fused: bool, kv_cache_dtype: str = "auto") -> torch.Tensor:
-    """Two sequences decoding over cached context plus a fresh prefill chunk, in one forward; then a
-    decode-only step of all three."""
-    model.enable_cpu_kernels(fused)
+@contextlib.contextmanager
+def torch_path(runtime: ModelRuntime, off: bool = True):
+    """The runtime on the plain torch path for the block (``off=False``: as it is), then back on its
+    backend."""
+    backend = runtime.backend
+    if off:
+        runtime.use(CpuBackend.off("the torch path, for comparison"))
     try:
+        yield runtime
+    finally:
+        if off:
+            runtime.use(backend)
+
+
+def mixed_batch_logits(model: ModelRuntime, fused: bool, kv_cache_dtype: str = "auto") -> torch.Tensor:
+    """Two sequences decoding over cached context plus a fresh prefill chunk, in one forward; then a
+    decode-only step of all three (``fused=False``: on the plain torch path)."""
+    with torch_path(model, off=not fused):
         runner = make_runner(model, 64, kv_cache_dtype=kv_cache_dtype)
         g = torch.Generator().manual_seed(5)
         ids = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (70, 33, 40)]
@@ -109,5 +125,3 @@ def mixed_batch_logits(model, fused: bool, kv_cache_dtype: str = "auto") -> torc
         decode = runner.execute([ScheduledChunk([7], 70, tables[0]), ScheduledChunk([8], 40, tables[2]),
                                  ScheduledChunk([9], 33, tables[1])])
         return torch.cat([mixed, decode])
-    finally:
-        model.enable_cpu_kernels(True)

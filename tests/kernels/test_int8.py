@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.greedy import all_position_logits
+from helpers.greedy import all_position_logits, torch_path
 from helpers.levels import best_ops, needs_kernels
 from kernels.cpu import cpu_ops
 from shared.engine.models.int8_linear import (
@@ -114,23 +114,25 @@ def test_int8_linear_switches_between_kernel_and_reference(ops):
 def test_quantize_model_int8_on_an_fp32_model(ops):
     """An fp32 model keeps plain nn.Linear layers (nothing is pre-packed): those are quantized too,
     calibrated on the unquantized model; the kernel and the torch reference give the same logits."""
+    from shared.engine.cpu_backend import CpuBackend
     from shared.engine.models.config import ModelConfig
     from shared.engine.models.llama import LlamaModel
+    from shared.engine.models.runtime import ModelRuntime
 
     config = ModelConfig(architecture="llama", vocab_size=64, hidden_size=64, intermediate_size=128,
                          num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=128)
     torch.manual_seed(0)
-    model = LlamaModel(config).eval()
-    model.enable_cpu_kernels(ops=ops)
+    backend = CpuBackend.of(ops)
+    model = ModelRuntime(LlamaModel(config), backend).eval()
     ids = torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     exact = all_position_logits(model, ids)
-    assert quantize_model_int8(model, list(range(64))) == 8
+    assert quantize_model_int8(model, list(range(64)), backend) == 8
     quantized = all_position_logits(model, ids)
     rel = ((quantized - exact).norm() / exact.norm()).item()
     print(f"tiny fp32 model, int8 relative logit error {rel:.4f}")
     assert 0 < rel < 0.05
-    model.enable_cpu_kernels(False)
-    torch.testing.assert_close(all_position_logits(model, ids), quantized, rtol=1e-4, atol=1e-4)
+    with torch_path(model):
+        torch.testing.assert_close(all_position_logits(model, ids), quantized, rtol=1e-4, atol=1e-4)
 
 
 # ---- SmolLM2 quantized ------------------------------------------------------------------------------
@@ -138,10 +140,11 @@ def test_quantize_model_int8_on_an_fp32_model(ops):
 @pytest.fixture(scope="module")
 def runtime_int8(smollm2_path, smollm2_tokenizer):
     best_ops()
-    from shared.engine.models.loader import load_model
+    from shared.engine.models.runtime import load_runtime
 
-    model = load_model(smollm2_path, dtype="bfloat16", progress=False)
-    assert quantize_model_int8(model, smollm2_tokenizer.encode(calibration_text())) == 4 * model.config.num_layers
+    model = load_runtime(smollm2_path, dtype="bfloat16", progress=False)
+    assert (quantize_model_int8(model, smollm2_tokenizer.encode(calibration_text()), model.backend)
+            == 4 * model.config.num_layers)
     return model
 
 

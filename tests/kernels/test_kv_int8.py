@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers.greedy import all_position_logits, make_runner, mixed_batch_logits
+from helpers.greedy import all_position_logits, make_runner, mixed_batch_logits, torch_path
 from helpers.paged import BLOCK_SIZES, SHAPES, scattered_tables
 from helpers.levels import best_ops
 from shared.engine.kv_cache import KVCache, dequantize_kv, quantize_kv
@@ -272,11 +272,8 @@ def test_torch_path_int8_runner_never_writes_block_zero(runtime_bf16):
     """The padding block stays zero on the torch path too (quantized writes go only to real slots)."""
     from shared.engine.model_runner import ScheduledChunk
 
-    runtime_bf16.enable_cpu_kernels(False)
-    try:
+    with torch_path(runtime_bf16):
         runner = make_runner(runtime_bf16, 8, kv_cache_dtype="int8")
         runner.execute([ScheduledChunk(list(range(10, 40)), 0, [3, 5])])
-    finally:
-        runtime_bf16.enable_cpu_kernels(True)
     storage = runner.kv_cache.storage
     assert not storage[:, :, 0].any() and storage[:, :, 3].any() and storage[:, :, 5, :14].any()

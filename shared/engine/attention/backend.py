@@ -39,20 +39,21 @@ class AttentionBackend(Protocol):
 
 
 class TorchAttentionBackend:
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """Attention in torch, or on the CPU kernels when handed their ``ops`` (the caller checks they
+    cover the head shape: ``CpuBackend.attention_ops``). With them, CPU attention reads each
+    sequence's blocks in place (decodes: instead of gather + padded SDPA; prefill chunks: instead of
+    per-sequence fp32 matmuls over a masked square)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, ops=None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
         self.scale = 1.0 / math.sqrt(head_dim)
-        self.cpu_ops = None
-
-    def use_cpu_ops(self, ops) -> None:
-        """With the CPU kernels (kernels/cpu, torch.ops.llmserve_cpu_<level>), CPU attention reads each sequence's blocks in
-        place (decodes: instead of gather + padded SDPA; prefill chunks: instead of per-sequence fp32
-        matmuls over a masked square), for the head shapes the kernels cover; None: torch only."""
-        supported = ops is not None and ops.attention_supports(self.num_heads, self.num_kv_heads, self.head_dim)
-        self.cpu_ops = ops if supported else None
+        if ops is not None and not ops.attention_supports(num_heads, num_kv_heads, head_dim):
+            raise ValueError(f"the {ops.name} attention kernels do not cover {num_heads} heads, "
+                             f"{num_kv_heads} KV heads of {head_dim}")
+        self.ops = ops
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         kvh, d = self.num_kv_heads, self.head_dim
@@ -69,9 +70,9 @@ class TorchAttentionBackend:
         nd = meta.num_decodes
         if nd == num_tokens:
             return self._decode(q, k_cache, v_cache, meta)  # a pure decode step: no scatter needed
-        if self.cpu_ops is not None and q.device.type == "cpu":
+        if self.ops is not None and q.device.type == "cpu":
             # Every prefill chunk in one call, reading the cache in place (K/V were written first).
-            prefill = self.cpu_ops.prefill_attention(
+            prefill = self.ops.prefill_attention(
                 q[nd:].contiguous(), k_cache, v_cache, meta.block_tables[nd:], meta.prefill_query_start,
                 meta.prefill_seq_lens, self.num_heads, self.scale)
             return torch.cat([self._decode(q[:nd], k_cache, v_cache, meta), prefill]) if nd else prefill
@@ -129,8 +130,8 @@ class TorchAttentionBackend:
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         nd = q.shape[0]
-        if self.cpu_ops is not None and q.device.type == "cpu":
-            return self.cpu_ops.decode_attention(q.contiguous(), k_cache, v_cache, meta.block_tables[:nd],
+        if self.ops is not None and q.device.type == "cpu":
+            return self.ops.decode_attention(q.contiguous(), k_cache, v_cache, meta.block_tables[:nd],
                                                  meta.decode_seq_lens, self.num_heads, self.scale)
         return self._decode_gathered(q, k_cache, v_cache, meta)
 

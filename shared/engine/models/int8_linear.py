@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -38,6 +39,10 @@ from torch import nn
 from shared.engine.models.packed_linear import PackedLinear
 from shared.engine.models.teacher_forcing import prefill_hidden
 from shared.engine.quantize_rows import quantize_rows
+
+if TYPE_CHECKING:  # the runtime imports this module
+    from shared.engine.cpu_backend import CpuBackend
+    from shared.engine.models.runtime import ModelRuntime
 
 log = logging.getLogger(__name__)
 
@@ -136,35 +141,40 @@ def calibration_text() -> str:
         return f.read()
 
 
-def input_maxima(model, token_ids: list[int]) -> dict[str, torch.Tensor]:
-    """max|x| per input feature of every linear under ``model.layers`` (keyed by module name), over
-    one prefill of ``token_ids``."""
+def input_maxima(runtime: ModelRuntime, token_ids: list[int]) -> dict[str, torch.Tensor]:
+    """max|x| per input feature of every linear under the model's ``layers`` (keyed by module name),
+    over one prefill of ``token_ids`` on the runtime's path."""
     maxima: dict[str, torch.Tensor] = {}
     hooks = []
-    for name, module in model.layers.named_modules():
+    for name, module in runtime.model.layers.named_modules():
         if isinstance(module, (PackedLinear, nn.Linear)):
             def record(_module, inputs, _output, name=name):
                 x = inputs[0].detach().float().reshape(-1, inputs[0].shape[-1]).abs().amax(dim=0)
                 maxima[name] = x if name not in maxima else torch.maximum(maxima[name], x)
             hooks.append(module.register_forward_hook(record))
-    model.reset_fused_layers()  # so that the fused CPU path calls the hooked modules
+    runtime.refresh()  # so that the fused CPU path calls the hooked modules
     try:
-        prefill_hidden(model, token_ids)
+        prefill_hidden(runtime, token_ids)
     finally:
         for hook in hooks:
             hook.remove()
-        model.reset_fused_layers()
+        runtime.refresh()
     return maxima
 
 
-def quantize_model_int8(model, calibration_ids: list[int], alpha: float | None = SMOOTHING_ALPHA) -> int:
-    """Replace every linear of ``model.layers`` by an ``Int8Linear`` smoothed with input maxima measured
-    over ``calibration_ids`` (all measured first, on the unquantized model; ``alpha=None``: no
-    smoothing, no calibration); returns how many. The output head and the embedding stay as they are."""
-    ops = model.cpu_ops
-    maxima = input_maxima(model, calibration_ids) if alpha is not None else {}
+def quantize_model_int8(runtime: ModelRuntime, calibration_ids: list[int], backend: CpuBackend,
+                        alpha: float | None = SMOOTHING_ALPHA) -> int:
+    """Replace every linear of the runtime's model's ``layers`` by an ``Int8Linear`` on ``backend``
+    (the one the runtime runs on), smoothed with input maxima measured over ``calibration_ids`` (all
+    measured first, on the unquantized model; ``alpha=None``: no smoothing, no calibration); returns
+    how many. The output head and the embedding stay as they are."""
+    if backend != runtime.backend:
+        raise ValueError(f"quantize_model_int8 was given the {backend} but the runtime runs on the "
+                         f"{runtime.backend}: int8 layers must run on the runtime's backend")
+    ops = backend.ops
+    maxima = input_maxima(runtime, calibration_ids) if alpha is not None else {}
     count = 0
-    for parent_name, parent in list(model.layers.named_modules()):
+    for parent_name, parent in list(runtime.model.layers.named_modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, (PackedLinear, nn.Linear)):
                 key = f"{parent_name}.{name}" if parent_name else name
@@ -175,7 +185,7 @@ def quantize_model_int8(model, calibration_ids: list[int], alpha: float | None =
                     layer = Int8Linear(weight, child.bias, ops, maxima[key], alpha)
                 setattr(parent, name, layer)
                 count += 1
-    model.relocate_packed_weights()
+    runtime.relocate()
     log.info("quantized %d linears to int8 (W8A8, SmoothQuant alpha %s, %d calibration tokens, %s)",
              count, alpha, len(calibration_ids), "CPU kernels" if int8_supported(ops) else "torch reference")
     return count

@@ -7,18 +7,14 @@ Face names on load; Q/K/V and gate/up are fused into one matrix each so a layer 
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, NamedTuple
+from typing import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu import cpu_ops as load_cpu_ops
-from shared.engine import huge_pages
 from shared.engine.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from shared.engine.models.config import ModelConfig, rope_inv_freq
-from shared.engine.models.int8_linear import Int8Linear
-from shared.engine.models.packed_linear import PackedLinear, can_prepack, prepack_linears
 
 
 class RMSNorm(nn.Module):
@@ -117,29 +113,11 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class _FusedLayer(NamedTuple):
-    """A decoder layer's norms and linears as the fused CPU path calls them, looked up once: the
-    module calls and attribute lookups of a per-layer ``forward`` took ~0.8 ms of a ~9 ms
-    single-token forward. Linears take [rows, in_features] contiguous."""
-    input_norm: torch.Tensor
-    input_eps: float
-    qkv: Callable[[torch.Tensor], torch.Tensor]
-    o: Callable[[torch.Tensor], torch.Tensor]
-    post_norm: torch.Tensor
-    post_eps: float
-    gate_up: Callable[[torch.Tensor], torch.Tensor]
-    down: Callable[[torch.Tensor], torch.Tensor]
-
-
-def _rows_linear(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The cheapest call of a linear layer on 2-D rows; the module itself (a full ``__call__``) while
-    it has forward hooks, so that they fire."""
-    if module._forward_hooks or module._forward_pre_hooks:
-        return module
-    return module.rows if isinstance(module, (PackedLinear, Int8Linear)) else module.forward
-
-
 class LlamaModel(nn.Module):
+    """The model: its modules, its weights by Hugging Face name, and the plain torch forward (the
+    reference every kernel path is tested against). Running it on the CPU kernels (weight layouts,
+    the fused forward) is ``models/runtime.py``'s concern, not the model's."""
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend | None = None) -> None:
         super().__init__()
         self.config = config
@@ -150,19 +128,15 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self._packed_head: PackedLinear | None = None
         self.backend = backend
-        self.cpu_ops = None  # torch.ops.llmserve_cpu_<level> once enable_cpu_kernels() found them
-        # The fused path's per-layer callables, built on first use; reset_fused_layers() drops them.
-        self._fused_layers: list[_FusedLayer] | None = None
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
 
     @torch.inference_mode()
     def forward(
@@ -172,119 +146,19 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:                            # [num_tokens, hidden] final-normed hidden states
         x = self.embed_tokens(input_ids)
-        if self.cpu_ops is not None and x.device.type == "cpu":
-            return self._forward_fused(x, kv_caches, meta, self.cpu_ops)
         cos, sin = self.rotary(meta.positions, x.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, k_cache, v_cache, meta)
         return self.norm(x)
 
-    def _forward_fused(self, x, kv_caches, meta: AttentionMetadata, ops) -> torch.Tensor:
-        """``forward`` on the CPU kernels: RoPE and the cache write in one kernel (in place on qkv),
-        the residual add fused into the next RMSNorm, SiLU·up in one kernel. The residual stream is
-        kept apart, as the add+norm kernel wants it: a layer's input is ``residual + x`` (``residual``
-        None before the first), and every add rounds to the model dtype exactly where ``forward``'s
-        adds do. Layers run from ``_fused_layers``, so the loop makes no module calls."""
-        layers = self._fused_layers or self._build_fused_layers()
-        c = self.config
-        # The kernel reads fp32 tables (a no-op unless the model was cast after loading).
-        cos_half, sin_half = self.rotary.cos_half.float(), self.rotary.sin_half.float()
-        attend, rms_norm = self.backend.attend, ops.rms_norm
-        qkv_sizes = [c.q_size, c.kv_size, c.kv_size]
-        positions, slot_mapping = meta.positions, meta.slot_mapping
-        residual = None
-        for layer, (k_cache, v_cache) in zip(layers, kv_caches):
-            if residual is None:
-                residual = x
-                h = rms_norm(x, layer.input_norm, layer.input_eps, None)
-            else:
-                h = rms_norm(x, layer.input_norm, layer.input_eps, residual)  # residual += x, in place
-            qkv = layer.qkv(h)
-            ops.rope_and_cache(qkv, positions, cos_half, sin_half, k_cache, v_cache, slot_mapping,
-                               c.num_heads, c.num_kv_heads, c.head_dim)
-            q, k, v = qkv.split(qkv_sizes, dim=-1)
-            h = rms_norm(layer.o(attend(q, k, v, k_cache, v_cache, meta)), layer.post_norm, layer.post_eps,
-                         residual)
-            x = layer.down(ops.silu_mul(layer.gate_up(h)))
-        return rms_norm(x, self.norm.weight, self.norm.eps, residual)
-
-    def reset_fused_layers(self) -> None:
-        """Make the fused CPU path look its layers up again: call after replacing a decoder linear
-        (``relocate_packed_weights`` does) or adding or removing forward hooks on one."""
-        self._fused_layers = None
-
-    def _build_fused_layers(self) -> list[_FusedLayer]:
-        self._fused_layers = [_FusedLayer(
-            layer.input_layernorm.weight, layer.input_layernorm.eps,
-            _rows_linear(layer.self_attn.qkv_proj), _rows_linear(layer.self_attn.o_proj),
-            layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
-            _rows_linear(layer.mlp.gate_up_proj), _rows_linear(layer.mlp.down_proj),
-        ) for layer in self.layers]
-        return self._fused_layers
-
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 for the rows that need sampling (one per sequence, not every prompt token:
         the vocabulary projection is the largest matmul in a small model)."""
-        if self._packed_head is not None:
-            return self._packed_head(hidden).float()
-        return F.linear(hidden, self.lm_head_weight).float()
-
-    def prepack(self) -> int:
-        """Pre-pack linear weights for the CPU bf16/fp16 fast path (no-op elsewhere). The tied output
-        head gets a packed copy; the embedding keeps the original for lookups. Call after
-        ``enable_cpu_kernels`` so the weights are laid out for the kernels' bf16 linear."""
-        count = prepack_linears(self.layers, self.cpu_ops)
-        if can_prepack(self.lm_head_weight, self.cpu_ops):
-            self._packed_head = PackedLinear(self.lm_head_weight, None, self.cpu_ops)
-            if not self.config.tie_word_embeddings:
-                del self.lm_head
-            count += 1
-        self.relocate_packed_weights()
-        return count
-
-    def relocate_packed_weights(self) -> int:
-        """Move every weight in a kernel layout into one buffer on huge pages (``shared/engine/huge_pages``:
-        decode streams them all each step); returns how many. Call after the layouts change."""
-        self.reset_fused_layers()
-        slots = [(m, "packed") for m in self.modules() if isinstance(m, PackedLinear) and m.ops is not None]
-        slots += [(m, "weight") for m in self.modules() if isinstance(m, Int8Linear) and m.ops is not None]
-        for (module, attr), moved in zip(slots, huge_pages.relocate([getattr(m, a) for m, a in slots])):
-            setattr(module, attr, moved)
-        return len(slots)
-
-    def weight_bytes(self) -> int:
-        """Bytes of every weight tensor held (parameters and packed weights), each storage counted
-        once: what the memory ledger must subtract from the budget."""
-        tensors = list(self.parameters())
-        for module in self.modules():
-            if isinstance(module, (PackedLinear, Int8Linear)):
-                tensors += module.tensors()
-        seen: dict[object, int] = {}
-        for t in tensors:
-            if t.is_mkldnn:  # packed: opaque, no shared storage to find
-                seen[id(t)] = t.numel() * t.element_size()
-            else:
-                storage = t.untyped_storage()
-                seen[storage.data_ptr()] = storage.nbytes()
-        return sum(seen.values())
-
-    def enable_cpu_kernels(self, enabled: bool = True, ops=None) -> bool:
-        """Route the forward through the fused CPU kernels (kernels/cpu: ``ops``, default the best
-        level here) when the weights live on the CPU in fp32 or bf16 and the kernels could be built
-        (``enabled=False``: the plain torch path, the reference the kernels are tested against);
-        returns whether they are in use."""
-        w = self.embed_tokens.weight
-        usable = enabled and w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
-        ops = (ops or load_cpu_ops()) if usable else None
-        self.cpu_ops = ops
-        if isinstance(self.backend, TorchAttentionBackend):
-            self.backend.use_cpu_ops(ops)
-        for module in self.modules():
-            if isinstance(module, (PackedLinear, Int8Linear)):
-                module.use_cpu_kernels(ops)  # each takes the kernels where they fit its weight
-        self.relocate_packed_weights()
-        return ops is not None
+        if self.config.tie_word_embeddings:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        # ``lm_head`` may have been replaced by a drop-in with another weight layout (packed_linear).
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up. Every parameter row must be set

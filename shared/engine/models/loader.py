@@ -59,7 +59,8 @@ def _iter_safetensors(path: str, dtype: torch.dtype):
 
 def load_model(path: str | None = None, *, dtype: str | torch.dtype = "bfloat16",
                device: str | torch.device = "cpu", progress: bool = True) -> LlamaModel:
-    """Build the model for ``path`` (default: SmolLM2-135M-Instruct) and load its weights in ``dtype``."""
+    """Build the model for ``path`` (default: SmolLM2-135M-Instruct) and load its weights in ``dtype``:
+    the plain model (``models/runtime.py`` lays it out for the CPU kernels and runs it on them)."""
     path = resolve_model_path(path)
     dtype = resolve_dtype(dtype)
     if os.path.isdir(path):
@@ -78,8 +79,6 @@ def load_model(path: str | None = None, *, dtype: str | torch.dtype = "bfloat16"
     bar = tqdm(weights, total=total, desc=f"loading {os.path.basename(path)}", unit="tensor",
                disable=not progress, file=sys.stderr)
     model.load_weights(bar)
-    model.enable_cpu_kernels()
-    model.prepack()
     return model.eval()
 
 

@@ -22,7 +22,7 @@ def prefill_hidden(model, token_ids: list[int], block_table: list[int] | None = 
     needed = -(-len(token_ids) // block_size)
     table = list(range(1, needed + 1)) if block_table is None else block_table
     kv = KVCache(model.config, num_blocks or max(table) + 1, block_size, model.dtype,
-                 model.embed_tokens.weight.device, kv_cache_dtype)
+                 model.device, kv_cache_dtype)
     meta = build_attention_metadata(query_lens=[len(token_ids)], num_computed=[0], block_tables=[table],
                                     block_size=block_size, num_decodes=0)
     return model(torch.tensor(token_ids, dtype=torch.int64), kv.layers, meta)
