@@ -218,3 +218,49 @@ def test_bad_requests_are_rejected_clearly(llm):
         with pytest.raises(ValueError):
             SamplingParams.from_dict(bad)
     assert_no_leak(engine)
+
+
+def test_tokenizer_block_hashes_are_the_engines_and_each_block_is_hashed_once(llm, monkeypatch):
+    """The hashes the tokenizer ships are the ones the engine registers, so the engine takes them as
+    they are; with them it hashes only the blocks its output fills, each once."""
+    from services.tokenizer.prompts import PromptLimits, tokenize_request
+    from shared.engine import block_manager, sequence
+    from shared.wire.messages import GenerateRequest
+
+    engine = llm.engine
+    bs = engine.config.block_size
+    params = SamplingParams(max_tokens=2 * bs + 3, ignore_eos=True, **GREEDY)
+    text = "The history of the printing press, told as a list of dates and places: " * 3
+    tokenized = tokenize_request(GenerateRequest(request_id="t", model="m", params=params, prompt=text),
+                                 engine.tokenizer, PromptLimits(max_model_len=engine.max_model_len, block_size=bs))
+    ids, hashes = tokenized.prompt_token_ids, tokenized.block_hashes
+    assert len(hashes) == len(ids) // bs >= 3
+
+    calls = []
+    for module in (block_manager, sequence):
+        real = module.hash_block
+        monkeypatch.setattr(module, "hash_block", lambda p, t, real=real: calls.append(1) or real(p, t))
+
+    def run(request_id: str, given: list[int] | None) -> tuple[list[int], list[int]]:
+        engine.block_manager.reset_prefix_cache()
+        calls.clear()
+        engine.add_request(request_id, ids, params, block_hashes=given)
+        seq = engine.requests[request_id].sequences[0]
+        tokens: list[int] = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens += out.deltas[0].token_ids
+        registered = list(seq.block_hashes)
+        assert all(engine.block_manager.cached_block_id(h) is not None for h in registered)
+        return tokens, registered
+
+    computed_tokens, computed = run("own-hashes", None)
+    assert computed[:len(hashes)] == hashes                  # the engine's own hashes: the tokenizer's
+    num_full_blocks = (len(ids) + len(computed_tokens) - 1) // bs  # the last token is never computed
+    assert len(calls) == num_full_blocks == len(computed)    # every block hashed once
+    given_tokens, given = run("given-hashes", hashes)
+    assert given == computed and given_tokens == computed_tokens
+    assert len(calls) == num_full_blocks - len(hashes)       # only the blocks output filled
+    with pytest.raises(ValueError, match="block_hashes has 2 hashes, but the prompt's"):
+        engine.add_request("bad-hashes", ids, params, block_hashes=hashes[:2])
+    assert_no_leak(engine)

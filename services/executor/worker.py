@@ -30,7 +30,8 @@ log = logging.getLogger("llmserve.executor.worker")
 
 
 class EngineLike(Protocol):
-    def add_request(self, request_id: str, prompt: list[int], params, *, priority: int = 0) -> None: ...
+    def add_request(self, request_id: str, prompt: list[int], params, *, priority: int = 0,
+                    block_hashes: list[int] | None = None) -> None: ...
     def step(self) -> list[RequestOutput]: ...
     def abort(self, request_id: str) -> bool: ...
     def has_unfinished(self) -> bool: ...
@@ -145,8 +146,9 @@ class EngineWorker:
         if isinstance(command, Add):
             req = command.request
             try:
+                # The engine checks the hashes against the prompt (a ValueError: rejected).
                 self.engine.add_request(req.request_id, list(req.prompt_token_ids), req.params,
-                                        priority=req.priority)
+                                        priority=req.priority, block_hashes=req.block_hashes)
             except ValueError as e:
                 events.append(Rejected(req.request_id, str(e)))
                 return

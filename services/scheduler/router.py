@@ -22,6 +22,8 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
+import msgspec
+
 from shared.wire.messages import (ExecuteRequest, ExecutorHeartbeat, ExecutorStatus, RequestProgress,
                              SchedulerStatus, StreamError, TokenizedRequest)
 
@@ -132,7 +134,8 @@ class Router:
             return [Fail(StreamError(request_id=req.request_id, status=504, type="timeout_error",
                                      message="the request timed out before it was scheduled"))]
         request = ExecuteRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-                                 params=req.params, priority=req.priority, arrival_time=req.arrival_time)
+                                 block_hashes=req.block_hashes, params=req.params, priority=req.priority,
+                                 arrival_time=req.arrival_time)
         return self._admit(request, now, req.deadline)
 
     def on_progress(self, progress: RequestProgress, now: float) -> list[Action]:
@@ -297,9 +300,6 @@ class Router:
                     message=f"executor {state.executor_id} {why} before this request started, "
                             f"after {entry.request.attempt + 1} attempts; try again later")))
             else:
-                retry = ExecuteRequest(request_id=rid, prompt_token_ids=entry.request.prompt_token_ids,
-                                       params=entry.request.params, priority=entry.request.priority,
-                                       arrival_time=entry.request.arrival_time,
-                                       attempt=entry.request.attempt + 1)
+                retry = msgspec.structs.replace(entry.request, attempt=entry.request.attempt + 1)
                 actions += self._admit(retry, now, entry.deadline, is_retry=True)
         return actions

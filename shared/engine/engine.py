@@ -113,15 +113,26 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    *, priority: int = 0) -> None:
+                    *, priority: int = 0, block_hashes: list[int] | None = None) -> None:
+        """Queue a request. block_hashes: the chained hashes of the prompt's full blocks
+        (hash_prompt_blocks with this engine's block_size), as the tokenizer computed them; None:
+        the sequence hashes its blocks when the prefix cache first needs them. Either way each block
+        of a request is hashed once."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_prompt(ids, params)
+        block_size = self.config.block_size
+        if block_hashes is not None and len(block_hashes) != len(ids) // block_size:
+            raise ValueError(
+                f"block_hashes has {len(block_hashes)} hashes, but the prompt's {len(ids)} tokens fill "
+                f"{len(ids) // block_size} blocks of {block_size}: were they hashed with another block size?")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         request = Request(request_id=request_id, prompt_token_ids=ids, params=params, priority=priority,
                           arrival_order=next(self._arrivals), max_tokens=max_tokens)
         seq = self._new_sequence(request, 0, list(ids))
+        if block_hashes is not None:
+            seq.block_hashes = list(block_hashes)
         self.requests[request_id] = request
         self.scheduler.add(seq)
         self._counters["num_prompt_tokens"] += len(ids)
@@ -185,7 +196,8 @@ class Engine:
 
         for seq, num_new in sched.scheduled:
             seq.num_computed_tokens += num_new
-            self.block_manager.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            self.block_manager.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
+                                      self.scheduler.block_hashes(seq))
         # Rows of `logits` follow the chunks that need them, in order.
         to_sample: list[Sequence] = []
         rows: list[int] = []
@@ -200,6 +212,7 @@ class Engine:
                 # the partly filled last one), and sample each of them from the same logits row.
                 for index in range(1, seq.request.params.n):
                     child = self._new_sequence(seq.request, index, list(seq.token_ids))
+                    child.block_hashes = list(seq.block_hashes)
                     child.num_computed_tokens = seq.num_computed_tokens
                     self.block_manager.fork(seq.seq_id, child.seq_id)
                     self.scheduler.add_running(child)

@@ -36,7 +36,8 @@ class GenerateRequest(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class TokenizedRequest(msgspec.Struct, kw_only=True, frozen=True):
-    """Tokenizer → scheduler: the prompt as ids and the chained hashes of its full blocks."""
+    """Tokenizer → scheduler: the prompt as ids and the chained hashes of its full blocks
+    (shared/wire/block_hash.py: one per full block, ``len(prompt_token_ids) // block_size``)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -48,10 +49,14 @@ class TokenizedRequest(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class ExecuteRequest(msgspec.Struct, kw_only=True, frozen=True):
-    """Scheduler → executor: run this request to completion and stream its deltas."""
+    """Scheduler → executor: run this request to completion and stream its deltas.
+
+    ``block_hashes`` are the tokenizer's, passed on unchanged: the engine uses them instead of hashing
+    the prompt again, and rejects a request whose hash count is not its prompt's full-block count."""
 
     request_id: str
     prompt_token_ids: list[int]
+    block_hashes: list[int]
     params: SamplingParams
     priority: int = 0
     arrival_time: float = 0.0
