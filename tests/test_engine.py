@@ -264,3 +264,27 @@ def test_tokenizer_block_hashes_are_the_engines_and_each_block_is_hashed_once(ll
     with pytest.raises(ValueError, match="block_hashes has 2 hashes, but the prompt's"):
         engine.add_request("bad-hashes", ids, params, block_hashes=hashes[:2])
     assert_no_leak(engine)
+
+
+def test_per_request_state_stays_bounded_over_many_requests(llm):
+    """A long-running engine holds nothing per finished request: the KV events are drained every
+    step (at most the last step's batch is kept for the publisher), and the request, scheduler and
+    block tables empty out. Short prompts on shared prefixes, so the prefix cache stores and evicts."""
+    engine = llm.engine
+    bm = engine.block_manager
+    tok = engine.tokenizer
+    prefixes = [tok.encode(f"Request log {i}: the server answered the client with status code and "
+                           f"a short body, then closed the connection") for i in range(4)]
+    assert all(len(p) > bm.block_size for p in prefixes)
+    params = SamplingParams(max_tokens=2, ignore_eos=True, **GREEDY)
+    num_batches = 0
+    for i in range(96):
+        engine.add_request(f"bounded-{i}", prefixes[i % 4] + tok.encode(f" {i}"), params)
+        if i % 16 == 15:  # several in flight at once
+            while engine.has_unfinished():
+                engine.step()
+                assert bm.num_pending_events == 0
+                num_batches += engine.take_kv_events() is not None
+    assert num_batches > 0 and engine.take_kv_events() is None
+    assert not engine.requests and not bm._seqs and not bm.take_pending_copies()
+    assert_no_leak(engine)

@@ -36,6 +36,7 @@ class ExecutorProcessConfig:
     seed: int
     heartbeat_interval_s: float
     drain_timeout_s: float
+    kv_events: bool = True
 
     def __post_init__(self) -> None:
         if not self.nats_url:
@@ -77,6 +78,10 @@ def parse_config(argv: list[str] | None = None) -> ExecutorProcessConfig:
     p.add_argument("--heartbeat-interval", type=float, default=0.5)
     p.add_argument("--drain-timeout", type=float, default=5.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish")
+    p.add_argument("--kv-events", action=argparse.BooleanOptionalAction,
+                   default=(env_str("LLMSERVE_KV_EVENTS", None) or "1").lower() not in ("0", "false", "no", "off"),
+                   help="publish each step's KV cache events for the prefix index (default on; "
+                        "off: they are dropped)")
     a = p.parse_args(argv)
     try:
         return ExecutorProcessConfig(
@@ -87,7 +92,8 @@ def parse_config(argv: list[str] | None = None) -> ExecutorProcessConfig:
             num_kv_blocks=a.num_kv_blocks, max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
             num_threads=a.num_threads, block_size=a.block_size, seed=a.seed,
-            heartbeat_interval_s=a.heartbeat_interval, drain_timeout_s=a.drain_timeout)
+            heartbeat_interval_s=a.heartbeat_interval, drain_timeout_s=a.drain_timeout,
+            kv_events=a.kv_events)
     except ValueError as e:
         p.error(str(e))
         raise
@@ -124,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
     async def serve(stop) -> None:
         bus = await Bus.connect(config.nats_url, config.executor_id)
-        service = ExecutorService(bus, EngineWorker(engine, num_threads=config.num_threads), service_config)
+        service = ExecutorService(bus, EngineWorker(engine, num_threads=config.num_threads, kv_events=config.kv_events), service_config)
         await service.start()
         log.info("%s ready (epoch %s)", config.executor_id, service.epoch)
         await stop.wait()

@@ -345,6 +345,11 @@ class BlockManager:
         copies, self._pending_copies = self._pending_copies, []
         return copies
 
+    @property
+    def num_pending_events(self) -> int:
+        """Events recorded since the last take_events (the engine takes them every step)."""
+        return len(self._events)
+
     def take_events(self) -> KVEventBatch | None:
         if not self._events:
             return None

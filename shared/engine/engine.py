@@ -23,6 +23,7 @@ from shared.engine.models.int8_linear import calibration_text, int8_supported, q
 from shared.engine.models.loader import load_model, resolve_dtype, resolve_model_path
 from shared.engine.output_processor import OutputProcessor
 from shared.engine.quantization import KV_CACHE_DTYPES, QUANTIZATIONS, kv_dtype_name
+from shared.wire.kv_events import KVEventBatch
 from shared.wire.outputs import EngineStats, RequestOutput
 from shared.engine.sampler import SamplingBatch, make_generator, sample
 from shared.wire.sampling_params import SamplingParams
@@ -106,6 +107,7 @@ class Engine:
                                    max_num_seqs=config.max_num_seqs)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
+        self._kv_events: KVEventBatch | None = None
         self._arrivals = itertools.count()
         self._counters = dict(num_prompt_tokens=0, num_computed_tokens=0, num_generated_tokens=0,
                               num_steps=0, last_step_num_tokens=0)
@@ -177,6 +179,21 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        try:
+            return self._step()
+        finally:
+            # The block manager's events are drained every step and the engine keeps only the last
+            # step's batch, so memory stays bounded whether or not anyone takes them. A batch not
+            # taken before the next step is dropped; its seq is then missing, which tells a consumer
+            # to resync.
+            self._kv_events = self.block_manager.take_events()
+
+    def take_kv_events(self) -> KVEventBatch | None:
+        """The KV events of the last step (None: it changed no cached block, or they were taken)."""
+        batch, self._kv_events = self._kv_events, None
+        return batch
+
+    def _step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         self._counters["num_steps"] += 1
         self._counters["last_step_num_tokens"] = sched.num_tokens

@@ -15,6 +15,7 @@ from services.executor.service import ExecutorService, ExecutorServiceConfig
 from services.executor.worker import Abort, Aborted, Add, EngineWorker, Failed, Outputs, Rejected
 from shared.wire import messages, subjects
 from shared.wire.block_hash import hash_prompt_blocks
+from shared.wire.kv_events import BlockStored, KVEventBatch, decode_kv_event_batch
 from shared.wire.bus import Bus
 from shared.wire.messages import (AbortRequest, CompletionDelta, EngineStats, ExecuteRequest, RequestOutput,
                              SamplingParams, StreamError, StreamOutput)
@@ -52,6 +53,10 @@ class FakeEngine:
             if done:
                 del self.requests[rid]
         return outs
+
+    def take_kv_events(self):
+        self.thread_ids.add(threading.get_ident())
+        return None
 
     def abort(self, request_id):
         return self.requests.pop(request_id, None) is not None
@@ -133,6 +138,7 @@ class Client:
         self.bus = bus
         self.progress: list[tuple[str, str]] = []
         self.heartbeats: list[messages.ExecutorHeartbeat] = []
+        self.kv_batches: list[KVEventBatch] = []
 
     async def start(self) -> None:
         async def on_progress(msg) -> None:
@@ -142,6 +148,11 @@ class Client:
         async def on_heartbeat(msg) -> None:
             self.heartbeats.append(messages.EXECUTOR_HEARTBEAT.decode(msg.data))
 
+        async def on_kv_events(msg) -> None:
+            assert msg.subject == subjects.kv_events("ex-test")
+            self.kv_batches.append(decode_kv_event_batch(msg.data))
+
+        await self.bus.subscribe(subjects.KV_EVENTS_ALL, on_kv_events)
         await self.bus.subscribe(subjects.SCHEDULER_PROGRESS, on_progress)
         await self.bus.subscribe(subjects.EXECUTOR_STATS_ALL, on_heartbeat)
         await self.bus.flush()
@@ -195,6 +206,13 @@ def test_service_over_nats_matches_engine(nats_url, engine):
             assert "".join(o.output.deltas[0].text for o in outs) == engine.tokenizer.decode(expected)
             await wait_for(lambda: (rid, "finished") in client.progress)
             assert [s for r, s in client.progress if r == rid] == ["started", "finished"]
+            # Its KV events: consecutive batches, the prompt's full blocks stored under its hashes.
+            await wait_for(lambda: bool(client.kv_batches))
+            seqs = [b.seq for b in client.kv_batches]
+            assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+            stored = [h for b in client.kv_batches for e in b.events if isinstance(e, BlockStored)
+                      for h in e.block_hashes]
+            assert stored[:len(prompt) // 16] == hash_prompt_blocks(prompt, 16)
 
             # Two at once: both complete with the same greedy tokens (batched together).
             r1, r2 = uuid.uuid4().hex, uuid.uuid4().hex
