@@ -2,9 +2,10 @@
 
 Each level's library is named by a digest of the sources, the level's flags, the compiler and torch,
 and kept under ``LLMSERVE_KERNEL_CACHE`` (default ``~/.cache/llmserve/kernels``): later processes load
-it in milliseconds; a changed source builds anew. A build that fails leaves ``build.failed`` beside it
-with the compiler's message, and every later process raises that message at once instead of compiling
-again (delete the file, or change the sources, to retry). Processes building the same library at once
+it in milliseconds, whichever checkout of the sources built it; a changed source builds anew. A build
+that fails leaves ``build.failed`` beside it with the compiler's message, and every later process
+raises that message at once instead of compiling again (delete the file, or change the sources, to
+retry). Processes building the same library at once
 wait on torch's build lock.
 """
 
@@ -27,6 +28,8 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 CACHE_ENV = "LLMSERVE_KERNEL_CACHE"
 _COMMON_FLAGS = ("-O3", "-fno-math-errno", "-fopenmp")
 _FAILED = "build.failed"
+_LOCK = "lock"  # torch's build lock (cpp_extension's FileBaton) inside the build directory
+_LOCK_WAIT_S = 900.0
 
 
 class KernelBuildError(RuntimeError):
@@ -69,6 +72,32 @@ def build_dir(level: Level) -> Path:
     return root / library_name(level)
 
 
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+
+
+def _built_library(directory: Path) -> Path | None:
+    """The library built under ``directory``, or None if there is none and no build is under way.
+
+    A library older than the build lock is whole (a lock left by a killed build does not hold up its
+    users); one written after the lock was taken may still be being linked, so that wait is bounded."""
+    library, lock = directory / f"{directory.name}.so", directory / _LOCK
+    deadline = time.monotonic() + _LOCK_WAIT_S
+    while True:
+        built, locked = _mtime(library), _mtime(lock)
+        if built is not None and (locked is None or built < locked):
+            return library
+        if locked is None:
+            return None
+        if time.monotonic() > deadline:
+            raise KernelBuildError(f"a kernel build has held {lock} for {_LOCK_WAIT_S:.0f} s; if no build is "
+                                   "running, delete it")
+        time.sleep(0.5)
+
+
 def _summary(output: str) -> str:
     """The compiler's first error lines, or the output's last line if it names none."""
     errors = [line.strip() for line in output.splitlines() if "error" in line and ("error:" in line or "Error" in line)]
@@ -92,9 +121,14 @@ def load(level: Level):
                                f"(the compiler's output: {failed}; delete it to try again)")
     directory.mkdir(parents=True, exist_ok=True)
     name = directory.name
+    built = _built_library(directory)
+    if built is not None:
+        # The name is a digest of everything the library depends on, so a library under it is current.
+        # Loaded directly: cpp_extension would rebuild it for sources at another path (another checkout).
+        torch.ops.load_library(str(built))
+        return getattr(torch.ops, ns)
     t0 = time.perf_counter()
-    if not any(directory.glob(f"{name}*.so")):
-        log.info("building the %s CPU kernels (once per machine, about a minute)", level.name)
+    log.info("building the %s CPU kernels (once per machine, about a minute)", level.name)
     try:
         cpp_extension.load(name=name, sources=[str(p) for p in sources()], extra_cflags=_flags(level),
                            extra_include_paths=[str(CSRC)], extra_ldflags=["-fopenmp"], build_directory=str(directory),

@@ -115,11 +115,10 @@ class Gateway:
 
     async def prepare(self, api: protocol.Api, body: bytes, *, force_stream: bool = False) -> Prepared:
         req = parse_chat_request(body) if api == "chat" else parse_completion_request(body)
+        # The model is checked here, against the served set; the scheduler routes by it.
         await self.check_model(req.model)
         now = time.time()
-        # check_model just accepted req.model (the served set may hold several executors' names).
-        limits = protocol.Limits(served_model=req.model,
-                                 max_tokens_default=self.config.max_tokens_default)
+        limits = protocol.Limits(max_tokens_default=self.config.max_tokens_default)
         prefix = "chatcmpl" if api == "chat" else "cmpl"
         request_id, deadline = f"{prefix}-{uuid.uuid4().hex}", now + self.config.request_timeout_s
         if isinstance(req, ChatCompletionRequest):

@@ -23,7 +23,7 @@ from shared.wire.outputs import CompletionDelta, RequestOutput, TokenLogprobs
 from shared.wire.sampling_params import SamplingParams
 from shared.wire.messages import ChatMessage, GenerateRequest
 
-from .errors import bad_request, model_not_found
+from .errors import bad_request
 from .openai_schema import ChatCompletionRequest, CompletionRequest
 
 Api = Literal["completion", "chat"]
@@ -50,13 +50,10 @@ def token_id_text(token_id: int) -> str:
 
 @dataclass(frozen=True)
 class Limits:
-    served_model: str
+    """The gateway's limits on a request. The model name is checked before conversion, against the
+    served set (Gateway.check_model), and carried on unchanged."""
+
     max_tokens_default: int | None   # None: per API (16 for completions, unlimited for chat)
-
-
-def check_model(model: str, served_model: str) -> None:
-    if model != served_model:
-        raise model_not_found(model, served_model)
 
 
 _FIELD_AT_START = re.compile(r"^(\w+)")
@@ -112,7 +109,6 @@ def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str
 
 def completion_to_generate(req: CompletionRequest, *, request_id: str, limits: Limits,
                            arrival_time: float, deadline: float | None) -> GenerateRequest:
-    check_model(req.model, limits.served_model)
     if req.echo:
         raise bad_request("echo is not supported by this server.", "echo")
     if req.suffix:
@@ -141,7 +137,6 @@ def _message_text(content: Any) -> str:
 
 def chat_to_generate(req: ChatCompletionRequest, *, request_id: str, limits: Limits,
                      arrival_time: float, deadline: float | None) -> GenerateRequest:
-    check_model(req.model, limits.served_model)
     if req.tools:
         raise bad_request("tools are not supported by this server.", "tools")
     if req.response_format and req.response_format.get("type", "text") != "text":

@@ -24,7 +24,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, frozen=True):
     (chat, rendered with the model's template) is set."""
 
     request_id: str
-    model: str
+    model: str                     # a served model name, checked by the gateway
     params: SamplingParams
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
@@ -40,6 +40,7 @@ class TokenizedRequest(msgspec.Struct, kw_only=True, frozen=True):
     (shared/wire/block_hash.py: one per full block, ``len(prompt_token_ids) // block_size``)."""
 
     request_id: str
+    model: str                     # the served model name the client asked for; routing follows it
     prompt_token_ids: list[int]
     block_hashes: list[int]
     params: SamplingParams
@@ -55,6 +56,7 @@ class ExecuteRequest(msgspec.Struct, kw_only=True, frozen=True):
     the prompt again, and rejects a request whose hash count is not its prompt's full-block count."""
 
     request_id: str
+    model: str                     # the executor it is sent to serves it (the router's invariant)
     prompt_token_ids: list[int]
     block_hashes: list[int]
     params: SamplingParams
@@ -106,7 +108,7 @@ class ExecutorHeartbeat(msgspec.Struct, kw_only=True, frozen=True):
     executor_id: str
     epoch: str
     role: str                      # 'prefill' | 'decode' | 'both'
-    model: str
+    model: str                     # the served model name: only requests for it are routed here
     max_model_len: int
     block_size: int
     stats: EngineStats

@@ -89,7 +89,7 @@ def run_worker(commands, until):
 
 
 def ex(rid: str, prompt: list[int], max_tokens: int = 3) -> Add:
-    return Add(ExecuteRequest(request_id=rid, prompt_token_ids=prompt, block_hashes=[],
+    return Add(ExecuteRequest(request_id=rid, model="m", prompt_token_ids=prompt, block_hashes=[],
                               params=SamplingParams(max_tokens=max_tokens)))
 
 
@@ -164,7 +164,7 @@ class Client:
             block_hashes = hash_prompt_blocks(prompt, 16)  # as the tokenizer sends them
         async with await self.bus.subscribe_iter(subjects.stream(rid)) as sub:
             await self.bus.publish(subjects.executor_decode(executor_id), messages.EXECUTE_REQUEST.encode(
-                ExecuteRequest(request_id=rid, prompt_token_ids=prompt, block_hashes=block_hashes,
+                ExecuteRequest(request_id=rid, model="m", prompt_token_ids=prompt, block_hashes=block_hashes,
                                params=params)))
             while True:
                 msg = messages.STREAM_MESSAGE.decode((await sub.next(60)).data)

@@ -13,7 +13,7 @@ from services.gateway.openai_schema import parse_chat_request, parse_completion_
 from shared.wire.outputs import CompletionDelta, RequestOutput, TokenLogprobs
 from shared.wire.messages import StreamError
 
-LIMITS = protocol.Limits(served_model="m", max_tokens_default=None)
+LIMITS = protocol.Limits(max_tokens_default=None)
 
 
 def completion(**body) -> protocol.GenerateRequest:
@@ -59,7 +59,7 @@ def test_completion_defaults_and_prompt_forms():
     assert completion(prompt=["one"]).prompt == "one"
     assert completion(prompt=[[4, 5]]).prompt_token_ids == [4, 5]
     assert completion(stop=["a", "b"]).params.stop == ["a", "b"]
-    limits = protocol.Limits(served_model="m", max_tokens_default=99)
+    limits = protocol.Limits(max_tokens_default=99)
     req = parse_completion_request(b'{"model": "m", "prompt": "x"}')
     assert protocol.completion_to_generate(req, request_id="r", limits=limits, arrival_time=0,
                                            deadline=None).params.max_tokens == 99
@@ -124,11 +124,15 @@ def test_malformed_bodies_are_400(raw, param):
     assert set(e.value.body()["error"]) == {"message", "type", "param", "code"}
 
 
-def test_unknown_model_is_404_model_not_found():
+def test_model_is_carried_and_the_routers_404_is_model_not_found():
+    """The gateway checks the name against the served set before conversion (test_gateway_http);
+    conversion carries it, and the scheduler's 404 (no executor serves it) reads as OpenAI's."""
     req = parse_completion_request(b'{"model": "other", "prompt": "x"}')
-    with pytest.raises(APIError) as e:
-        protocol.completion_to_generate(req, request_id="r", limits=LIMITS, arrival_time=0, deadline=None)
-    assert e.value.status == 404 and e.value.code == "model_not_found" and e.value.param == "model"
+    g = protocol.completion_to_generate(req, request_id="r", limits=LIMITS, arrival_time=0, deadline=None)
+    assert g.model == "other"
+    e = from_stream_error(StreamError(request_id="r", status=404, type="invalid_request_error", param="model",
+                                      message="The model 'other' does not exist. This server serves 'm'."))
+    assert e.status == 404 and e.code == "model_not_found" and e.param == "model"
 
 
 def test_stream_errors_pass_through_with_status_and_retry_after():
