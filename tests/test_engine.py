@@ -150,6 +150,9 @@ def test_logprobs_follow_openai_semantics(llm):
         assert [p for _, p in lp.top] == sorted((p for _, p in lp.top), reverse=True)
         # Greedy picks the most likely token: rank 1, equal to the best alternative.
         assert lp.rank == 1 and lp.top[0] == (tid, lp.logprob) and lp.logprob <= 0.0
+        # Named where the output is decoded: each token alone, as the API shows it.
+        name = lambda t: llm.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+        assert lp.token == name(tid) and lp.top_tokens == [name(t) for t, _ in lp.top]
 
 
 def test_n_greater_than_one_shares_the_prompt(llm):

@@ -382,8 +382,6 @@ def launch(config: StackConfig, progress: Callable[[str], None] | None = None,
             args = [*common, "--host", config.host, "--port", str(port),
                     "--drain-timeout", str(config.drain_timeout_s)]
             args += ["--model-name", served_model_name(config)]
-            if config.model:
-                args += ["--tokenizer", config.model]
             if config.request_timeout_s is not None:
                 args += ["--request-timeout", str(config.request_timeout_s)]
             # The key goes through the environment, not argv: argv is visible to every user in `ps`.

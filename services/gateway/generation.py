@@ -56,13 +56,11 @@ class Prepared:
 
 
 class Gateway:
-    """Per-app state: config, the bus connection, metrics and the logprobs vocabulary."""
+    """Per-app state: config, the bus connection, metrics."""
 
-    def __init__(self, config: GatewayConfig, metrics: GatewayMetrics,
-                 token_text: protocol.TokenText = protocol.token_id_text) -> None:
+    def __init__(self, config: GatewayConfig, metrics: GatewayMetrics) -> None:
         self.config = config
         self.metrics = metrics
-        self.token_text = token_text
         self.bus: Bus | None = None
         self._models: list[str] = []
         self._models_at = -1e9
@@ -131,8 +129,7 @@ class Gateway:
         spec = protocol.ResponseSpec(
             api=api, request_id=generate.request_id, model=req.model, created=int(now),
             n=generate.params.n, logprobs=generate.params.logprobs,
-            include_usage=stream and bool(req.stream_options and req.stream_options.include_usage),
-            token_text=self.token_text)
+            include_usage=stream and bool(req.stream_options and req.stream_options.include_usage))
         return Prepared(api, stream, generate, spec)
 
     async def start(self, p: Prepared, disconnected: Callable[[], Awaitable[None]] | None

@@ -8,14 +8,14 @@ in OpenAI's exact shapes:
     completions  text_completion          choices[i] = {text, index, logprobs, finish_reason}
     chat         chat.completion(.chunk)  choices[i] = {index, message|delta, logprobs, finish_reason}
 
-Deltas already hold detokenized text with stop strings removed; this module only concatenates,
-counts tokens and renders logprobs (token ids → strings through the ``TokenText`` callable).
+Deltas already hold detokenized text with stop strings removed and logprobs with their tokens'
+text (named by the executor, which decodes); this module only concatenates, counts tokens and
+formats logprobs. The gateway loads no vocabulary.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -27,7 +27,6 @@ from .errors import bad_request
 from .openai_schema import ChatCompletionRequest, CompletionRequest
 
 Api = Literal["completion", "chat"]
-TokenText = Callable[[int], str]  # a token id → its text, for logprobs ("token_id:N" if unknown)
 
 # OpenAI's default for the legacy completions endpoint; chat defaults to "until the context is full".
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -41,9 +40,18 @@ def _finite(logprob: float) -> float:
     return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB  # also maps NaN (comparison false)
 
 
-def token_id_text(token_id: int) -> str:
-    """The fallback ``TokenText`` without a tokenizer (vLLM's return_tokens_as_token_ids format)."""
-    return f"token_id:{token_id}"
+def token_name(token_id: int, text: str | None) -> str:
+    """A logprobs token as the API shows it: its text, or (none given) vLLM's
+    return_tokens_as_token_ids format."""
+    return text if text is not None else f"token_id:{token_id}"
+
+
+def _top(lp: TokenLogprobs) -> list[tuple[str, float]]:
+    """The top alternatives as (name, logprob), in the sampler's order."""
+    texts = lp.top_tokens if lp.top_tokens is not None else [None] * len(lp.top)
+    if len(texts) != len(lp.top):
+        raise ValueError(f"logprobs of token {lp.token_id}: {len(lp.top)} top tokens, {len(texts)} names")
+    return [(token_name(t, text), p) for (t, p), text in zip(lp.top, texts)]
 
 
 # --------------------------------------------------------------------------------------- inbound
@@ -174,7 +182,6 @@ class ResponseSpec:
     n: int
     logprobs: int | None          # None: no logprobs; N: chosen token + top N alternatives
     include_usage: bool = False   # stream_options.include_usage (streaming only)
-    token_text: TokenText = token_id_text
 
 
 @dataclass
@@ -262,11 +269,11 @@ class ResponseBuilder:
             return {"content": entries, "refusal": None}
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
         for lp in delta.logprobs:
-            text = self.spec.token_text(lp.token_id)
+            text = token_name(lp.token_id, lp.token)
             tokens.append(text)
             token_logprobs.append(_finite(lp.logprob))
             # OpenAI: the top N, plus the sampled token (so up to N + 1 entries).
-            top = {self.spec.token_text(t): _finite(p) for t, p in lp.top}
+            top = {name: _finite(p) for name, p in _top(lp)}
             top.setdefault(text, _finite(lp.logprob))
             top_logprobs.append(top)
             offsets.append(choice.num_chars)
@@ -277,10 +284,10 @@ class ResponseBuilder:
         return rendered
 
     def _chat_logprob(self, lp: TokenLogprobs) -> dict[str, Any]:
-        def entry(token_id: int, logprob: float) -> dict[str, Any]:
-            text = self.spec.token_text(token_id)
+        def entry(text: str, logprob: float) -> dict[str, Any]:
             return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
-        return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, p) for t, p in lp.top]}
+        return {**entry(token_name(lp.token_id, lp.token), lp.logprob),
+                "top_logprobs": [entry(name, p) for name, p in _top(lp)]}
 
     # -- the end -------------------------------------------------------------------------------
 
