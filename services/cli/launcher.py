@@ -14,7 +14,6 @@ Process invariants:
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import os
 import signal
@@ -47,8 +46,8 @@ def set_executor_openmp_policy(env: MutableMapping[str, str]) -> None:
         env.update(EXECUTOR_OPENMP_ENV)
 
 
-__all__ = ["StackConfig", "Stack", "ServiceProcess", "StackStartError", "launch", "gateway_available",
-           "served_model_name", "executor_args", "tokenizer_args"]
+__all__ = ["StackConfig", "Stack", "ServiceProcess", "StackStartError", "launch", "served_model_name",
+           "executor_args", "tokenizer_args"]
 
 
 class StackStartError(RuntimeError):
@@ -147,17 +146,12 @@ class ServiceProcess:
         self.process.wait()
 
 
-def gateway_available() -> bool:
-    import importlib.util
-    return importlib.util.find_spec("services.gateway.__main__") is not None
-
-
 @dataclass
 class Stack:
     config: StackConfig
     nats_url: str
     redis_url: str
-    base_url: str | None                       # None when the gateway is not available
+    base_url: str                              # the gateway's
     services: dict[str, ServiceProcess] = field(default_factory=dict)
     servers: list[ServerProcess] = field(default_factory=list)
     _stopped: bool = False
@@ -194,8 +188,7 @@ class Stack:
                                       f"{svc.log_tail()}")
 
     def wait_ready(self, progress: Callable[[str], None] | None = None) -> None:
-        """Until GET /health answers 200 (the gateway sees a live executor through the scheduler),
-        or, without a gateway, until the scheduler reports a live executor."""
+        """Until GET /health answers 200 (the gateway sees a live executor through the scheduler)."""
         deadline = time.monotonic() + self.config.ready_timeout_s
         last_note = 0.0
         while True:
@@ -212,13 +205,11 @@ class Stack:
             time.sleep(0.2)
 
     def _ready(self) -> bool:
-        if self.base_url is not None:
-            try:
-                with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as r:
-                    return int(r.status) == 200
-            except (urllib.error.URLError, OSError):
-                return False
-        return asyncio.run(_scheduler_has_executor(self.nats_url))
+        try:
+            with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as r:
+                return int(r.status) == 200
+        except (urllib.error.URLError, OSError):
+            return False
 
     def stop(self, grace_s: float | None = None) -> None:
         """Drain and stop everything, gateway first and servers last; idempotent. After it returns,
@@ -252,25 +243,6 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-async def _scheduler_has_executor(nats_url: str) -> bool:
-    from shared.wire import messages, subjects
-    from shared.wire.bus import Bus, BusError
-
-    try:
-        bus = await Bus.connect(nats_url, "launcher-probe", connect_timeout_s=2)
-    except BusError:
-        return False
-    try:
-        data = await bus.request(subjects.SCHEDULER_STATUS,
-                                 messages.SCHEDULER_STATUS_REQUEST.encode(messages.SchedulerStatusRequest()),
-                                 timeout=1.0)
-        return bool(messages.SCHEDULER_STATUS.decode(data).executors)
-    except BusError:
-        return False
-    finally:
-        await bus.close()
 
 
 def _spawn(argv: list[str], env: dict[str, str], log_path: str | None,
@@ -354,9 +326,7 @@ def launch(config: StackConfig, progress: Callable[[str], None] | None = None,
             redis_url = servers[-1].url
             note(f"redis-server on {redis_url}")
         port = config.port or free_port(config.host)
-        has_gateway = gateway_available()
-        stack = Stack(config, nats_url, redis_url,
-                      f"http://{config.host}:{port}" if has_gateway else None, servers=servers)
+        stack = Stack(config, nats_url, redis_url, f"http://{config.host}:{port}", servers=servers)
         env = {**os.environ, "NATS_URL": nats_url, "REDIS_URL": redis_url, **dict(config.extra_env)}
         env.setdefault("PYTHONUNBUFFERED", "1")
         set_executor_openmp_policy(env)
@@ -375,21 +345,15 @@ def launch(config: StackConfig, progress: Callable[[str], None] | None = None,
                                  "--no-executor-timeout", str(config.no_executor_timeout_s)], env)
         for i in range(config.num_tokenizers):
             stack.start_service(f"tokenizer-{i}", "services.tokenizer", [*common, *tokenizer_args(config)], env)
-        if has_gateway:
-            args = [*common, "--host", config.host, "--port", str(port),
-                    "--drain-timeout", str(config.drain_timeout_s)]
-            args += ["--model-name", served_model_name(config)]
-            if config.engine.model:
-                args += ["--tokenizer", config.engine.model]
-            if config.request_timeout_s is not None:
-                args += ["--request-timeout", str(config.request_timeout_s)]
-            # The key goes through the environment, not argv: argv is visible to every user in `ps`.
-            gateway_env = {k: v for k, v in env.items() if k != "LLMSERVE_API_KEY"}
-            if config.api_key:
-                gateway_env["LLMSERVE_API_KEY"] = config.api_key
-            stack.start_service("gateway", "services.gateway", args, gateway_env)
-        else:
-            note("services.gateway is not installed: starting the stack without an HTTP endpoint")
+        args = [*common, "--host", config.host, "--port", str(port),
+                "--drain-timeout", str(config.drain_timeout_s), "--model-name", served_model_name(config)]
+        if config.request_timeout_s is not None:
+            args += ["--request-timeout", str(config.request_timeout_s)]
+        # The key goes through the environment, not argv: argv is visible to every user in `ps`.
+        gateway_env = {k: v for k, v in env.items() if k != "LLMSERVE_API_KEY"}
+        if config.api_key:
+            gateway_env["LLMSERVE_API_KEY"] = config.api_key
+        stack.start_service("gateway", "services.gateway", args, gateway_env)
         if wait:
             stack.wait_ready(progress)
         return stack

@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
 
     async def serve(stop) -> None:
         bus = await Bus.connect(config.nats_url, config.executor_id)
-        service = ExecutorService(bus, EngineWorker(engine, num_threads=engine_config.num_threads), service_config)
+        worker = EngineWorker(engine, num_threads=engine_config.num_threads, kv_events=config.kv_events)
+        service = ExecutorService(bus, worker, service_config)
         await service.start()
         log.info("%s ready (epoch %s)", config.executor_id, service.epoch)
         await stop.wait()

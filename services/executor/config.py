@@ -7,7 +7,7 @@ import argparse
 import uuid
 from dataclasses import dataclass
 
-from services.runtime import env_str, env_value
+from services.runtime import env_bool, env_str, env_value
 from shared.engine.config import EngineConfig, add_engine_arguments
 
 # The engine defaults of a served executor, here and in ``llmserve up``: the same as the engine's
@@ -23,6 +23,7 @@ class ExecutorProcessConfig:
     engine: EngineConfig
     heartbeat_interval_s: float
     drain_timeout_s: float
+    kv_events: bool = True  # publish each step's KV cache events (off: they are dropped)
 
     def __post_init__(self) -> None:
         if not self.nats_url:
@@ -44,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-interval", type=float, default=0.5)
     p.add_argument("--drain-timeout", type=float, default=5.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish")
+    p.add_argument("--kv-events", action=argparse.BooleanOptionalAction, default=env_bool("LLMSERVE_KV_EVENTS", True),
+                   help="publish each step's KV cache events for the prefix index (off: they are dropped) "
+                        "[env LLMSERVE_KV_EVENTS]")
     add_engine_arguments(p, SERVED_ENGINE_DEFAULTS)
     return p
 
@@ -56,7 +60,8 @@ def parse_config(argv: list[str] | None = None) -> ExecutorProcessConfig:
         return ExecutorProcessConfig(
             nats_url=a.nats_url, executor_id=a.executor_id or f"executor-{uuid.uuid4().hex[:8]}",
             model_name=a.model_name, engine=engine,
-            heartbeat_interval_s=a.heartbeat_interval, drain_timeout_s=a.drain_timeout)
+            heartbeat_interval_s=a.heartbeat_interval, drain_timeout_s=a.drain_timeout,
+            kv_events=a.kv_events)
     except ValueError as e:
         p.error(str(e))
         raise

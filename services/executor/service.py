@@ -6,6 +6,10 @@ or, when it ends early: StreamError (400 rejected / 503 shutting down / 500 engi
 StreamOutput with finish_reason 'abort', then RequestProgress 'finished'. 'finished' is always sent,
 so the scheduler's in-flight count never leaks.
 
+KV events: every step that changed the engine's cached blocks is published as one KVEventBatch on
+``subjects.kv_events(executor_id)`` (for the prefix index), unless the worker was built with
+``kv_events=False``; either way the engine holds at most one step's events.
+
 Drain (SIGTERM): heartbeats say ``draining`` at once so the scheduler routes nothing new here;
 requests that still arrive get 503; in-flight ones may finish for ``drain_timeout_s``, the rest are
 aborted with a 503 error event; then the engine thread stops and the connection drains.
@@ -19,10 +23,11 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from services.executor.worker import (Abort, Aborted, Add, EngineWorker, Event, Failed, Outputs,
+from services.executor.worker import (Abort, Aborted, Add, EngineWorker, Event, Failed, KVEvents, Outputs,
                                       Rejected)
 from shared.wire import messages, subjects
 from shared.wire.bus import Bus, BusError, Msg
+from shared.wire.kv_events import encode_kv_event_batch
 from shared.wire.messages import CompletionDelta, RequestOutput, StreamError, StreamOutput
 
 log = logging.getLogger("llmserve.executor")
@@ -147,6 +152,8 @@ class ExecutorService:
             for rid in event.request_ids:
                 if self._live.pop(rid, None) is not None:
                     await self._end_with_error(rid, 500, event.message)
+        elif isinstance(event, KVEvents):
+            await self.bus.publish(subjects.kv_events(self.config.executor_id), encode_kv_event_batch(event.batch))
 
     async def _end_with_error(self, rid: str, status: int, message: str, type_: str = "server_error") -> None:
         await self.bus.publish(subjects.stream(rid), messages.STREAM_MESSAGE.encode(

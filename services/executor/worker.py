@@ -23,15 +23,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from shared.wire.outputs import EngineStats, RequestOutput
+from shared.wire.kv_events import KVEventBatch
 from shared.wire.messages import ExecuteRequest
+from shared.wire.outputs import EngineStats, RequestOutput
 
 log = logging.getLogger("llmserve.executor.worker")
 
 
 class EngineLike(Protocol):
-    def add_request(self, request_id: str, prompt: list[int], params, *, priority: int = 0) -> None: ...
+    def add_request(self, request_id: str, prompt: list[int], params, *, priority: int = 0,
+                    block_hashes: list[int] | None = None) -> None: ...
     def step(self) -> list[RequestOutput]: ...
+    def take_kv_events(self) -> KVEventBatch | None: ...
     def abort(self, request_id: str) -> bool: ...
     def has_unfinished(self) -> bool: ...
     def stats(self) -> EngineStats: ...
@@ -84,12 +87,21 @@ class Failed:
     message: str
 
 
-Event = Outputs | Rejected | Aborted | Failed
+@dataclass(frozen=True)
+class KVEvents:
+    """The KV events of one step, for the prefix index (only when the worker takes them)."""
+    batch: KVEventBatch
+
+
+Event = Outputs | Rejected | Aborted | Failed | KVEvents
 
 
 class EngineWorker:
-    def __init__(self, engine: EngineLike, *, num_threads: int | None = None) -> None:
+    def __init__(self, engine: EngineLike, *, num_threads: int | None = None, kv_events: bool = True) -> None:
+        """kv_events: hand each step's KV events on as a KVEvents event; False leaves them to the
+        engine, which drops them at its next step."""
         self.engine = engine
+        self._kv_events = kv_events
         self._emit: Callable[[list[Event]], None] = lambda events: None
         self._num_threads = num_threads
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -145,8 +157,9 @@ class EngineWorker:
         if isinstance(command, Add):
             req = command.request
             try:
+                # The engine checks the hashes against the prompt (a ValueError: rejected).
                 self.engine.add_request(req.request_id, list(req.prompt_token_ids), req.params,
-                                        priority=req.priority)
+                                        priority=req.priority, block_hashes=req.block_hashes)
             except ValueError as e:
                 events.append(Rejected(req.request_id, str(e)))
                 return
@@ -175,6 +188,8 @@ class EngineWorker:
                 self._live.discard(out.request_id)
         if outputs:
             events.append(Outputs(outputs))
+        if self._kv_events and (batch := self.engine.take_kv_events()) is not None:
+            events.append(KVEvents(batch))
 
     def _flush(self, events: list[Event]) -> None:
         try:

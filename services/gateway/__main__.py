@@ -1,7 +1,8 @@
 """``python -m services.gateway``: the OpenAI-compatible HTTP/WebSocket edge.
 
 Config from flags, with environment fallbacks (NATS_URL, LLMSERVE_API_KEY, LLMSERVE_MODEL_NAME,
-LLMSERVE_MODEL, LLMSERVE_GATEWAY_HOST, LLMSERVE_GATEWAY_PORT). SIGTERM/SIGINT: uvicorn stops accepting, lets in-flight
+LLMSERVE_GATEWAY_HOST, LLMSERVE_GATEWAY_PORT). It loads no model files: the executors name logprobs
+tokens. SIGTERM/SIGINT: uvicorn stops accepting, lets in-flight
 requests finish (up to --drain-timeout), then the app's lifespan drains the NATS connection.
 """
 
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 
 from services.runtime import env_bool, env_int, env_str, setup_logging
 
-from .config import TOKENIZER_AUTO, GatewayConfig
+from .config import GatewayConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,10 +37,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens-default", type=int, default=None,
                    help="max_tokens when a request gives none (default: 16 for completions, "
                         "until the context is full for chat)")
-    p.add_argument("--model", "--tokenizer", dest="tokenizer",
-                   default=env_str("LLMSERVE_MODEL", TOKENIZER_AUTO),
-                   help="the served model's GGUF file or HF directory; the gateway only reads its "
-                        "vocabulary, to name logprobs tokens ('auto': the default model; 'none')")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, how long in-flight requests may take to finish")
     p.add_argument("--log-level", default=env_str("LLMSERVE_LOG_LEVEL", "info"))
@@ -50,7 +47,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(nats_url=args.nats_url, host=args.host, port=args.port,
                          model_name=args.model_name, api_key=args.api_key,
                          request_timeout_s=args.request_timeout,
-                         max_tokens_default=args.max_tokens_default, tokenizer=args.tokenizer)
+                         max_tokens_default=args.max_tokens_default)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,7 +19,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from functools import lru_cache
 from typing import Any
 
 import anyio
@@ -32,7 +31,7 @@ from shared.wire.bus import Bus
 from shared.wire.outputs import RequestOutput
 
 from . import protocol
-from .config import TOKENIZER_AUTO, TOKENIZER_NONE, GatewayConfig
+from .config import GatewayConfig
 from .errors import APIError, unauthorized
 from .generation import ClientDisconnected, Gateway, Prepared
 from .metrics import CLIENT_CLOSED, GatewayMetrics, RequestTracker
@@ -57,32 +56,6 @@ def check_api_key(config: GatewayConfig, authorization: str | None) -> None:
         raise unauthorized()
 
 
-def load_token_text(spec: str) -> protocol.TokenText:
-    """Token id → text for logprobs, from the model's vocabulary (or "token_id:N" without one)."""
-    if spec == TOKENIZER_NONE:
-        return protocol.token_id_text
-    from shared.engine.tokenizer import Tokenizer
-
-    if spec == TOKENIZER_AUTO:
-        from shared.engine.default_model import default_model_path
-        try:
-            spec = default_model_path()
-        except FileNotFoundError as e:
-            log.warning("no tokenizer for logprobs (%s); tokens are named token_id:N", e)
-            return protocol.token_id_text
-    tokenizer = Tokenizer.from_path(spec)
-
-    @lru_cache(maxsize=65536)
-    def token_text(token_id: int) -> str:
-        # Decoded alone, the way vLLM names logprobs tokens (a partial UTF-8 character shows as U+FFFD).
-        try:
-            return tokenizer.decode([token_id], skip_special_tokens=False)
-        except Exception:
-            return protocol.token_id_text(token_id)
-
-    return token_text
-
-
 def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
     """The app. With ``bus`` given (tests), it is used as is and not closed by the app."""
     gw = Gateway(config, GatewayMetrics())
@@ -90,7 +63,6 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        gw.token_text = await anyio.to_thread.run_sync(load_token_text, config.tokenizer)
         gw.bus = bus or await Bus.connect(config.nats_url, "gateway",
                                           connect_timeout_s=config.nats_connect_timeout_s)
         log.info("gateway serving %s on %s:%d (nats %s, auth %s)", config.model_name or "(any model)",

@@ -5,11 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# "auto": the default model's tokenizer if its package is installed, else none (logprobs then
-# name tokens as "token_id:N"). "none": never load one.
-TOKENIZER_AUTO = "auto"
-TOKENIZER_NONE = "none"
-
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -22,7 +17,6 @@ class GatewayConfig:
     api_key: str | None = None                 # None: no auth
     request_timeout_s: float = 600.0           # whole request, first byte to last; then abort + 504
     max_tokens_default: int | None = None      # None: 16 for completions (OpenAI), unlimited for chat
-    tokenizer: str = TOKENIZER_AUTO            # GGUF file or HF directory, for logprobs token strings
     health_timeout_s: float = 2.0              # scheduler status request of GET /health
     nats_connect_timeout_s: float = 30.0
 
@@ -43,5 +37,3 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_tokens_default is not None and self.max_tokens_default < 1:
             raise ValueError(f"max_tokens_default must be >= 1 (or unset), got {self.max_tokens_default}")
-        if not self.tokenizer:
-            raise ValueError(f"tokenizer must be a path, {TOKENIZER_AUTO!r} or {TOKENIZER_NONE!r}")

@@ -56,13 +56,11 @@ class Prepared:
 
 
 class Gateway:
-    """Per-app state: config, the bus connection, metrics and the logprobs vocabulary."""
+    """Per-app state: config, the bus connection, metrics."""
 
-    def __init__(self, config: GatewayConfig, metrics: GatewayMetrics,
-                 token_text: protocol.TokenText = protocol.token_id_text) -> None:
+    def __init__(self, config: GatewayConfig, metrics: GatewayMetrics) -> None:
         self.config = config
         self.metrics = metrics
-        self.token_text = token_text
         self.bus: Bus | None = None
         self._models: list[str] = []
         self._models_at = -1e9
@@ -115,11 +113,10 @@ class Gateway:
 
     async def prepare(self, api: protocol.Api, body: bytes, *, force_stream: bool = False) -> Prepared:
         req = parse_chat_request(body) if api == "chat" else parse_completion_request(body)
+        # The model is checked here, against the served set; the scheduler routes by it.
         await self.check_model(req.model)
         now = time.time()
-        # check_model just accepted req.model (the served set may hold several executors' names).
-        limits = protocol.Limits(served_model=req.model,
-                                 max_tokens_default=self.config.max_tokens_default)
+        limits = protocol.Limits(max_tokens_default=self.config.max_tokens_default)
         prefix = "chatcmpl" if api == "chat" else "cmpl"
         request_id, deadline = f"{prefix}-{uuid.uuid4().hex}", now + self.config.request_timeout_s
         if isinstance(req, ChatCompletionRequest):
@@ -132,8 +129,7 @@ class Gateway:
         spec = protocol.ResponseSpec(
             api=api, request_id=generate.request_id, model=req.model, created=int(now),
             n=generate.params.n, logprobs=generate.params.logprobs,
-            include_usage=stream and bool(req.stream_options and req.stream_options.include_usage),
-            token_text=self.token_text)
+            include_usage=stream and bool(req.stream_options and req.stream_options.include_usage))
         return Prepared(api, stream, generate, spec)
 
     async def start(self, p: Prepared, disconnected: Callable[[], Awaitable[None]] | None

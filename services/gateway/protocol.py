@@ -8,14 +8,14 @@ in OpenAI's exact shapes:
     completions  text_completion          choices[i] = {text, index, logprobs, finish_reason}
     chat         chat.completion(.chunk)  choices[i] = {index, message|delta, logprobs, finish_reason}
 
-Deltas already hold detokenized text with stop strings removed; this module only concatenates,
-counts tokens and renders logprobs (token ids → strings through the ``TokenText`` callable).
+Deltas already hold detokenized text with stop strings removed and logprobs with their tokens'
+text (named by the executor, which decodes); this module only concatenates, counts tokens and
+formats logprobs. The gateway loads no vocabulary.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -23,11 +23,10 @@ from shared.wire.outputs import CompletionDelta, RequestOutput, TokenLogprobs
 from shared.wire.sampling_params import SamplingParams
 from shared.wire.messages import ChatMessage, GenerateRequest
 
-from .errors import bad_request, model_not_found
+from .errors import bad_request
 from .openai_schema import ChatCompletionRequest, CompletionRequest
 
 Api = Literal["completion", "chat"]
-TokenText = Callable[[int], str]  # a token id → its text, for logprobs ("token_id:N" if unknown)
 
 # OpenAI's default for the legacy completions endpoint; chat defaults to "until the context is full".
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -41,22 +40,28 @@ def _finite(logprob: float) -> float:
     return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB  # also maps NaN (comparison false)
 
 
-def token_id_text(token_id: int) -> str:
-    """The fallback ``TokenText`` without a tokenizer (vLLM's return_tokens_as_token_ids format)."""
-    return f"token_id:{token_id}"
+def token_name(token_id: int, text: str | None) -> str:
+    """A logprobs token as the API shows it: its text, or (none given) vLLM's
+    return_tokens_as_token_ids format."""
+    return text if text is not None else f"token_id:{token_id}"
+
+
+def _top(lp: TokenLogprobs) -> list[tuple[str, float]]:
+    """The top alternatives as (name, logprob), in the sampler's order."""
+    texts = lp.top_tokens if lp.top_tokens is not None else [None] * len(lp.top)
+    if len(texts) != len(lp.top):
+        raise ValueError(f"logprobs of token {lp.token_id}: {len(lp.top)} top tokens, {len(texts)} names")
+    return [(token_name(t, text), p) for (t, p), text in zip(lp.top, texts)]
 
 
 # --------------------------------------------------------------------------------------- inbound
 
 @dataclass(frozen=True)
 class Limits:
-    served_model: str
+    """The gateway's limits on a request. The model name is checked before conversion, against the
+    served set (Gateway.check_model), and carried on unchanged."""
+
     max_tokens_default: int | None   # None: per API (16 for completions, unlimited for chat)
-
-
-def check_model(model: str, served_model: str) -> None:
-    if model != served_model:
-        raise model_not_found(model, served_model)
 
 
 _FIELD_AT_START = re.compile(r"^(\w+)")
@@ -112,7 +117,6 @@ def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str
 
 def completion_to_generate(req: CompletionRequest, *, request_id: str, limits: Limits,
                            arrival_time: float, deadline: float | None) -> GenerateRequest:
-    check_model(req.model, limits.served_model)
     if req.echo:
         raise bad_request("echo is not supported by this server.", "echo")
     if req.suffix:
@@ -141,7 +145,6 @@ def _message_text(content: Any) -> str:
 
 def chat_to_generate(req: ChatCompletionRequest, *, request_id: str, limits: Limits,
                      arrival_time: float, deadline: float | None) -> GenerateRequest:
-    check_model(req.model, limits.served_model)
     if req.tools:
         raise bad_request("tools are not supported by this server.", "tools")
     if req.response_format and req.response_format.get("type", "text") != "text":
@@ -179,7 +182,6 @@ class ResponseSpec:
     n: int
     logprobs: int | None          # None: no logprobs; N: chosen token + top N alternatives
     include_usage: bool = False   # stream_options.include_usage (streaming only)
-    token_text: TokenText = token_id_text
 
 
 @dataclass
@@ -267,11 +269,11 @@ class ResponseBuilder:
             return {"content": entries, "refusal": None}
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
         for lp in delta.logprobs:
-            text = self.spec.token_text(lp.token_id)
+            text = token_name(lp.token_id, lp.token)
             tokens.append(text)
             token_logprobs.append(_finite(lp.logprob))
             # OpenAI: the top N, plus the sampled token (so up to N + 1 entries).
-            top = {self.spec.token_text(t): _finite(p) for t, p in lp.top}
+            top = {name: _finite(p) for name, p in _top(lp)}
             top.setdefault(text, _finite(lp.logprob))
             top_logprobs.append(top)
             offsets.append(choice.num_chars)
@@ -282,10 +284,10 @@ class ResponseBuilder:
         return rendered
 
     def _chat_logprob(self, lp: TokenLogprobs) -> dict[str, Any]:
-        def entry(token_id: int, logprob: float) -> dict[str, Any]:
-            text = self.spec.token_text(token_id)
+        def entry(text: str, logprob: float) -> dict[str, Any]:
             return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
-        return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, p) for t, p in lp.top]}
+        return {**entry(token_name(lp.token_id, lp.token), lp.logprob),
+                "top_logprobs": [entry(name, p) for name, p in _top(lp)]}
 
     # -- the end -------------------------------------------------------------------------------
 

@@ -3,7 +3,9 @@ waiting queue, fail-over. No NATS, no asyncio: every method takes ``now`` and re
 the service turns into publishes, so it is unit-tested synchronously.
 
 Invariants:
-- A request is in exactly one place: the waiting queue, one executor's in-flight table, or nowhere
+- A request goes only to an executor whose heartbeat names the request's model. A request for a
+  model no known executor serves, while others are alive, fails at once (404 model_not_found).
+- A request is in exactly one place: its model's waiting queue, one executor's in-flight table, or nowhere
   (done, failed or aborted). Every request that enters ``submit`` leaves with a ``Dispatch`` or a
   ``Fail`` (or an abort by the client): no client waits forever on a request the scheduler dropped.
 - In-flight load is counted from the moment of routing (in sequences: a request with n=4 weighs 4),
@@ -21,6 +23,8 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
+
+import msgspec
 
 from shared.wire.messages import (ExecuteRequest, ExecutorHeartbeat, ExecutorStatus, RequestProgress,
                              SchedulerStatus, StreamError, TokenizedRequest)
@@ -104,10 +108,13 @@ class Router:
     def __init__(self, config: RouterConfig, now: float) -> None:
         self.config = config
         self.executors: dict[str, ExecutorState] = {}
-        self._queue: list[_Queued] = []            # heap; cancelled entries are skipped lazily
+        # One heap per model (FIFO within a model: a busy model does not hold up another one's
+        # requests); cancelled entries are skipped lazily, an empty heap is removed.
+        self._queues: dict[str, list[_Queued]] = {}
         self._queued: dict[str, _Queued] = {}      # live entries by request id
         self._seq = itertools.count()
-        self._last_executor_alive = now            # grace period from start: executors may be loading
+        self._started = now                        # grace period from start: executors may be loading
+        self._model_seen: dict[str, float] = {}    # model -> when an executor serving it last reported
 
     # -- inputs ------------------------------------------------------------------------------
 
@@ -122,7 +129,7 @@ class Router:
             self.executors[hb.executor_id] = ExecutorState(hb, now)
             if old is not None:
                 actions += self._lose_executor(old, now, "restarted")
-        self._last_executor_alive = now
+        self._model_seen[hb.model] = now
         return actions + self._drain_queue(now)
 
     def submit(self, req: TokenizedRequest, now: float, wall_time: float) -> list[Action]:
@@ -131,8 +138,15 @@ class Router:
         if req.deadline is not None and wall_time >= req.deadline:
             return [Fail(StreamError(request_id=req.request_id, status=504, type="timeout_error",
                                      message="the request timed out before it was scheduled"))]
-        request = ExecuteRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-                                 params=req.params, priority=req.priority, arrival_time=req.arrival_time)
+        if self._alive(now) and not any(s.heartbeat.model == req.model for s in self.executors.values()):
+            served = ", ".join(sorted({s.heartbeat.model for s in self.executors.values()}))
+            return [Fail(StreamError(request_id=req.request_id, status=404, type="invalid_request_error",
+                                     param="model", message=f"The model '{req.model}' does not exist. "
+                                                            f"This server serves '{served}'."))]
+        request = ExecuteRequest(request_id=req.request_id, model=req.model,
+                                 prompt_token_ids=req.prompt_token_ids,
+                                 block_hashes=req.block_hashes, params=req.params, priority=req.priority,
+                                 arrival_time=req.arrival_time)
         return self._admit(request, now, req.deadline)
 
     def on_progress(self, progress: RequestProgress, now: float) -> list[Action]:
@@ -164,15 +178,16 @@ class Router:
             if now - state.last_seen > self.config.heartbeat_timeout_s:
                 del self.executors[state.executor_id]
                 actions += self._lose_executor(state, now, "stopped sending heartbeats")
-        if self._alive(now):
-            self._last_executor_alive = now
+        for s in self._alive(now):
+            self._model_seen[s.heartbeat.model] = now
         for entry in list(self._queued.values()):
             if entry.deadline is not None and wall_time >= entry.deadline:
                 actions.append(self._drop_queued(entry, 504, "timeout_error",
                                                  "the request timed out while waiting in the queue"))
-        if self._queued and self._no_executor_for(now):
-            for entry in list(self._queued.values()):
-                actions.append(self._drop_queued(entry, 503, "server_error", self._no_executor_message(now)))
+        for entry in list(self._queued.values()):
+            model = entry.request.model
+            if self._no_executor_for(model, now):
+                actions.append(self._drop_queued(entry, 503, "server_error", self._no_executor_message(model, now)))
         return actions + self._drain_queue(now)
 
     # -- outputs -----------------------------------------------------------------------------
@@ -206,18 +221,26 @@ class Router:
                 if now - s.last_seen <= self.config.heartbeat_timeout_s
                 and not s.heartbeat.draining and s.heartbeat.role in ROLES_THAT_DECODE]
 
-    def _no_executor_for(self, now: float) -> bool:
-        return not self._alive(now) and now - self._last_executor_alive >= self.config.no_executor_timeout_s
+    def _last_seen(self, model: str) -> float:
+        return self._model_seen.get(model, self._started)
 
-    def _no_executor_message(self, now: float) -> str:
-        return (f"no executor is available (none has reported for "
-                f"{now - self._last_executor_alive:.1f}s); try again later")
+    def _no_executor_for(self, model: str, now: float) -> bool:
+        return (not any(s.heartbeat.model == model for s in self._alive(now))
+                and now - self._last_seen(model) >= self.config.no_executor_timeout_s)
 
-    def _pick(self, weight: int, now: float) -> ExecutorState | None:
-        """Least loaded: fewest in-flight sequences, then most free KV blocks, then id (stable)."""
+    def _no_executor_message(self, model: str, now: float) -> str:
+        return (f"no executor serving {model} is available (none has reported for "
+                f"{now - self._last_seen(model):.1f}s); try again later")
+
+    def _pick(self, request: ExecuteRequest, now: float) -> ExecutorState | None:
+        """Among the executors serving the request's model, the least loaded: fewest in-flight
+        sequences, then most free KV blocks, then id (stable)."""
+        weight = _weight(request)
         best: ExecutorState | None = None
         best_key: tuple[int, int, str] | None = None
         for s in self._alive(now):
+            if s.heartbeat.model != request.model:
+                continue
             load = s.in_flight_weight
             if load > 0 and load + weight > self._cap(s):
                 continue
@@ -228,14 +251,14 @@ class Router:
 
     def _admit(self, request: ExecuteRequest, now: float, deadline: float | None,
                is_retry: bool = False) -> list[Action]:
-        # Strict FIFO within a priority: a new request may not overtake the queue.
-        if not self._queued:
-            target = self._pick(_weight(request), now)
+        # Strict FIFO within a model and priority: a new request may not overtake its model's queue.
+        if self._head(request.model) is None:
+            target = self._pick(request, now)
             if target is not None:
                 return [self._dispatch(target, request, deadline)]
-        if self._no_executor_for(now):
+        if self._no_executor_for(request.model, now):
             return [Fail(StreamError(request_id=request.request_id, status=503,
-                                     message=self._no_executor_message(now)))]
+                                     message=self._no_executor_message(request.model, now)))]
         if not is_retry and len(self._queued) >= self.config.max_queue_len:
             return [Fail(StreamError(
                 request_id=request.request_id, status=429, type="rate_limit_error",
@@ -243,7 +266,7 @@ class Router:
                         f"(max_queue_len={self.config.max_queue_len}); retry later",
                 retry_after_s=self.config.retry_after_s))]
         entry = _Queued((-request.attempt, request.priority, next(self._seq)), request, deadline)
-        heapq.heappush(self._queue, entry)
+        heapq.heappush(self._queues.setdefault(request.model, []), entry)
         self._queued[request.request_id] = entry
         return self._drain_queue(now)
 
@@ -252,19 +275,26 @@ class Router:
         target.in_flight[request.request_id] = _InFlight(request, _weight(request), deadline)
         return Dispatch(target.executor_id, request)
 
+    def _head(self, model: str) -> _Queued | None:
+        """The first live entry of the model's queue; drops cancelled ones and an emptied queue."""
+        queue = self._queues.get(model)
+        while queue and queue[0].cancelled:
+            heapq.heappop(queue)
+        if not queue:
+            self._queues.pop(model, None)
+            return None
+        return queue[0]
+
     def _drain_queue(self, now: float) -> list[Action]:
         actions: list[Action] = []
-        while self._queue:
-            head = self._queue[0]
-            if head.cancelled:
-                heapq.heappop(self._queue)
-                continue
-            target = self._pick(_weight(head.request), now)
-            if target is None:
-                break
-            heapq.heappop(self._queue)
-            del self._queued[head.request.request_id]
-            actions.append(self._dispatch(target, head.request, head.deadline))
+        for model in list(self._queues):
+            while (head := self._head(model)) is not None:
+                target = self._pick(head.request, now)
+                if target is None:
+                    break
+                heapq.heappop(self._queues[model])
+                del self._queued[head.request.request_id]
+                actions.append(self._dispatch(target, head.request, head.deadline))
         return actions
 
     def _drop_queued(self, entry: _Queued, status: int, type_: str, message: str) -> Fail:
@@ -297,9 +327,6 @@ class Router:
                     message=f"executor {state.executor_id} {why} before this request started, "
                             f"after {entry.request.attempt + 1} attempts; try again later")))
             else:
-                retry = ExecuteRequest(request_id=rid, prompt_token_ids=entry.request.prompt_token_ids,
-                                       params=entry.request.params, priority=entry.request.priority,
-                                       arrival_time=entry.request.arrival_time,
-                                       attempt=entry.request.attempt + 1)
+                retry = msgspec.structs.replace(entry.request, attempt=entry.request.attempt + 1)
                 actions += self._admit(retry, now, entry.deadline, is_retry=True)
         return actions

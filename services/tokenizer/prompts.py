@@ -102,6 +102,6 @@ def tokenize_request(req: GenerateRequest, tokenizer: Tokenizer, limits: PromptL
             f"{max_tokens or 0} for the completion). Please reduce the length of the {param} "
             f"or the completion (max_tokens).",
             param if num_prompt >= limits.max_model_len or not max_tokens else "max_tokens")
-    return TokenizedRequest(request_id=req.request_id, prompt_token_ids=ids,
+    return TokenizedRequest(request_id=req.request_id, model=req.model, prompt_token_ids=ids,
                             block_hashes=hash_prompt_blocks(ids, limits.block_size), params=req.params,
                             priority=req.priority, arrival_time=req.arrival_time, deadline=req.deadline)

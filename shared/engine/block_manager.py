@@ -170,20 +170,28 @@ class BlockManager:
 
     # ---- prefix cache -------------------------------------------------------------------------
 
-    def match_prefix(self, token_ids: Sequence[int]) -> int:
-        """Leading tokens already cached (a multiple of block_size, < len(token_ids)). Read-only."""
-        return len(self._find_cached_blocks(token_ids)) * self.block_size
+    def match_prefix(self, token_ids: Sequence[int], block_hashes: Sequence[int] | None = None) -> int:
+        """Leading tokens already cached (a multiple of block_size, < len(token_ids)). Read-only.
 
-    def _find_cached_blocks(self, token_ids: Sequence[int]) -> list[int]:
+        block_hashes: the chained hashes of token_ids' leading full blocks (the engine keeps them per
+        sequence, so nothing is hashed here); None hashes the blocks from token_ids."""
+        return len(self._find_cached_blocks(token_ids, block_hashes)) * self.block_size
+
+    def _find_cached_blocks(self, token_ids: Sequence[int], block_hashes: Sequence[int] | None) -> list[int]:
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
         # The last token is always recomputed: its forward pass yields the next-token logits.
         max_blocks = max(len(token_ids) - 1, 0) // bs
+        if block_hashes is not None:
+            _check_hashes(block_hashes, max_blocks, len(token_ids))
         hits: list[int] = []
         parent: int | None = None
         for i in range(max_blocks):
-            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
+            if block_hashes is not None:
+                parent = block_hashes[i]
+            else:
+                parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
             block_id = self._cached.get(parent)
             if block_id is None:
                 break
@@ -203,22 +211,25 @@ class BlockManager:
 
     # ---- sequence lifecycle -------------------------------------------------------------------
 
-    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int) -> int | None:
+    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int,
+                 block_hashes: Sequence[int] | None = None) -> int | None:
         """Reserve slots for num_new_tokens more tokens; None (and no change) if blocks are short.
 
         First call for seq_id: the cached prefix is taken first and its length returned; the caller
         skips those tokens and num_new_tokens counts the tokens after them (size it with
-        match_prefix). Later calls return 0. token_ids is read only on the first call.
+        match_prefix). Later calls return 0. token_ids and block_hashes (as in match_prefix) are read
+        only on the first call.
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         seq = self._seqs.get(seq_id)
         if seq is None:
-            return self._allocate_first(seq_id, token_ids, num_new_tokens)
+            return self._allocate_first(seq_id, token_ids, num_new_tokens, block_hashes)
         return 0 if self._grow(seq, num_new_tokens) else None
 
-    def _allocate_first(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int) -> int | None:
-        hits = self._find_cached_blocks(token_ids)
+    def _allocate_first(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int,
+                        block_hashes: Sequence[int] | None) -> int | None:
+        hits = self._find_cached_blocks(token_ids, block_hashes)
         num_cached_tokens = len(hits) * self.block_size
         num_tokens = num_cached_tokens + num_new_tokens
         num_new_blocks = self.num_blocks_needed(num_tokens) - len(hits)
@@ -270,8 +281,10 @@ class BlockManager:
             list(parent.block_ids), parent.num_reserved_tokens, parent.num_hashed_blocks
         )
 
-    def commit(self, seq_id: Hashable, token_ids: Sequence[int], num_computed_tokens: int) -> None:
-        """Hash and cache every block now completely filled with computed tokens."""
+    def commit(self, seq_id: Hashable, token_ids: Sequence[int], num_computed_tokens: int,
+               block_hashes: Sequence[int] | None = None) -> None:
+        """Hash and cache every block now completely filled with computed tokens. block_hashes: as
+        in match_prefix, covering at least the computed full blocks; None hashes them here."""
         seq = self._seq(seq_id)
         if not 0 <= num_computed_tokens <= seq.num_reserved_tokens:
             raise ValueError(
@@ -286,13 +299,16 @@ class BlockManager:
             return
         if len(token_ids) < end * bs:
             raise ValueError(f"token_ids has {len(token_ids)} tokens, {num_computed_tokens} were computed")
+        if block_hashes is not None:
+            _check_hashes(block_hashes, end, len(token_ids))
         first_parent = self._blocks[seq.block_ids[start - 1]].block_hash if start else None
         parent = first_parent
         hashes: list[int] = []
         for i in range(start, end):
             block = self._blocks[seq.block_ids[i]]
             if block.block_hash is None:  # a fork sibling may have hashed this shared block already
-                block.block_hash = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
+                block.block_hash = (block_hashes[i] if block_hashes is not None
+                                    else hash_block(parent, token_ids[i * bs : (i + 1) * bs]))
             # An identical registered block wins; this one then stays an unregistered duplicate.
             self._cached.setdefault(block.block_hash, block.block_id)
             hashes.append(block.block_hash)
@@ -329,6 +345,11 @@ class BlockManager:
         copies, self._pending_copies = self._pending_copies, []
         return copies
 
+    @property
+    def num_pending_events(self) -> int:
+        """Events recorded since the last take_events (the engine takes them every step)."""
+        return len(self._events)
+
     def take_events(self) -> KVEventBatch | None:
         if not self._events:
             return None
@@ -361,3 +382,9 @@ class BlockManager:
         if evicted:
             self._events.append(BlockRemoved(block_hashes=evicted))
         return block_ids
+
+
+def _check_hashes(block_hashes: Sequence[int], num_needed: int, num_tokens: int) -> None:
+    if len(block_hashes) < num_needed:
+        raise ValueError(f"block_hashes has {len(block_hashes)} hashes; {num_needed} full blocks of the "
+                         f"{num_tokens} tokens need one each")

@@ -24,6 +24,7 @@ from shared.engine.models.loader import resolve_dtype, resolve_model_path
 from shared.engine.models.runtime import load_runtime
 from shared.engine.output_processor import OutputProcessor
 from shared.engine.quantization import kv_dtype_name
+from shared.wire.kv_events import KVEventBatch
 from shared.wire.outputs import EngineStats, RequestOutput
 from shared.engine.sampler import SamplingBatch, make_generator, sample
 from shared.wire.sampling_params import SamplingParams
@@ -78,6 +79,7 @@ class Engine:
                                    max_num_seqs=config.max_num_seqs)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
+        self._kv_events: KVEventBatch | None = None
         self._arrivals = itertools.count()
         self._counters = dict(num_prompt_tokens=0, num_computed_tokens=0, num_generated_tokens=0,
                               num_steps=0, last_step_num_tokens=0)
@@ -85,15 +87,26 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    *, priority: int = 0) -> None:
+                    *, priority: int = 0, block_hashes: list[int] | None = None) -> None:
+        """Queue a request. block_hashes: the chained hashes of the prompt's full blocks
+        (hash_prompt_blocks with this engine's block_size), as the tokenizer computed them; None:
+        the sequence hashes its blocks when the prefix cache first needs them. Either way each block
+        of a request is hashed once."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_prompt(ids, params)
+        block_size = self.config.block_size
+        if block_hashes is not None and len(block_hashes) != len(ids) // block_size:
+            raise ValueError(
+                f"block_hashes has {len(block_hashes)} hashes, but the prompt's {len(ids)} tokens fill "
+                f"{len(ids) // block_size} blocks of {block_size}: were they hashed with another block size?")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         request = Request(request_id=request_id, prompt_token_ids=ids, params=params, priority=priority,
                           arrival_order=next(self._arrivals), max_tokens=max_tokens)
         seq = self._new_sequence(request, 0, list(ids))
+        if block_hashes is not None:
+            seq.block_hashes = list(block_hashes)
         self.requests[request_id] = request
         self.scheduler.add(seq)
         self._counters["num_prompt_tokens"] += len(ids)
@@ -138,6 +151,21 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        try:
+            return self._step()
+        finally:
+            # The block manager's events are drained every step and the engine keeps only the last
+            # step's batch, so memory stays bounded whether or not anyone takes them. A batch not
+            # taken before the next step is dropped; its seq is then missing, which tells a consumer
+            # to resync.
+            self._kv_events = self.block_manager.take_events()
+
+    def take_kv_events(self) -> KVEventBatch | None:
+        """The KV events of the last step (None: it changed no cached block, or they were taken)."""
+        batch, self._kv_events = self._kv_events, None
+        return batch
+
+    def _step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         self._counters["num_steps"] += 1
         self._counters["last_step_num_tokens"] = sched.num_tokens
@@ -157,7 +185,8 @@ class Engine:
 
         for seq, num_new in sched.scheduled:
             seq.num_computed_tokens += num_new
-            self.block_manager.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            self.block_manager.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
+                                      self.scheduler.block_hashes(seq))
         # Rows of `logits` follow the chunks that need them, in order.
         to_sample: list[Sequence] = []
         rows: list[int] = []
@@ -172,6 +201,7 @@ class Engine:
                 # the partly filled last one), and sample each of them from the same logits row.
                 for index in range(1, seq.request.params.n):
                     child = self._new_sequence(seq.request, index, list(seq.token_ids))
+                    child.block_hashes = list(seq.block_hashes)
                     child.num_computed_tokens = seq.num_computed_tokens
                     self.block_manager.fork(seq.seq_id, child.seq_id)
                     self.scheduler.add_running(child)

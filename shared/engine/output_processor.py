@@ -7,6 +7,10 @@ a stop string); they are released once more text proves otherwise, or at the fin
 
 from __future__ import annotations
 
+import functools
+
+import msgspec
+
 from shared.wire.outputs import CompletionDelta, TokenLogprobs
 from shared.engine.sequence import Sequence
 from shared.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -17,6 +21,20 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self.max_model_len = max_model_len
+        # Bounded: at most this many token names are kept (a vocabulary's worth for most models).
+        self._token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_token)
+
+    def _decode_token(self, token_id: int) -> str | None:
+        try:
+            return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        except Exception:  # an id the vocabulary cannot decode keeps no name; the gateway shows its id
+            return None
+
+    def name_logprobs(self, logprobs: TokenLogprobs) -> TokenLogprobs:
+        """The sampler's logprobs with the text of the chosen and the top tokens (for the API)."""
+        return msgspec.structs.replace(
+            logprobs, token=self._token_text(logprobs.token_id),
+            top_tokens=[self._token_text(token_id) for token_id, _ in logprobs.top])
 
     def start(self, seq: Sequence) -> None:
         seq.detokenizer = IncrementalDetokenizer(
@@ -29,7 +47,7 @@ class OutputProcessor:
         seq.token_ids.append(token_id)
         seq.new_token_ids.append(token_id)
         if logprobs is not None:
-            seq.new_logprobs.append(logprobs)
+            seq.new_logprobs.append(self.name_logprobs(logprobs))
         is_eos = token_id in self.eos_token_ids and not params.ignore_eos
         if is_eos:
             self._finish(seq, "stop", None)

@@ -87,9 +87,10 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            num_cached = self.bm.match_prefix(seq.token_ids) if seq.seq_id not in self.bm else 0
+            hashes = self.block_hashes(seq)
+            num_cached = self.bm.match_prefix(seq.token_ids, hashes) if seq.seq_id not in self.bm else 0
             num_new = min(len(seq.token_ids) - num_cached, budget)
-            got = self.bm.allocate(seq.seq_id, seq.token_ids, num_new)
+            got = self.bm.allocate(seq.seq_id, seq.token_ids, num_new, hashes)
             if got is None:
                 break  # FCFS: a later request does not jump a head that does not fit
             assert got == num_cached, "prefix match changed between match_prefix and allocate"
@@ -101,6 +102,11 @@ class Scheduler:
             out.scheduled.append((seq, num_new))
             budget -= num_new
         return out
+
+    def block_hashes(self, seq: Sequence) -> list[int] | None:
+        """The sequence's full-block hashes for the block manager; None while prefix caching is off
+        (nothing reads them then, so nothing is hashed)."""
+        return seq.full_block_hashes(self.bm.block_size) if self.bm.enable_prefix_caching else None
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Recompute preemption: forget the sequence's KV; its tokens (prompt + output so far) are

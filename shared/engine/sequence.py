@@ -14,6 +14,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.wire.block_hash import hash_block
 from shared.wire.outputs import TokenLogprobs
 from shared.wire.sampling_params import SamplingParams
 
@@ -47,6 +48,9 @@ class Sequence:
     index: int                       # choice index (n > 1)
     token_ids: list[int]
     num_computed_tokens: int = 0
+    # Chained hashes of the leading full blocks of token_ids (the tokenizer's for the prompt, when
+    # given); full_block_hashes() extends it as output fills blocks, so each block is hashed once.
+    block_hashes: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     generator: Any = None            # torch.Generator for seeded sampling, or None
     finish_reason: str | None = None
@@ -78,6 +82,16 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    def full_block_hashes(self, block_size: int) -> list[int]:
+        """The chained hash of every full block of token_ids, hashing only blocks not hashed before."""
+        hashes = self.block_hashes
+        tokens = self.token_ids
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), len(tokens) // block_size):
+            parent = hash_block(parent, tokens[i * block_size:(i + 1) * block_size])
+            hashes.append(parent)
+        return hashes
 
     @property
     def sort_key(self) -> tuple[int, int, int]:

@@ -24,7 +24,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, frozen=True):
     (chat, rendered with the model's template) is set."""
 
     request_id: str
-    model: str
+    model: str                     # a served model name, checked by the gateway
     params: SamplingParams
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
@@ -36,9 +36,11 @@ class GenerateRequest(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class TokenizedRequest(msgspec.Struct, kw_only=True, frozen=True):
-    """Tokenizer → scheduler: the prompt as ids and the chained hashes of its full blocks."""
+    """Tokenizer → scheduler: the prompt as ids and the chained hashes of its full blocks
+    (shared/wire/block_hash.py: one per full block, ``len(prompt_token_ids) // block_size``)."""
 
     request_id: str
+    model: str                     # the served model name the client asked for; routing follows it
     prompt_token_ids: list[int]
     block_hashes: list[int]
     params: SamplingParams
@@ -48,10 +50,15 @@ class TokenizedRequest(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class ExecuteRequest(msgspec.Struct, kw_only=True, frozen=True):
-    """Scheduler → executor: run this request to completion and stream its deltas."""
+    """Scheduler → executor: run this request to completion and stream its deltas.
+
+    ``block_hashes`` are the tokenizer's, passed on unchanged: the engine uses them instead of hashing
+    the prompt again, and rejects a request whose hash count is not its prompt's full-block count."""
 
     request_id: str
+    model: str                     # the executor it is sent to serves it (the router's invariant)
     prompt_token_ids: list[int]
+    block_hashes: list[int]
     params: SamplingParams
     priority: int = 0
     arrival_time: float = 0.0
@@ -101,7 +108,7 @@ class ExecutorHeartbeat(msgspec.Struct, kw_only=True, frozen=True):
     executor_id: str
     epoch: str
     role: str                      # 'prefill' | 'decode' | 'both'
-    model: str
+    model: str                     # the served model name: only requests for it are routed here
     max_model_len: int
     block_size: int
     stats: EngineStats

@@ -14,12 +14,18 @@ class TokenLogprobs(msgspec.Struct, kw_only=True, frozen=True, array_like=True):
     rank: 1-based position of the chosen token by logprob (1 = most likely; ties share the best rank).
     top: the N most likely (token_id, logprob) pairs, sorted by logprob descending; N = the request's
     `logprobs` (empty when it is 0). The chosen token appears in `top` only if it is among them.
+    token, top_tokens: the text of token_id and of each `top` id, each decoded alone (special tokens
+    included; a partial UTF-8 character shows as U+FFFD), named by the executor where it decodes the
+    output, so the gateway needs no vocabulary. None where no name was given (the sampler's output
+    before the output processor names it, or a token that does not decode).
     """
 
     token_id: int
     logprob: float
     rank: int
     top: list[tuple[int, float]]
+    token: str | None = None
+    top_tokens: list[str | None] | None = None
 
 
 class CompletionDelta(msgspec.Struct, kw_only=True, frozen=True, array_like=True):

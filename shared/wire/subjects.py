@@ -26,6 +26,8 @@ PREFIX_INDEX_MATCH = f"{PREFIX}.prefix_index.match"
 ABORT = f"{PREFIX}.abort"
 # Every executor's heartbeat, for wildcard subscribers.
 EXECUTOR_STATS_ALL = f"{PREFIX}.executor.*.stats"
+# Every executor's KV events, for wildcard subscribers (the prefix index): see kv_events().
+KV_EVENTS_ALL = f"{PREFIX}.kv_events.*"
 # Token deltas of every request, for wildcard subscribers (tests, tracing).
 STREAM_ALL = f"{PREFIX}.stream.*"
 
@@ -64,4 +66,6 @@ def kv_transfer(decode_id: str, request_id: str) -> str:
 
 
 def kv_events(executor_id: str) -> str:
+    """Executor → prefix index (publish): a KVEventBatch after every step that changed its cached
+    blocks; seq counts that executor's batches (a new epoch starts it again)."""
     return f"{PREFIX}.kv_events.{_token(executor_id, 'executor id')}"

@@ -23,13 +23,12 @@ import time
 import httpx
 import pytest
 
-from services.cli.launcher import (EXECUTOR_OPENMP_ENV, StackConfig, StackStartError, gateway_available, launch,
+from services.cli.launcher import (EXECUTOR_OPENMP_ENV, StackConfig, StackStartError, launch,
                                set_executor_openmp_policy)
 from services.cli.servers import (ServerStartError, detach_child, ephemeral_port_range, free_port, start_nats,
                             start_redis)
 
 MODEL = "SmolLM2-135M-Instruct"
-needs_gateway = pytest.mark.skipif(not gateway_available(), reason="services.gateway is not installed")
 
 
 def children_of(pid: int) -> list[int]:
@@ -103,7 +102,6 @@ def test_server_start_error_shows_its_log():
 
 # -- the stack, through the fixture ------------------------------------------------------------------
 
-@needs_gateway
 def test_a_service_dying_at_start_is_reported_with_its_last_output(tmp_path, capfd):
     """Without a log directory each service's output goes to our stderr; when one dies its last
     lines are the error's message, not a pointer to a stream full of other services' lines."""
@@ -114,7 +112,6 @@ def test_a_service_dying_at_start_is_reported_with_its_last_output(tmp_path, cap
     assert "no-such-model.gguf" in str(err.value)
     assert "/health" not in capfd.readouterr().err  # no access-log line for the readiness polls
 
-@needs_gateway
 def test_stack_serves_sheds_load_and_survives_an_executor_kill(stack, pid_alive):
     # One sequence at a time and no waiting room: a second concurrent request is shed with 429.
     s = stack(num_kv_blocks=128, max_num_seqs=1, max_queue_len=0, request_timeout_s=60, heartbeat_timeout_s=3.0)
@@ -194,7 +191,6 @@ def _read_until(up, lines, pattern: str, tmp_path, timeout: float) -> re.Match[s
     raise AssertionError(f"no {pattern!r} from llmserve up within {timeout}s:\n{(tmp_path / 'up.stderr').read_text()}")
 
 
-@needs_gateway
 def test_llmserve_up_serves_and_sigint_stops_everything(tmp_path, pid_alive):
     up, lines = _start_up(tmp_path, "--api-key", "sekret")
     try:

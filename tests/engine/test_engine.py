@@ -159,6 +159,9 @@ def test_logprobs_follow_openai_semantics(llm):
         assert [p for _, p in lp.top] == sorted((p for _, p in lp.top), reverse=True)
         # Greedy picks the most likely token: rank 1, equal to the best alternative.
         assert lp.rank == 1 and lp.top[0] == (tid, lp.logprob) and lp.logprob <= 0.0
+        # Named where the output is decoded: each token alone, as the API shows it.
+        name = lambda t: llm.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+        assert lp.token == name(tid) and lp.top_tokens == [name(t) for t, _ in lp.top]
 
 
 def test_n_greater_than_one_shares_the_prompt(llm):
@@ -226,4 +229,74 @@ def test_bad_requests_are_rejected_clearly(llm):
                 dict(top_p=0.0), dict(top_p=1.5), dict(n=0), dict(foo=1)):
         with pytest.raises(ValueError):
             SamplingParams.from_dict(bad)
+    assert_no_leak(engine)
+
+
+def test_tokenizer_block_hashes_are_the_engines_and_each_block_is_hashed_once(llm, monkeypatch):
+    """The hashes the tokenizer ships are the ones the engine registers, so the engine takes them as
+    they are; with them it hashes only the blocks its output fills, each once."""
+    from services.tokenizer.prompts import PromptLimits, tokenize_request
+    from shared.engine import block_manager, sequence
+    from shared.wire.messages import GenerateRequest
+
+    engine = llm.engine
+    bs = engine.config.block_size
+    params = SamplingParams(max_tokens=2 * bs + 3, ignore_eos=True, **GREEDY)
+    text = "The history of the printing press, told as a list of dates and places: " * 3
+    tokenized = tokenize_request(GenerateRequest(request_id="t", model="m", params=params, prompt=text),
+                                 engine.tokenizer, PromptLimits(max_model_len=engine.max_model_len, block_size=bs))
+    ids, hashes = tokenized.prompt_token_ids, tokenized.block_hashes
+    assert len(hashes) == len(ids) // bs >= 3
+
+    calls = []
+    for module in (block_manager, sequence):
+        real = module.hash_block
+        monkeypatch.setattr(module, "hash_block", lambda p, t, real=real: calls.append(1) or real(p, t))
+
+    def run(request_id: str, given: list[int] | None) -> tuple[list[int], list[int]]:
+        engine.block_manager.reset_prefix_cache()
+        calls.clear()
+        engine.add_request(request_id, ids, params, block_hashes=given)
+        seq = engine.requests[request_id].sequences[0]
+        tokens: list[int] = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens += out.deltas[0].token_ids
+        registered = list(seq.block_hashes)
+        assert all(engine.block_manager.cached_block_id(h) is not None for h in registered)
+        return tokens, registered
+
+    computed_tokens, computed = run("own-hashes", None)
+    assert computed[:len(hashes)] == hashes                  # the engine's own hashes: the tokenizer's
+    num_full_blocks = (len(ids) + len(computed_tokens) - 1) // bs  # the last token is never computed
+    assert len(calls) == num_full_blocks == len(computed)    # every block hashed once
+    given_tokens, given = run("given-hashes", hashes)
+    assert given == computed and given_tokens == computed_tokens
+    assert len(calls) == num_full_blocks - len(hashes)       # only the blocks output filled
+    with pytest.raises(ValueError, match="block_hashes has 2 hashes, but the prompt's"):
+        engine.add_request("bad-hashes", ids, params, block_hashes=hashes[:2])
+    assert_no_leak(engine)
+
+
+def test_per_request_state_stays_bounded_over_many_requests(llm):
+    """A long-running engine holds nothing per finished request: the KV events are drained every
+    step (at most the last step's batch is kept for the publisher), and the request, scheduler and
+    block tables empty out. Short prompts on shared prefixes, so the prefix cache stores and evicts."""
+    engine = llm.engine
+    bm = engine.block_manager
+    tok = engine.tokenizer
+    prefixes = [tok.encode(f"Request log {i}: the server answered the client with status code and "
+                           f"a short body, then closed the connection") for i in range(4)]
+    assert all(len(p) > bm.block_size for p in prefixes)
+    params = SamplingParams(max_tokens=2, ignore_eos=True, **GREEDY)
+    num_batches = 0
+    for i in range(96):
+        engine.add_request(f"bounded-{i}", prefixes[i % 4] + tok.encode(f" {i}"), params)
+        if i % 16 == 15:  # several in flight at once
+            while engine.has_unfinished():
+                engine.step()
+                assert bm.num_pending_events == 0
+                num_batches += engine.take_kv_events() is not None
+    assert num_batches > 0 and engine.take_kv_events() is None
+    assert not engine.requests and not bm._seqs and not bm.take_pending_copies()
     assert_no_leak(engine)

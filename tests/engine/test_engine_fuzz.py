@@ -57,7 +57,7 @@ class EventReplay:
         self.next_seq = 1
 
     def drain(self, engine: Engine) -> None:
-        batch = engine.block_manager.take_events()
+        batch = engine.take_kv_events()
         if batch is None:
             return
         assert batch.seq == self.next_seq

@@ -238,7 +238,7 @@ class GatewayProcess:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         argv = [sys.executable, "-m", "services.gateway", "--nats-url", nats_url,
-                "--port", str(self.port), "--tokenizer", "none", "--log-level", "warning", *args]
+                "--port", str(self.port), "--log-level", "warning", *args]
         if api_key:
             argv += ["--api-key", api_key]
         self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,

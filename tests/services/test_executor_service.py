@@ -14,6 +14,8 @@ import pytest
 from services.executor.service import ExecutorService, ExecutorServiceConfig
 from services.executor.worker import Abort, Aborted, Add, EngineWorker, Failed, Outputs, Rejected
 from shared.wire import messages, subjects
+from shared.wire.block_hash import hash_prompt_blocks
+from shared.wire.kv_events import BlockStored, KVEventBatch, decode_kv_event_batch
 from shared.wire.bus import Bus
 from shared.wire.messages import (AbortRequest, CompletionDelta, EngineStats, ExecuteRequest, RequestOutput,
                              SamplingParams, StreamError, StreamOutput)
@@ -31,7 +33,7 @@ class FakeEngine:
         self.requests: dict[str, list[int]] = {}
         self.thread_ids: set[int] = set()
 
-    def add_request(self, request_id, prompt, params, *, priority=0):
+    def add_request(self, request_id, prompt, params, *, priority=0, block_hashes=None):
         self.thread_ids.add(threading.get_ident())
         if prompt == [0]:
             raise ValueError("prompt is empty")
@@ -51,6 +53,10 @@ class FakeEngine:
             if done:
                 del self.requests[rid]
         return outs
+
+    def take_kv_events(self):
+        self.thread_ids.add(threading.get_ident())
+        return None
 
     def abort(self, request_id):
         return self.requests.pop(request_id, None) is not None
@@ -83,7 +89,8 @@ def run_worker(commands, until):
 
 
 def ex(rid: str, prompt: list[int], max_tokens: int = 3) -> Add:
-    return Add(ExecuteRequest(request_id=rid, prompt_token_ids=prompt, params=SamplingParams(max_tokens=max_tokens)))
+    return Add(ExecuteRequest(request_id=rid, model="m", prompt_token_ids=prompt, block_hashes=[],
+                              params=SamplingParams(max_tokens=max_tokens)))
 
 
 def finished(events, rid):
@@ -131,6 +138,7 @@ class Client:
         self.bus = bus
         self.progress: list[tuple[str, str]] = []
         self.heartbeats: list[messages.ExecutorHeartbeat] = []
+        self.kv_batches: list[KVEventBatch] = []
 
     async def start(self) -> None:
         async def on_progress(msg) -> None:
@@ -140,16 +148,24 @@ class Client:
         async def on_heartbeat(msg) -> None:
             self.heartbeats.append(messages.EXECUTOR_HEARTBEAT.decode(msg.data))
 
+        async def on_kv_events(msg) -> None:
+            assert msg.subject == subjects.kv_events("ex-test")
+            self.kv_batches.append(decode_kv_event_batch(msg.data))
+
+        await self.bus.subscribe(subjects.KV_EVENTS_ALL, on_kv_events)
         await self.bus.subscribe(subjects.SCHEDULER_PROGRESS, on_progress)
         await self.bus.subscribe(subjects.EXECUTOR_STATS_ALL, on_heartbeat)
         await self.bus.flush()
 
     async def run(self, executor_id: str, rid: str, prompt: list[int], params: SamplingParams,
-                  abort_after: int | None = None) -> list:
+                  abort_after: int | None = None, block_hashes: list[int] | None = None) -> list:
         out = []
+        if block_hashes is None:
+            block_hashes = hash_prompt_blocks(prompt, 16)  # as the tokenizer sends them
         async with await self.bus.subscribe_iter(subjects.stream(rid)) as sub:
             await self.bus.publish(subjects.executor_decode(executor_id), messages.EXECUTE_REQUEST.encode(
-                ExecuteRequest(request_id=rid, prompt_token_ids=prompt, params=params)))
+                ExecuteRequest(request_id=rid, model="m", prompt_token_ids=prompt, block_hashes=block_hashes,
+                               params=params)))
             while True:
                 msg = messages.STREAM_MESSAGE.decode((await sub.next(60)).data)
                 out.append(msg)
@@ -190,6 +206,13 @@ def test_service_over_nats_matches_engine(nats_url, engine):
             assert "".join(o.output.deltas[0].text for o in outs) == engine.tokenizer.decode(expected)
             await wait_for(lambda: (rid, "finished") in client.progress)
             assert [s for r, s in client.progress if r == rid] == ["started", "finished"]
+            # Its KV events: consecutive batches, the prompt's full blocks stored under its hashes.
+            await wait_for(lambda: bool(client.kv_batches))
+            seqs = [b.seq for b in client.kv_batches]
+            assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+            stored = [h for b in client.kv_batches for e in b.events if isinstance(e, BlockStored)
+                      for h in e.block_hashes]
+            assert stored[:len(prompt) // 16] == hash_prompt_blocks(prompt, 16)
 
             # Two at once: both complete with the same greedy tokens (batched together).
             r1, r2 = uuid.uuid4().hex, uuid.uuid4().hex
@@ -205,6 +228,15 @@ def test_service_over_nats_matches_engine(nats_url, engine):
             assert outs[-1].type == "invalid_request_error" and "vocabulary" in outs[-1].message
             await wait_for(lambda: (bad, "finished") in client.progress)
             assert (bad, "started") not in client.progress
+
+            # Block hashes that do not fit the prompt (one per full block of 16): 400, never run.
+            long_prompt = prompt * 8
+            assert len(long_prompt) // 16 >= 2
+            bad_hashes = uuid.uuid4().hex
+            outs = await client.run("ex-test", bad_hashes, long_prompt, GREEDY,
+                                    block_hashes=hash_prompt_blocks(long_prompt, 16)[:-1])
+            assert isinstance(outs[-1], StreamError) and outs[-1].status == 400
+            assert "block_hashes has" in outs[-1].message and "blocks of 16" in outs[-1].message
 
             # Abort mid-generation: a final 'abort' output, then 'finished'; the KV blocks come back.
             long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)

@@ -102,7 +102,7 @@ class Harness:
 
     async def submit(self, rid: str | None = None) -> str:
         rid = rid or uuid.uuid4().hex
-        req = TokenizedRequest(request_id=rid, prompt_token_ids=[1, 2, 3], block_hashes=[],
+        req = TokenizedRequest(request_id=rid, model="m", prompt_token_ids=[1, 2, 3], block_hashes=[],
                                params=SamplingParams(max_tokens=4))
         # As the tokenizer submits: a request the scheduler acks once it has routed it.
         ack = await self.client.request(subjects.SCHEDULER_SUBMIT, messages.TOKENIZED_REQUEST.encode(req), timeout=2)

@@ -36,7 +36,7 @@ def test_chat_is_rendered_with_the_template(smollm2_tokenizer):
     text = smollm2_tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])
     assert out.prompt_token_ids == smollm2_tokenizer.encode(text, add_special_tokens=False)
     assert out.block_hashes == hash_prompt_blocks(out.prompt_token_ids, 4)
-    assert (out.priority, out.deadline, out.params) == (3, 99.0, req.params)
+    assert (out.model, out.priority, out.deadline, out.params) == ("m", 3, 99.0, req.params)
 
 
 def test_text_and_ids(smollm2_tokenizer):

@@ -268,6 +268,26 @@ def test_request_larger_than_cache_is_refused() -> None:
     assert bm.allocate("a", toks(12), 12) == 0
 
 
+def test_given_block_hashes_are_used_as_computed() -> None:
+    """With the chain given (the engine's way), nothing is hashed and the outcome is the same."""
+    prompt = toks(10)
+    hashes = hash_prompt_blocks(prompt, BS)
+    bm = BlockManager(8, BS)
+    assert bm.allocate("a", prompt, 10, hashes) == 0
+    bm.commit("a", prompt, 10, hashes)
+    assert [bm.block_hash(b) for b in bm.block_table("a")[:2]] == hashes
+    other = prompt[:8] + [77, 78, 79, 80]
+    other_hashes = hash_prompt_blocks(other, BS)
+    assert bm.match_prefix(other, other_hashes) == bm.match_prefix(other) == 8
+    assert bm.allocate("b", other, 4, other_hashes) == 8
+    with pytest.raises(ValueError, match="block_hashes has 1 hashes; 2 full blocks"):
+        bm.match_prefix(other, other_hashes[:1])
+    with pytest.raises(ValueError, match="block_hashes has 2 hashes; 3 full blocks"):
+        bm.commit("b", other, 12, other_hashes[:2])
+    bm.commit("b", other, 12, other_hashes)
+    assert bm.cached_block_id(other_hashes[2]) == bm.block_table("b")[2]
+
+
 # ---- match_prefix --------------------------------------------------------------------------------
 
 

@@ -13,7 +13,7 @@ from services.gateway.openai_schema import parse_chat_request, parse_completion_
 from shared.wire.outputs import CompletionDelta, RequestOutput, TokenLogprobs
 from shared.wire.messages import StreamError
 
-LIMITS = protocol.Limits(served_model="m", max_tokens_default=None)
+LIMITS = protocol.Limits(max_tokens_default=None)
 
 
 def completion(**body) -> protocol.GenerateRequest:
@@ -59,7 +59,7 @@ def test_completion_defaults_and_prompt_forms():
     assert completion(prompt=["one"]).prompt == "one"
     assert completion(prompt=[[4, 5]]).prompt_token_ids == [4, 5]
     assert completion(stop=["a", "b"]).params.stop == ["a", "b"]
-    limits = protocol.Limits(served_model="m", max_tokens_default=99)
+    limits = protocol.Limits(max_tokens_default=99)
     req = parse_completion_request(b'{"model": "m", "prompt": "x"}')
     assert protocol.completion_to_generate(req, request_id="r", limits=limits, arrival_time=0,
                                            deadline=None).params.max_tokens == 99
@@ -124,11 +124,15 @@ def test_malformed_bodies_are_400(raw, param):
     assert set(e.value.body()["error"]) == {"message", "type", "param", "code"}
 
 
-def test_unknown_model_is_404_model_not_found():
+def test_model_is_carried_and_the_routers_404_is_model_not_found():
+    """The gateway checks the name against the served set before conversion (test_gateway_http);
+    conversion carries it, and the scheduler's 404 (no executor serves it) reads as OpenAI's."""
     req = parse_completion_request(b'{"model": "other", "prompt": "x"}')
-    with pytest.raises(APIError) as e:
-        protocol.completion_to_generate(req, request_id="r", limits=LIMITS, arrival_time=0, deadline=None)
-    assert e.value.status == 404 and e.value.code == "model_not_found" and e.value.param == "model"
+    g = protocol.completion_to_generate(req, request_id="r", limits=LIMITS, arrival_time=0, deadline=None)
+    assert g.model == "other"
+    e = from_stream_error(StreamError(request_id="r", status=404, type="invalid_request_error", param="model",
+                                      message="The model 'other' does not exist. This server serves 'm'."))
+    assert e.status == 404 and e.code == "model_not_found" and e.param == "model"
 
 
 def test_stream_errors_pass_through_with_status_and_retry_after():
@@ -146,8 +150,13 @@ def test_stream_errors_pass_through_with_status_and_retry_after():
 
 def spec(api="completion", n=1, logprobs=None, include_usage=False) -> protocol.ResponseSpec:
     return protocol.ResponseSpec(api=api, request_id="id-1", model="m", created=123, n=n,
-                                 logprobs=logprobs, include_usage=include_usage,
-                                 token_text=lambda t: f"<{t}>")
+                                 logprobs=logprobs, include_usage=include_usage)
+
+
+def named(token_id: int, logprob: float, rank: int, top: list[tuple[int, float]]) -> TokenLogprobs:
+    """Logprobs as the executor sends them: every token named (here "<id>")."""
+    return TokenLogprobs(token_id=token_id, logprob=logprob, rank=rank, top=top, token=f"<{token_id}>",
+                         top_tokens=[f"<{t}>" for t, _ in top])
 
 
 def out(*deltas: CompletionDelta, finished=False) -> RequestOutput:
@@ -213,8 +222,8 @@ def test_chat_stream_opens_each_choice_with_role_and_interleaves_n():
 
 
 def test_completion_logprobs_format():
-    lp1 = TokenLogprobs(token_id=7, logprob=-0.5, rank=1, top=[(7, -0.5), (8, -1.0)])
-    lp2 = TokenLogprobs(token_id=9, logprob=float("-inf"), rank=3, top=[(7, -0.1), (8, -0.2)])
+    lp1 = named(7, -0.5, 1, [(7, -0.5), (8, -1.0)])
+    lp2 = named(9, float("-inf"), 3, [(7, -0.1), (8, -0.2)])
     b = protocol.ResponseBuilder(spec(logprobs=2))
     [c1] = b.apply(out(d(0, [7], "<7>", logprobs=[lp1])))
     [c2] = b.apply(out(d(0, [9], "<9>", "length", logprobs=[lp2]), finished=True))
@@ -231,7 +240,7 @@ def test_completion_logprobs_format():
 
 
 def test_chat_logprobs_format():
-    lp = TokenLogprobs(token_id=7, logprob=-0.5, rank=1, top=[(7, -0.5)])
+    lp = named(7, -0.5, 1, [(7, -0.5)])
     b = protocol.ResponseBuilder(spec("chat", logprobs=1))
     chunks = b.apply(out(d(0, [7], "<7>", "stop", logprobs=[lp]), finished=True))
     entry = {"token": "<7>", "logprob": -0.5, "bytes": [60, 55, 62],
@@ -241,6 +250,16 @@ def test_chat_logprobs_format():
     # logprobs requested but none produced yet: an empty list, not null
     assert protocol.ResponseBuilder(spec("chat", logprobs=0)).response()["choices"][0]["logprobs"] == \
         {"content": [], "refusal": None}
+
+
+def test_unnamed_logprobs_tokens_show_their_ids():
+    """An executor that could not name a token: vLLM's return_tokens_as_token_ids format."""
+    lp = TokenLogprobs(token_id=7, logprob=-0.5, rank=1, top=[(7, -0.5), (8, -1.0)], token=None,
+                       top_tokens=["<7>", None])
+    b = protocol.ResponseBuilder(spec(logprobs=2))
+    [c] = b.apply(out(d(0, [7], "x", "stop", logprobs=[lp]), finished=True))
+    assert c["choices"][0]["logprobs"]["tokens"] == ["token_id:7"]
+    assert c["choices"][0]["logprobs"]["top_logprobs"] == [{"<7>": -0.5, "token_id:8": -1.0, "token_id:7": -0.5}]
 
 
 def test_delta_for_a_choice_outside_n_is_a_bug():

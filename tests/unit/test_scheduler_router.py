@@ -11,18 +11,19 @@ from shared.wire.messages import EngineStats, ExecutorHeartbeat, RequestProgress
 
 
 def hb(executor_id: str, *, epoch: str = "e1", free: int = 100, max_num_seqs: int = 2,
-       draining: bool = False, role: str = "both") -> ExecutorHeartbeat:
+       draining: bool = False, role: str = "both", model: str = "m") -> ExecutorHeartbeat:
     stats = EngineStats(num_running=0, num_waiting=0, num_total_blocks=100, num_free_blocks=free,
                         kv_cache_usage=0.0, prefix_cache_queries_tokens=0, prefix_cache_hits_tokens=0,
                         num_preemptions=0, num_prompt_tokens=0, num_computed_tokens=0,
                         num_generated_tokens=0, num_steps=0, last_step_num_tokens=0)
-    return ExecutorHeartbeat(executor_id=executor_id, epoch=epoch, role=role, model="m", max_model_len=2048,
+    return ExecutorHeartbeat(executor_id=executor_id, epoch=epoch, role=role, model=model, max_model_len=2048,
                              block_size=16, stats=stats, sent_at=0.0, max_num_seqs=max_num_seqs,
                              draining=draining)
 
 
-def req(rid: str, *, priority: int = 0, n: int = 1, deadline: float | None = None) -> TokenizedRequest:
-    return TokenizedRequest(request_id=rid, prompt_token_ids=[1, 2, 3], block_hashes=[],
+def req(rid: str, *, priority: int = 0, n: int = 1, deadline: float | None = None,
+        model: str = "m") -> TokenizedRequest:
+    return TokenizedRequest(request_id=rid, model=model, prompt_token_ids=[1, 2, 3], block_hashes=[7],
                             params=SamplingParams(n=n, max_tokens=4), priority=priority, deadline=deadline)
 
 
@@ -52,6 +53,33 @@ def test_least_loaded_then_most_free_blocks():
     assert dispatched(r.submit(req("3"), 0, 0)) == [("b", "3")]
     # Load is counted from routing, before any heartbeat reflects it.
     assert {e.executor_id: e.num_in_flight for e in r.status(0).executors} == {"a": 1, "b": 2}
+
+
+def test_routes_only_to_executors_serving_the_model():
+    r = make()
+    r.on_heartbeat(hb("a", model="m", free=10), 0)
+    r.on_heartbeat(hb("b", model="other", free=99), 0)
+    [d1] = r.submit(req("1"), 0, 0)
+    assert (d1.executor_id, d1.request.model, d1.request.block_hashes) == ("a", "m", [7])
+    assert dispatched(r.submit(req("2", model="other"), 0, 0)) == [("b", "2")]
+    # a is full (cap 2): the next "m" request waits, and does not hold up "other"'s.
+    assert dispatched(r.submit(req("3"), 0, 0)) == [("a", "3")]
+    assert r.submit(req("4"), 0, 0) == [] and r.num_queued == 1
+    assert dispatched(r.submit(req("5", model="other"), 0, 0)) == [("b", "5")]
+    # Nobody serves "ghost": 404 model_not_found at once, naming what is served.
+    [fail] = r.submit(req("6", model="ghost"), 0, 0)
+    assert isinstance(fail, Fail) and (fail.error.status, fail.error.param) == (404, "model")
+    assert "'ghost' does not exist" in fail.error.message and "'m, other'" in fail.error.message
+    # "m" frees up: its queued request goes to a, never to b.
+    assert dispatched(r.on_progress(progress("1", "a", "finished"), 1)) == [("a", "4")]
+    # a stops reporting: queued "m" requests get 503 after the grace period, "other" keeps serving.
+    assert r.submit(req("7"), 1, 1) == []
+    r.on_heartbeat(hb("b", model="other"), 4)
+    r.tick(4, 4)                     # a is gone (silent > 2 s); its started-or-not requests fail over
+    r.on_heartbeat(hb("b", model="other"), 9)
+    assert ("7", 503) in failed(r.tick(9.5, 9.5))
+    assert dispatched(r.on_progress(progress("2", "b", "finished"), 9.5)) == []
+    assert dispatched(r.submit(req("8", model="other"), 9.5, 9.5)) == [("b", "8")]
 
 
 def test_cap_queue_bound_429_and_drain_on_finish():

@@ -79,13 +79,9 @@ def run(args: argparse.Namespace) -> int:
     stack = None
     try:
         stack = launch(config, progress=_note)
-        if stack.base_url is not None:
-            model = served_model_name(config)
-            print(f"\nllmserve is ready at {stack.base_url}  (Ctrl-C to stop)\n\n"
-                  f"{_curl_example(stack.base_url, model, args.api_key)}\n", flush=True)
-        else:
-            print(f"\nllmserve is running without a gateway (NATS at {stack.nats_url}); Ctrl-C to stop\n",
-                  flush=True)
+        model = served_model_name(config)
+        print(f"\nllmserve is ready at {stack.base_url}  (Ctrl-C to stop)\n\n"
+              f"{_curl_example(stack.base_url, model, args.api_key)}\n", flush=True)
         while True:
             time.sleep(0.5)
             stack.supervise(_note)
