@@ -1,9 +1,12 @@
-"""Gateway configuration: one frozen dataclass, filled once from CLI flags and environment
-(``__main__.py``) and passed down explicitly."""
+"""Gateway configuration: one frozen dataclass, filled once from CLI flags over the environment
+(``build_parser``, ``config_from_args``) and passed down explicitly."""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
+
+from services.runtime import env_bool, env_int, env_str
 
 
 @dataclass(frozen=True)
@@ -37,3 +40,35 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_tokens_default is not None and self.max_tokens_default < 1:
             raise ValueError(f"max_tokens_default must be >= 1 (or unset), got {self.max_tokens_default}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m services.gateway", description="The OpenAI-compatible HTTP/WebSocket edge of llmserve.")
+    p.add_argument("--nats-url", default=env_str("NATS_URL", "nats://127.0.0.1:4222"))
+    p.add_argument("--host", default=env_str("LLMSERVE_GATEWAY_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=env_int("LLMSERVE_GATEWAY_PORT", 8000))
+    p.add_argument("--model-name", default=env_str("LLMSERVE_MODEL_NAME", None),
+                   help="the model name clients must send and /v1/models lists (default: the "
+                        "names the live executors report)")
+    p.add_argument("--api-key", default=env_str("LLMSERVE_API_KEY", None),
+                   help="require 'Authorization: Bearer <key>' on /v1/* (env LLMSERVE_API_KEY)")
+    p.add_argument("--access-log", action="store_true",
+                   default=env_bool("LLMSERVE_ACCESS_LOG", False),
+                   help="log every HTTP request (env LLMSERVE_ACCESS_LOG=1); off by default, as the "
+                        "launcher's readiness polls of /health would fill the log")
+    p.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="abort a request (504) that has not finished after this long")
+    p.add_argument("--max-tokens-default", type=int, default=None,
+                   help="max_tokens when a request gives none (default: 16 for completions, "
+                        "until the context is full for chat)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, how long in-flight requests may take to finish")
+    p.add_argument("--log-level", default=env_str("LLMSERVE_LOG_LEVEL", "info"))
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(nats_url=args.nats_url, host=args.host, port=args.port,
+                         model_name=args.model_name, api_key=args.api_key,
+                         request_timeout_s=args.request_timeout,
+                         max_tokens_default=args.max_tokens_default)

@@ -20,8 +20,6 @@ SCHEDULER_SUBMIT = f"{PREFIX}.scheduler.submit"
 SCHEDULER_PROGRESS = f"{PREFIX}.scheduler.progress"
 # Anyone → scheduler (request/reply): SchedulerStatusRequest → SchedulerStatus.
 SCHEDULER_STATUS = f"{PREFIX}.scheduler.status"
-# Scheduler → prefix index (request/reply): block hashes → per-executor matched blocks (next issue).
-PREFIX_INDEX_MATCH = f"{PREFIX}.prefix_index.match"
 # Gateway → everyone (publish, fan-out): AbortRequest.
 ABORT = f"{PREFIX}.abort"
 # Every executor's heartbeat, for wildcard subscribers.
@@ -33,7 +31,6 @@ STREAM_ALL = f"{PREFIX}.stream.*"
 
 QUEUE_TOKENIZER = "tokenizer"
 QUEUE_SCHEDULER = "scheduler"
-QUEUE_PREFIX_INDEX = "prefix_index"
 
 
 def _token(value: str, what: str) -> str:
@@ -41,10 +38,6 @@ def _token(value: str, what: str) -> str:
     if not value or any(c in value for c in ".*> \t\r\n"):
         raise ValueError(f"invalid {what} for a NATS subject: {value!r}")
     return value
-
-
-def executor_prefill(executor_id: str) -> str:
-    return f"{PREFIX}.executor.{_token(executor_id, 'executor id')}.prefill"
 
 
 def executor_decode(executor_id: str) -> str:
@@ -59,10 +52,6 @@ def executor_stats(executor_id: str) -> str:
 def stream(request_id: str) -> str:
     """Token deltas, final usage or an error for one request; the gateway subscribes before dispatch."""
     return f"{PREFIX}.stream.{_token(request_id, 'request id')}"
-
-
-def kv_transfer(decode_id: str, request_id: str) -> str:
-    return f"{PREFIX}.kv.{_token(decode_id, 'executor id')}.{_token(request_id, 'request id')}"
 
 
 def kv_events(executor_id: str) -> str:

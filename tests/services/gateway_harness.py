@@ -292,11 +292,3 @@ def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         time.sleep(0.02)
-
-
-@pytest.fixture(scope="module")
-def backend(nats_server) -> Iterator[FakeBackend]:
-    """The fake executor side, shared by the gateway test modules (import it to use it)."""
-    fake = FakeBackend(nats_server.url).start()
-    yield fake
-    fake.stop()

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from gateway_harness import (backend, FAKE_MODEL, NUM_PROMPT_TOKENS, FakeBackend, GatewayProcess, expected_text,
+from gateway_harness import (FAKE_MODEL, NUM_PROMPT_TOKENS, FakeBackend, GatewayProcess, expected_text,
                              sse_events, token_id)
 
 API_KEY = "test-key"

@@ -7,7 +7,7 @@ import json
 from collections.abc import Iterator
 
 import pytest
-from gateway_harness import FAKE_MODEL, GatewayProcess, backend, expected_text
+from gateway_harness import FAKE_MODEL, GatewayProcess, expected_text
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
