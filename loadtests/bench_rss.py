@@ -38,8 +38,15 @@ from services.cli.launcher import set_executor_openmp_policy  # imports no torch
 set_executor_openmp_policy(os.environ)  # as the stack's executor; must precede torch's import
 
 from loadtests.results import write_json  # noqa: E402
-from services.executor.worker import (Add, EngineWorker, Event, Failed, KVEvents, Outputs,  # noqa: E402
-                                      Rejected)
+from services.executor.worker import (
+    Add,
+    EngineWorker,
+    Event,
+    Failed,
+    KVEvents,
+    Outputs,
+    Rejected,
+)
 from shared.wire import messages  # noqa: E402
 from shared.wire.block_hash import hash_prompt_blocks  # noqa: E402
 from shared.wire.kv_events import encode_kv_event_batch  # noqa: E402
@@ -49,7 +56,9 @@ PREFIX_LEN = 16
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--num-requests", type=int, default=20000)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--hot-prefixes", type=int, default=16)
@@ -72,8 +81,9 @@ def rss_mib() -> float:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
-def make_requests(n: int, vocab: int, num_hot: int, num_cold: int, rng: random.Random, block_size: int
-                  ) -> list[ExecuteRequest]:
+def make_requests(
+    n: int, vocab: int, num_hot: int, num_cold: int, rng: random.Random, block_size: int
+) -> list[ExecuteRequest]:
     def prefixes(k: int) -> list[list[int]]:
         return [[rng.randrange(100, vocab) for _ in range(PREFIX_LEN)] for _ in range(k)]
 
@@ -82,19 +92,36 @@ def make_requests(n: int, vocab: int, num_hot: int, num_cold: int, rng: random.R
     for i in range(n):
         prefix = rng.choice(hot if rng.random() < 0.5 else cold)
         prompt = prefix + [rng.randrange(100, vocab) for _ in range(rng.randint(1, 12))]
-        params = SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 2), ignore_eos=True,
-                                logprobs=2 if i % 8 == 0 else None)
-        requests.append(ExecuteRequest(request_id=f"rss-{i}", model="bench", prompt_token_ids=prompt,
-                                       block_hashes=hash_prompt_blocks(prompt, block_size), params=params))
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=rng.randint(1, 2),
+            ignore_eos=True,
+            logprobs=2 if i % 8 == 0 else None,
+        )
+        requests.append(
+            ExecuteRequest(
+                request_id=f"rss-{i}",
+                model="bench",
+                prompt_token_ids=prompt,
+                block_hashes=hash_prompt_blocks(prompt, block_size),
+                params=params,
+            )
+        )
     return requests
 
 
 def structures(engine: Any, worker: EngineWorker) -> dict[str, int]:
     bm = engine.block_manager
-    return {"engine_requests": len(engine.requests), "running": engine.scheduler.num_running,
-            "waiting": engine.scheduler.num_waiting, "block_manager_seqs": len(bm._seqs),
-            "cached_blocks": bm.num_cached_blocks, "pending_kv_events": bm.num_pending_events,
-            "worker_live": len(worker._live), "gc_objects": len(gc.get_objects())}
+    return {
+        "engine_requests": len(engine.requests),
+        "running": engine.scheduler.num_running,
+        "waiting": engine.scheduler.num_waiting,
+        "block_manager_seqs": len(bm._seqs),
+        "cached_blocks": bm.num_cached_blocks,
+        "pending_kv_events": bm.num_pending_events,
+        "worker_live": len(worker._live),
+        "gc_objects": len(gc.get_objects()),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,11 +129,25 @@ def main(argv: list[str] | None = None) -> int:
     from shared.engine.engine import Engine, EngineConfig
 
     rss_start = rss_mib()
-    engine = Engine(EngineConfig(dtype=args.dtype, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.concurrency,
-                                 num_threads=args.num_threads, enable_prefix_caching=True), progress=False)
+    engine = Engine(
+        EngineConfig(
+            dtype=args.dtype,
+            num_kv_blocks=args.num_kv_blocks,
+            max_num_seqs=args.concurrency,
+            num_threads=args.num_threads,
+            enable_prefix_caching=True,
+        ),
+        progress=False,
+    )
     rss_loaded = rss_mib()
-    requests = make_requests(args.num_requests, engine.model_config.vocab_size, args.hot_prefixes,
-                             args.cold_prefixes, random.Random(args.seed), engine.config.block_size)
+    requests = make_requests(
+        args.num_requests,
+        engine.model_config.vocab_size,
+        args.hot_prefixes,
+        args.cold_prefixes,
+        random.Random(args.seed),
+        engine.config.block_size,
+    )
     worker = EngineWorker(engine, num_threads=args.num_threads, kv_events=True)
     events: queue.SimpleQueue[list[Event]] = queue.SimpleQueue()
     worker.start(events.put)
@@ -122,8 +163,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def checkpoint() -> None:
         gc.collect()
-        point = {"requests_done": num_done, "elapsed_s": round(time.perf_counter() - t0, 1),
-                 "rss_mib": round(rss_mib(), 1), **structures(engine, worker)}
+        point = {
+            "requests_done": num_done,
+            "elapsed_s": round(time.perf_counter() - t0, 1),
+            "rss_mib": round(rss_mib(), 1),
+            **structures(engine, worker),
+        }
         checkpoints.append(point)
         print("  ".join(f"{k}={v}" for k, v in point.items()), flush=True)
 
@@ -141,8 +186,11 @@ def main(argv: list[str] | None = None) -> int:
             elif isinstance(event, Outputs):
                 for out in event.outputs:
                     counts["outputs"] += 1
-                    counts["stream_bytes"] += len(messages.STREAM_MESSAGE.encode(
-                        StreamOutput(executor_id="bench", output=out)))
+                    counts["stream_bytes"] += len(
+                        messages.STREAM_MESSAGE.encode(
+                            StreamOutput(executor_id="bench", output=out)
+                        )
+                    )
                     if not out.finished:
                         continue
                     num_done += 1
@@ -158,19 +206,30 @@ def main(argv: list[str] | None = None) -> int:
     stats = engine.stats()
     result = {
         "config": {k: v for k, v in vars(args).items() if k != "out"},
-        "rss_mib": {"start": round(rss_start, 1), "model_loaded": round(rss_loaded, 1),
-                    "after_warmup": baseline["rss_mib"], "end": last["rss_mib"],
-                    "growth_after_warmup": round(last["rss_mib"] - baseline["rss_mib"], 1)},
-        "elapsed_s": round(elapsed, 1), "requests_per_s": round(len(requests) / elapsed, 1),
-        "prefix_cache_hit_rate": round(stats.prefix_cache_hits_tokens / max(1, stats.prefix_cache_queries_tokens), 3),
-        "num_steps": stats.num_steps, "num_preemptions": stats.num_preemptions, **counts,
+        "rss_mib": {
+            "start": round(rss_start, 1),
+            "model_loaded": round(rss_loaded, 1),
+            "after_warmup": baseline["rss_mib"],
+            "end": last["rss_mib"],
+            "growth_after_warmup": round(last["rss_mib"] - baseline["rss_mib"], 1),
+        },
+        "elapsed_s": round(elapsed, 1),
+        "requests_per_s": round(len(requests) / elapsed, 1),
+        "prefix_cache_hit_rate": round(
+            stats.prefix_cache_hits_tokens / max(1, stats.prefix_cache_queries_tokens), 3
+        ),
+        "num_steps": stats.num_steps,
+        "num_preemptions": stats.num_preemptions,
+        **counts,
         "checkpoints": checkpoints,
     }
-    print(f"bench_rss: {len(requests)} requests in {elapsed:.0f} s; RSS start {rss_start:.0f} MiB, model loaded "
-          f"{rss_loaded:.0f} MiB, after {baseline['requests_done']} requests {baseline['rss_mib']:.0f} MiB, "
-          f"at the end {last['rss_mib']:.0f} MiB ({result['rss_mib']['growth_after_warmup']:+.1f} MiB); "
-          f"prefix cache hit rate {result['prefix_cache_hit_rate']:.0%}; {counts['kv_events']} KV events in "
-          f"{counts['kv_batches']} batches")
+    print(
+        f"bench_rss: {len(requests)} requests in {elapsed:.0f} s; RSS start {rss_start:.0f} MiB, model loaded "
+        f"{rss_loaded:.0f} MiB, after {baseline['requests_done']} requests {baseline['rss_mib']:.0f} MiB, "
+        f"at the end {last['rss_mib']:.0f} MiB ({result['rss_mib']['growth_after_warmup']:+.1f} MiB); "
+        f"prefix cache hit rate {result['prefix_cache_hit_rate']:.0%}; {counts['kv_events']} KV events in "
+        f"{counts['kv_batches']} batches"
+    )
     print(f"wrote {write_json(args.out, result)}")
     return 0
 

@@ -16,15 +16,26 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-__all__ = ["setup_logging", "run_service", "env_value", "env_str", "env_int", "env_float", "env_bool"]
+__all__ = [
+    "env_bool",
+    "env_float",
+    "env_int",
+    "env_str",
+    "env_value",
+    "run_service",
+    "setup_logging",
+]
 
 T = TypeVar("T")
 
 
 def setup_logging(service: str) -> None:
     level = (env_str("LLMSERVE_LOG_LEVEL", None) or "INFO").upper()
-    logging.basicConfig(level=level, stream=sys.stderr,
-                        format=f"%(asctime)s {service}[{os.getpid()}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=level,
+        stream=sys.stderr,
+        format=f"%(asctime)s {service}[{os.getpid()}] %(levelname)s %(name)s: %(message)s",
+    )
 
 
 _TRUE = ("1", "true", "yes", "on")
@@ -48,7 +59,9 @@ def env_value(name: str, type: Callable[[str], T]) -> T | None:
             return type(text)
         except ValueError:
             pass
-    raise SystemExit(f"error: environment variable {name} must be {_TYPE_NAMES.get(type, type)}, got {text!r}")
+    raise SystemExit(
+        f"error: environment variable {name} must be {_TYPE_NAMES.get(type, type)}, got {text!r}"
+    )
 
 
 def env_str(name: str, default: str | None) -> str | None:
@@ -94,6 +107,7 @@ def run_service(name: str, serve: Callable[[asyncio.Event], Awaitable[None]]) ->
 
     try:
         import uvloop
+
         runner = uvloop.run
     except ImportError:  # uvloop is a dependency, but a plain loop works too
         runner = asyncio.run

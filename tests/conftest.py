@@ -33,7 +33,8 @@ def hf_reference_model(smollm2_path):
     """transformers' LlamaForCausalLM loaded from the same GGUF (dequantized), fp32, eval mode."""
     transformers = pytest.importorskip("transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path), dtype=torch.float32)
+        os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path), dtype=torch.float32
+    )
     return model.eval()
 
 
@@ -53,6 +54,7 @@ def runtime_bf16(smollm2_path):
     from shared.engine.models.runtime import load_runtime
 
     return load_runtime(smollm2_path, dtype="bfloat16", progress=False)
+
 
 # ============================================================================ end model runtime
 
@@ -90,7 +92,9 @@ def pytest_collection_modifyitems(config, items):
         layer = os.path.relpath(item.path, TESTS_DIR).split(os.sep)[0]
         if layer not in LAYERS:
             folders = ", ".join(f"tests/{name}/" for name in LAYERS)
-            raise pytest.UsageError(f"{item.nodeid}: a test file belongs in a layer folder: {folders}")
+            raise pytest.UsageError(
+                f"{item.nodeid}: a test file belongs in a layer folder: {folders}"
+            )
         item.add_marker(getattr(pytest.mark, layer))
 
 

@@ -27,8 +27,15 @@ from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from services.cli.servers import (LOOPBACK, ServerProcess, detach_child, free_port, read_log_tail, start_nats,
-                            start_redis)
+from services.cli.servers import (
+    LOOPBACK,
+    ServerProcess,
+    detach_child,
+    free_port,
+    read_log_tail,
+    start_nats,
+    start_redis,
+)
 from services.executor.config import SERVED_ENGINE_DEFAULTS
 from services.tokenizer.config import TOKENIZER_ENGINE_SETTINGS
 from shared.engine.config import ENGINE_SETTINGS, EngineConfig
@@ -46,8 +53,16 @@ def set_executor_openmp_policy(env: MutableMapping[str, str]) -> None:
         env.update(EXECUTOR_OPENMP_ENV)
 
 
-__all__ = ["StackConfig", "Stack", "ServiceProcess", "StackStartError", "launch", "served_model_name",
-           "executor_args", "tokenizer_args"]
+__all__ = [
+    "ServiceProcess",
+    "Stack",
+    "StackConfig",
+    "StackStartError",
+    "executor_args",
+    "launch",
+    "served_model_name",
+    "tokenizer_args",
+]
 
 
 class StackStartError(RuntimeError):
@@ -59,22 +74,22 @@ class StackConfig:
     # Every executor's engine; its model (and max_model_len, block_size) also the tokenizers' and the
     # gateway's. num_threads None: the cores divided among the executors (``_executor_threads``).
     engine: EngineConfig = SERVED_ENGINE_DEFAULTS
-    model_name: str | None = None         # name served at /v1/models (default: from the model)
+    model_name: str | None = None  # name served at /v1/models (default: from the model)
     host: str = LOOPBACK
-    port: int = 8000                      # 0 = a free port
+    port: int = 8000  # 0 = a free port
     num_executors: int = 1
     num_tokenizers: int = 1
     num_schedulers: int = 1
     max_queue_len: int = 256
     heartbeat_timeout_s: float = 2.0
-    no_executor_timeout_s: float = 10.0   # queued requests get 503 after this long without executors
+    no_executor_timeout_s: float = 10.0  # queued requests get 503 after this long without executors
     api_key: str | None = None
     request_timeout_s: float | None = None
-    nats_url: str | None = None           # use these servers instead of starting our own
+    nats_url: str | None = None  # use these servers instead of starting our own
     redis_url: str | None = None
-    log_dir: str | None = None            # children's stderr to <log_dir>/<name>.log; None = ours
+    log_dir: str | None = None  # children's stderr to <log_dir>/<name>.log; None = ours
     ready_timeout_s: float = 180.0
-    drain_timeout_s: float = 5.0          # in-flight requests get this long on shutdown
+    drain_timeout_s: float = 5.0  # in-flight requests get this long on shutdown
     extra_env: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
@@ -108,13 +123,15 @@ _TAIL_LINES = 40  # a service's last output lines kept for the message when it d
 
 @dataclass
 class ServiceProcess:
-    name: str                          # e.g. "executor-0"
+    name: str  # e.g. "executor-0"
     argv: list[str]
     log_path: str | None
     env: dict[str, str] = field(repr=False, default_factory=dict)
     num_restarts: int = 0
     # Without a log file the output is relayed to our stderr and its last lines kept here.
-    tail: collections.deque[str] = field(repr=False, default_factory=lambda: collections.deque(maxlen=_TAIL_LINES))
+    tail: collections.deque[str] = field(
+        repr=False, default_factory=lambda: collections.deque(maxlen=_TAIL_LINES)
+    )
     process: subprocess.Popen[bytes] = field(init=False, repr=False)
 
     def spawn(self) -> None:
@@ -151,7 +168,7 @@ class Stack:
     config: StackConfig
     nats_url: str
     redis_url: str
-    base_url: str                              # the gateway's
+    base_url: str  # the gateway's
     services: dict[str, ServiceProcess] = field(default_factory=dict)
     servers: list[ServerProcess] = field(default_factory=list)
     _stopped: bool = False
@@ -159,7 +176,9 @@ class Stack:
     def pids(self) -> list[int]:
         return [s.pid for s in self.services.values()] + [s.pid for s in self.servers]
 
-    def start_service(self, name: str, module: str, args: list[str], env: dict[str, str]) -> ServiceProcess:
+    def start_service(
+        self, name: str, module: str, args: list[str], env: dict[str, str]
+    ) -> ServiceProcess:
         argv = [sys.executable, "-m", module, *args]
         log_path = os.path.join(self.config.log_dir, f"{name}.log") if self.config.log_dir else None
         svc = ServiceProcess(name, argv, log_path, env)
@@ -176,16 +195,20 @@ class Stack:
             if svc.alive():
                 continue
             svc.num_restarts += 1
-            note(f"{svc.name} exited with code {svc.process.returncode}; restarting it "
-                 f"(restart #{svc.num_restarts}); its last output:\n{svc.log_tail(1500)}".rstrip())
-            svc.signal_group(signal.SIGKILL)   # leftovers of the old process group, if any
+            note(
+                f"{svc.name} exited with code {svc.process.returncode}; restarting it "
+                f"(restart #{svc.num_restarts}); its last output:\n{svc.log_tail(1500)}".rstrip()
+            )
+            svc.signal_group(signal.SIGKILL)  # leftovers of the old process group, if any
             svc.spawn()
 
     def check_alive(self) -> None:
         for svc in self.services.values():
             if not svc.alive():
-                raise StackStartError(f"{svc.name} exited with code {svc.process.returncode}; its last output:\n"
-                                      f"{svc.log_tail()}")
+                raise StackStartError(
+                    f"{svc.name} exited with code {svc.process.returncode}; its last output:\n"
+                    f"{svc.log_tail()}"
+                )
 
     def wait_ready(self, progress: Callable[[str], None] | None = None) -> None:
         """Until GET /health answers 200 (the gateway sees a live executor through the scheduler)."""
@@ -197,8 +220,12 @@ class Stack:
                 return
             now = time.monotonic()
             if now > deadline:
-                tails = "\n".join(f"--- {s.name}:\n{s.log_tail(1500)}" for s in self.services.values())
-                raise StackStartError(f"the stack was not ready within {self.config.ready_timeout_s}s\n{tails}")
+                tails = "\n".join(
+                    f"--- {s.name}:\n{s.log_tail(1500)}" for s in self.services.values()
+                )
+                raise StackStartError(
+                    f"the stack was not ready within {self.config.ready_timeout_s}s\n{tails}"
+                )
             if progress and now - last_note > 5.0:
                 last_note = now
                 progress("waiting for the executors to load the model and report in...")
@@ -222,7 +249,9 @@ class Stack:
             grace_s = self.config.drain_timeout_s + 5.0
         # The gateway stops taking requests first; then the pipeline drains behind it.
         order = ["gateway", "tokenizer", "scheduler", "executor"]
-        waves = [[s for s in self.services.values() if s.name.split("-")[0] == kind] for kind in order]
+        waves = [
+            [s for s in self.services.values() if s.name.split("-")[0] == kind] for kind in order
+        ]
         for wave in waves:
             for svc in wave:
                 svc.signal_group(signal.SIGTERM)
@@ -245,14 +274,21 @@ class Stack:
         self.stop()
 
 
-def _spawn(argv: list[str], env: dict[str, str], log_path: str | None,
-           tail: collections.deque[str]) -> subprocess.Popen[bytes]:
+def _spawn(
+    argv: list[str], env: dict[str, str], log_path: str | None, tail: collections.deque[str]
+) -> subprocess.Popen[bytes]:
     """Start a service with its stdout and stderr in ``log_path``, or, without one, relayed line by
     line to our stderr with the last lines kept in ``tail``."""
     log_file = open(log_path, "ab") if log_path else None
     try:
-        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file or subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, env=env, preexec_fn=detach_child)
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file or subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=detach_child,
+        )
     finally:
         if log_file:
             log_file.close()
@@ -298,8 +334,15 @@ def _executor_threads(config: StackConfig) -> int:
 def executor_args(config: StackConfig, index: int) -> list[str]:
     """Executor ``index``'s command line, less the NATS URL: its whole engine config included."""
     engine = replace(config.engine, num_threads=_executor_threads(config))
-    return ["--executor-id", f"executor-{index}", "--model-name", served_model_name(config),
-            "--drain-timeout", str(config.drain_timeout_s), *engine.to_argv()]
+    return [
+        "--executor-id",
+        f"executor-{index}",
+        "--model-name",
+        served_model_name(config),
+        "--drain-timeout",
+        str(config.drain_timeout_s),
+        *engine.to_argv(),
+    ]
 
 
 def tokenizer_args(config: StackConfig) -> list[str]:
@@ -307,8 +350,9 @@ def tokenizer_args(config: StackConfig) -> list[str]:
     return config.engine.to_argv(include=TOKENIZER_ENGINE_SETTINGS)
 
 
-def launch(config: StackConfig, progress: Callable[[str], None] | None = None,
-           wait: bool = True) -> Stack:
+def launch(
+    config: StackConfig, progress: Callable[[str], None] | None = None, wait: bool = True
+) -> Stack:
     """Start servers (unless URLs are given) and every service; wait until ready unless ``wait`` is
     False. On any failure everything already started is stopped before the error propagates."""
     note = progress or (lambda _msg: None)
@@ -337,16 +381,39 @@ def launch(config: StackConfig, progress: Callable[[str], None] | None = None,
         common = ["--nats-url", nats_url]
 
         for i in range(config.num_executors):
-            stack.start_service(f"executor-{i}", "services.executor", [*common, *executor_args(config, i)], env)
+            stack.start_service(
+                f"executor-{i}", "services.executor", [*common, *executor_args(config, i)], env
+            )
         for i in range(config.num_schedulers):
-            stack.start_service(f"scheduler-{i}", "services.scheduler",
-                                [*common, "--max-queue-len", str(config.max_queue_len),
-                                 "--heartbeat-timeout", str(config.heartbeat_timeout_s),
-                                 "--no-executor-timeout", str(config.no_executor_timeout_s)], env)
+            stack.start_service(
+                f"scheduler-{i}",
+                "services.scheduler",
+                [
+                    *common,
+                    "--max-queue-len",
+                    str(config.max_queue_len),
+                    "--heartbeat-timeout",
+                    str(config.heartbeat_timeout_s),
+                    "--no-executor-timeout",
+                    str(config.no_executor_timeout_s),
+                ],
+                env,
+            )
         for i in range(config.num_tokenizers):
-            stack.start_service(f"tokenizer-{i}", "services.tokenizer", [*common, *tokenizer_args(config)], env)
-        args = [*common, "--host", config.host, "--port", str(port),
-                "--drain-timeout", str(config.drain_timeout_s), "--model-name", served_model_name(config)]
+            stack.start_service(
+                f"tokenizer-{i}", "services.tokenizer", [*common, *tokenizer_args(config)], env
+            )
+        args = [
+            *common,
+            "--host",
+            config.host,
+            "--port",
+            str(port),
+            "--drain-timeout",
+            str(config.drain_timeout_s),
+            "--model-name",
+            served_model_name(config),
+        ]
         if config.request_timeout_s is not None:
             args += ["--request-timeout", str(config.request_timeout_s)]
         # The key goes through the environment, not argv: argv is visible to every user in `ps`.

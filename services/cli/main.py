@@ -26,7 +26,9 @@ _USER_ERRORS = (ValueError, FileNotFoundError, UnsupportedModelError)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="llmserve", description="LLM inference server for Llama-family models")
+    parser = argparse.ArgumentParser(
+        prog="llmserve", description="LLM inference server for Llama-family models"
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in COMMAND_MODULES:
         importlib.import_module(module_name).add_parser(subparsers)
@@ -49,4 +51,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-

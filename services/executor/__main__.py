@@ -20,26 +20,38 @@ def main(argv: list[str] | None = None) -> int:
         # Before torch is imported: OpenMP reads it once, for every thread it creates.
         os.environ["OMP_NUM_THREADS"] = str(engine_config.num_threads)
     setup_logging("executor")
-    from shared.engine.engine import Engine
-
     from services.executor.service import ExecutorService, ExecutorServiceConfig
     from services.executor.worker import EngineWorker
+    from shared.engine.engine import Engine
     from shared.wire.bus import Bus
 
     log.info("%s: loading the model...", config.executor_id)
     engine = Engine(engine_config)
     stats = engine.stats()
-    log.info("%s: %s loaded, %d KV blocks of %d tokens (%s), max_model_len %d", config.executor_id,
-             engine.model_name, stats.num_total_blocks, engine_config.block_size,
-             kv_dtype_name(engine_config.kv_cache_dtype, engine_config.dtype), engine.max_model_len)
+    log.info(
+        "%s: %s loaded, %d KV blocks of %d tokens (%s), max_model_len %d",
+        config.executor_id,
+        engine.model_name,
+        stats.num_total_blocks,
+        engine_config.block_size,
+        kv_dtype_name(engine_config.kv_cache_dtype, engine_config.dtype),
+        engine.max_model_len,
+    )
     service_config = ExecutorServiceConfig(
-        executor_id=config.executor_id, model_name=config.model_name or engine.model_name, max_model_len=engine.max_model_len,
-        block_size=engine_config.block_size, max_num_seqs=engine_config.max_num_seqs,
-        heartbeat_interval_s=config.heartbeat_interval_s, drain_timeout_s=config.drain_timeout_s)
+        executor_id=config.executor_id,
+        model_name=config.model_name or engine.model_name,
+        max_model_len=engine.max_model_len,
+        block_size=engine_config.block_size,
+        max_num_seqs=engine_config.max_num_seqs,
+        heartbeat_interval_s=config.heartbeat_interval_s,
+        drain_timeout_s=config.drain_timeout_s,
+    )
 
     async def serve(stop) -> None:
         bus = await Bus.connect(config.nats_url, config.executor_id)
-        worker = EngineWorker(engine, num_threads=engine_config.num_threads, kv_events=config.kv_events)
+        worker = EngineWorker(
+            engine, num_threads=engine_config.num_threads, kv_events=config.kv_events
+        )
         service = ExecutorService(bus, worker, service_config)
         await service.start()
         log.info("%s ready (epoch %s)", config.executor_id, service.epoch)

@@ -35,19 +35,35 @@ class ExecutorProcessConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m services.executor",
-                                description="One engine (role 'both') serving ExecuteRequests over NATS.")
+    p = argparse.ArgumentParser(
+        prog="python -m services.executor",
+        description="One engine (role 'both') serving ExecuteRequests over NATS.",
+    )
     p.add_argument("--nats-url", default=env_str("NATS_URL", "nats://127.0.0.1:4222"))
-    p.add_argument("--executor-id", default=env_str("LLMSERVE_EXECUTOR_ID", None),
-                   help="unique id (default: a random one)")
-    p.add_argument("--model-name", default=env_str("LLMSERVE_MODEL_NAME", None),
-                   help="the model name advertised to the gateway (default: the model file's name)")
+    p.add_argument(
+        "--executor-id",
+        default=env_str("LLMSERVE_EXECUTOR_ID", None),
+        help="unique id (default: a random one)",
+    )
+    p.add_argument(
+        "--model-name",
+        default=env_str("LLMSERVE_MODEL_NAME", None),
+        help="the model name advertised to the gateway (default: the model file's name)",
+    )
     p.add_argument("--heartbeat-interval", type=float, default=0.5)
-    p.add_argument("--drain-timeout", type=float, default=5.0,
-                   help="on SIGTERM, seconds in-flight requests may take to finish")
-    p.add_argument("--kv-events", action=argparse.BooleanOptionalAction, default=env_bool("LLMSERVE_KV_EVENTS", True),
-                   help="publish each step's KV cache events for the prefix index (off: they are dropped) "
-                        "[env LLMSERVE_KV_EVENTS]")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=5.0,
+        help="on SIGTERM, seconds in-flight requests may take to finish",
+    )
+    p.add_argument(
+        "--kv-events",
+        action=argparse.BooleanOptionalAction,
+        default=env_bool("LLMSERVE_KV_EVENTS", True),
+        help="publish each step's KV cache events for the prefix index (off: they are dropped) "
+        "[env LLMSERVE_KV_EVENTS]",
+    )
     add_engine_arguments(p, SERVED_ENGINE_DEFAULTS)
     return p
 
@@ -58,10 +74,14 @@ def parse_config(argv: list[str] | None = None) -> ExecutorProcessConfig:
     try:
         engine = EngineConfig.from_args(a, EngineConfig.from_env(env_value, SERVED_ENGINE_DEFAULTS))
         return ExecutorProcessConfig(
-            nats_url=a.nats_url, executor_id=a.executor_id or f"executor-{uuid.uuid4().hex[:8]}",
-            model_name=a.model_name, engine=engine,
-            heartbeat_interval_s=a.heartbeat_interval, drain_timeout_s=a.drain_timeout,
-            kv_events=a.kv_events)
+            nats_url=a.nats_url,
+            executor_id=a.executor_id or f"executor-{uuid.uuid4().hex[:8]}",
+            model_name=a.model_name,
+            engine=engine,
+            heartbeat_interval_s=a.heartbeat_interval,
+            drain_timeout_s=a.drain_timeout,
+            kv_events=a.kv_events,
+        )
     except ValueError as e:
         p.error(str(e))
         raise

@@ -23,8 +23,17 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from services.executor.worker import (Abort, Aborted, Add, EngineWorker, Event, Failed, KVEvents, Outputs,
-                                      Rejected)
+from services.executor.worker import (
+    Abort,
+    Aborted,
+    Add,
+    EngineWorker,
+    Event,
+    Failed,
+    KVEvents,
+    Outputs,
+    Rejected,
+)
 from shared.wire import messages, subjects
 from shared.wire.bus import Bus, BusError, Msg
 from shared.wire.kv_events import encode_kv_event_batch
@@ -65,7 +74,7 @@ class ExecutorService:
     bus: Bus
     worker: EngineWorker
     config: ExecutorServiceConfig
-    epoch: str = field(default_factory=lambda: uuid.uuid4().hex)   # fresh per process start
+    epoch: str = field(default_factory=lambda: uuid.uuid4().hex)  # fresh per process start
     draining: bool = False
 
     def __post_init__(self) -> None:
@@ -79,10 +88,15 @@ class ExecutorService:
         loop = asyncio.get_running_loop()
         # The engine thread hands events over without ever blocking on the loop.
         self.worker.start(lambda events: loop.call_soon_threadsafe(self._events.put_nowait, events))
-        await self.bus.subscribe(subjects.executor_decode(self.config.executor_id), self._on_execute)
+        await self.bus.subscribe(
+            subjects.executor_decode(self.config.executor_id), self._on_execute
+        )
         await self.bus.subscribe(subjects.ABORT, self._on_abort)
         await self.bus.flush()
-        self._tasks = [asyncio.create_task(self._publish_loop()), asyncio.create_task(self._heartbeat_loop())]
+        self._tasks = [
+            asyncio.create_task(self._publish_loop()),
+            asyncio.create_task(self._heartbeat_loop()),
+        ]
         await self._heartbeat()
 
     # -- inputs ----------------------------------------------------------------------------------
@@ -94,8 +108,9 @@ class ExecutorService:
             log.warning("ignoring a duplicate ExecuteRequest for %s", rid)
             return
         if self.draining:
-            await self._end_with_error(rid, 503, f"executor {self.config.executor_id} is shutting down; "
-                                                 f"retry the request")
+            await self._end_with_error(
+                rid, 503, f"executor {self.config.executor_id} is shutting down; retry the request"
+            )
             return
         self._live[rid] = _Live(n=req.params.n, num_prompt_tokens=len(req.prompt_token_ids))
         self._idle.clear()
@@ -130,49 +145,89 @@ class ExecutorService:
                 if not live.started:
                     live.started = True
                     await self._progress(out.request_id, "started")
-                await self.bus.publish(subjects.stream(out.request_id), messages.STREAM_MESSAGE.encode(
-                    StreamOutput(executor_id=self.config.executor_id, output=out)))
+                await self.bus.publish(
+                    subjects.stream(out.request_id),
+                    messages.STREAM_MESSAGE.encode(
+                        StreamOutput(executor_id=self.config.executor_id, output=out)
+                    ),
+                )
                 if out.finished:
                     del self._live[out.request_id]
                     await self._progress(out.request_id, "finished")
         elif isinstance(event, Rejected):
             if self._live.pop(event.request_id, None) is not None:
-                await self._end_with_error(event.request_id, 400, event.message, "invalid_request_error")
+                await self._end_with_error(
+                    event.request_id, 400, event.message, "invalid_request_error"
+                )
         elif isinstance(event, Aborted):
             live = self._live.pop(event.request_id, None)
             if live is not None:
-                final = RequestOutput(request_id=event.request_id, num_prompt_tokens=live.num_prompt_tokens,
-                                      num_cached_tokens=0, finished=True,
-                                      deltas=[CompletionDelta(index=i, token_ids=[], text="", finish_reason="abort")
-                                              for i in range(live.n)])
-                await self.bus.publish(subjects.stream(event.request_id), messages.STREAM_MESSAGE.encode(
-                    StreamOutput(executor_id=self.config.executor_id, output=final)))
+                final = RequestOutput(
+                    request_id=event.request_id,
+                    num_prompt_tokens=live.num_prompt_tokens,
+                    num_cached_tokens=0,
+                    finished=True,
+                    deltas=[
+                        CompletionDelta(index=i, token_ids=[], text="", finish_reason="abort")
+                        for i in range(live.n)
+                    ],
+                )
+                await self.bus.publish(
+                    subjects.stream(event.request_id),
+                    messages.STREAM_MESSAGE.encode(
+                        StreamOutput(executor_id=self.config.executor_id, output=final)
+                    ),
+                )
                 await self._progress(event.request_id, "finished")
         elif isinstance(event, Failed):
             for rid in event.request_ids:
                 if self._live.pop(rid, None) is not None:
                     await self._end_with_error(rid, 500, event.message)
         elif isinstance(event, KVEvents):
-            await self.bus.publish(subjects.kv_events(self.config.executor_id), encode_kv_event_batch(event.batch))
+            await self.bus.publish(
+                subjects.kv_events(self.config.executor_id), encode_kv_event_batch(event.batch)
+            )
 
-    async def _end_with_error(self, rid: str, status: int, message: str, type_: str = "server_error") -> None:
-        await self.bus.publish(subjects.stream(rid), messages.STREAM_MESSAGE.encode(
-            StreamError(request_id=rid, status=status, message=message, type=type_)))
+    async def _end_with_error(
+        self, rid: str, status: int, message: str, type_: str = "server_error"
+    ) -> None:
+        await self.bus.publish(
+            subjects.stream(rid),
+            messages.STREAM_MESSAGE.encode(
+                StreamError(request_id=rid, status=status, message=message, type=type_)
+            ),
+        )
         await self._progress(rid, "finished")
 
     async def _progress(self, rid: str, state: str) -> None:
-        await self.bus.publish(subjects.SCHEDULER_PROGRESS, messages.REQUEST_PROGRESS.encode(
-            messages.RequestProgress(request_id=rid, executor_id=self.config.executor_id, state=state)))
+        await self.bus.publish(
+            subjects.SCHEDULER_PROGRESS,
+            messages.REQUEST_PROGRESS.encode(
+                messages.RequestProgress(
+                    request_id=rid, executor_id=self.config.executor_id, state=state
+                )
+            ),
+        )
 
     # -- heartbeats --------------------------------------------------------------------------------
 
     async def _heartbeat(self) -> None:
         c = self.config
         hb = messages.ExecutorHeartbeat(
-            executor_id=c.executor_id, epoch=self.epoch, role=c.role, model=c.model_name,
-            max_model_len=c.max_model_len, block_size=c.block_size, stats=self.worker.latest_stats,
-            sent_at=time.time(), max_num_seqs=c.max_num_seqs, draining=self.draining)
-        await self.bus.publish(subjects.executor_stats(c.executor_id), messages.EXECUTOR_HEARTBEAT.encode(hb))
+            executor_id=c.executor_id,
+            epoch=self.epoch,
+            role=c.role,
+            model=c.model_name,
+            max_model_len=c.max_model_len,
+            block_size=c.block_size,
+            stats=self.worker.latest_stats,
+            sent_at=time.time(),
+            max_num_seqs=c.max_num_seqs,
+            draining=self.draining,
+        )
+        await self.bus.publish(
+            subjects.executor_stats(c.executor_id), messages.EXECUTOR_HEARTBEAT.encode(hb)
+        )
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -193,12 +248,15 @@ class ExecutorService:
         await self._heartbeat()
         try:
             await asyncio.wait_for(self._idle.wait(), self.config.drain_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             for rid in list(self._live):
                 del self._live[rid]
                 self.worker.submit(Abort(rid))
-                await self._end_with_error(rid, 503, f"executor {self.config.executor_id} shut down "
-                                                     f"before the request finished")
+                await self._end_with_error(
+                    rid,
+                    503,
+                    f"executor {self.config.executor_id} shut down before the request finished",
+                )
         await asyncio.to_thread(self.worker.stop, 10.0)
         # Events still queued (outputs of aborted requests) are dropped: their requests have ended.
         for task in self._tasks:

@@ -31,8 +31,15 @@ log = logging.getLogger("llmserve.executor.worker")
 
 
 class EngineLike(Protocol):
-    def add_request(self, request_id: str, prompt: list[int], params, *, priority: int = 0,
-                    block_hashes: list[int] | None = None) -> None: ...
+    def add_request(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params,
+        *,
+        priority: int = 0,
+        block_hashes: list[int] | None = None,
+    ) -> None: ...
     def step(self) -> list[RequestOutput]: ...
     def take_kv_events(self) -> KVEventBatch | None: ...
     def abort(self, request_id: str) -> bool: ...
@@ -41,6 +48,7 @@ class EngineLike(Protocol):
 
 
 # -- commands (loop → thread) ----------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Add:
@@ -62,6 +70,7 @@ Command = Add | Abort | Stop
 
 # -- events (thread → loop) ------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Outputs:
     outputs: list[RequestOutput]
@@ -70,6 +79,7 @@ class Outputs:
 @dataclass(frozen=True)
 class Rejected:
     """The engine refused the request (bad or too long prompt): a client error."""
+
     request_id: str
     message: str
 
@@ -77,12 +87,13 @@ class Rejected:
 @dataclass(frozen=True)
 class Aborted:
     request_id: str
-    was_running: bool          # False: it had already finished or was never added
+    was_running: bool  # False: it had already finished or was never added
 
 
 @dataclass(frozen=True)
 class Failed:
     """A step raised: every request that was in the engine is dropped with this message."""
+
     request_ids: list[str]
     message: str
 
@@ -90,6 +101,7 @@ class Failed:
 @dataclass(frozen=True)
 class KVEvents:
     """The KV events of one step, for the prefix index (only when the worker takes them)."""
+
     batch: KVEventBatch
 
 
@@ -97,7 +109,9 @@ Event = Outputs | Rejected | Aborted | Failed | KVEvents
 
 
 class EngineWorker:
-    def __init__(self, engine: EngineLike, *, num_threads: int | None = None, kv_events: bool = True) -> None:
+    def __init__(
+        self, engine: EngineLike, *, num_threads: int | None = None, kv_events: bool = True
+    ) -> None:
         """kv_events: hand each step's KV events on as a KVEvents event; False leaves them to the
         engine, which drops them at its next step."""
         self.engine = engine
@@ -105,7 +119,7 @@ class EngineWorker:
         self._emit: Callable[[list[Event]], None] = lambda events: None
         self._num_threads = num_threads
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self._live: set[str] = set()       # ids added to the engine and not yet terminal
+        self._live: set[str] = set()  # ids added to the engine and not yet terminal
         self.latest_stats: EngineStats = engine.stats()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
@@ -132,6 +146,7 @@ class EngineWorker:
         if self._num_threads:
             # OpenMP's thread count is per thread: set it where the forward passes run.
             import torch
+
             torch.set_num_threads(self._num_threads)
         while True:
             events: list[Event] = []
@@ -158,8 +173,13 @@ class EngineWorker:
             req = command.request
             try:
                 # The engine checks the hashes against the prompt (a ValueError: rejected).
-                self.engine.add_request(req.request_id, list(req.prompt_token_ids), req.params,
-                                        priority=req.priority, block_hashes=req.block_hashes)
+                self.engine.add_request(
+                    req.request_id,
+                    list(req.prompt_token_ids),
+                    req.params,
+                    priority=req.priority,
+                    block_hashes=req.block_hashes,
+                )
             except ValueError as e:
                 events.append(Rejected(req.request_id, str(e)))
                 return

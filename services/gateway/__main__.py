@@ -31,12 +31,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from .app import create_app
 
-    uvicorn.run(create_app(config), host=config.host, port=config.port,
-                log_level=args.log_level.lower(), timeout_graceful_shutdown=args.drain_timeout,
-                access_log=args.access_log,
-                # Our SSE stream sends its own bytes often enough; uvicorn's keep-alive is for idle
-                # connections between requests.
-                timeout_keep_alive=30)
+    uvicorn.run(
+        create_app(config),
+        host=config.host,
+        port=config.port,
+        log_level=args.log_level.lower(),
+        timeout_graceful_shutdown=args.drain_timeout,
+        access_log=args.access_log,
+        # Our SSE stream sends its own bytes often enough; uvicorn's keep-alive is for idle
+        # connections between requests.
+        timeout_keep_alive=30,
+    )
     return 0
 
 

@@ -51,8 +51,9 @@ def check_api_key(config: GatewayConfig, authorization: str | None) -> None:
         return
     scheme, _, token = (authorization or "").partition(" ")
     # Constant-time comparison: the key must not leak through response timing.
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                             config.api_key.encode()):
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        token.strip().encode(), config.api_key.encode()
+    ):
         raise unauthorized()
 
 
@@ -63,10 +64,17 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        gw.bus = bus or await Bus.connect(config.nats_url, "gateway",
-                                          connect_timeout_s=config.nats_connect_timeout_s)
-        log.info("gateway serving %s on %s:%d (nats %s, auth %s)", config.model_name or "(any model)",
-                 config.host, config.port, config.nats_url, "on" if config.api_key else "off")
+        gw.bus = bus or await Bus.connect(
+            config.nats_url, "gateway", connect_timeout_s=config.nats_connect_timeout_s
+        )
+        log.info(
+            "gateway serving %s on %s:%d (nats %s, auth %s)",
+            config.model_name or "(any model)",
+            config.host,
+            config.port,
+            config.nats_url,
+            "on" if config.api_key else "off",
+        )
         try:
             yield
         finally:
@@ -93,17 +101,27 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         # Both asked at once; the scheduler's failure is the reason given when both fail.
-        status, tokenizer = await asyncio.gather(gw.scheduler_status(), gw.tokenizer_status(),
-                                                 return_exceptions=True)
+        status, tokenizer = await asyncio.gather(
+            gw.scheduler_status(), gw.tokenizer_status(), return_exceptions=True
+        )
         for answer in (status, tokenizer):
             if isinstance(answer, APIError):
-                return JSONResponse({"status": "unavailable", "reason": answer.message}, status_code=503)
+                return JSONResponse(
+                    {"status": "unavailable", "reason": answer.message}, status_code=503
+                )
             if isinstance(answer, BaseException):
                 raise answer
         if not status.executors:
-            return JSONResponse({"status": "unavailable", "reason": "no live executor"}, status_code=503)
-        return JSONResponse({"status": "ok", "num_executors": len(status.executors),
-                             "num_queued": status.num_queued})
+            return JSONResponse(
+                {"status": "unavailable", "reason": "no live executor"}, status_code=503
+            )
+        return JSONResponse(
+            {
+                "status": "ok",
+                "num_executors": len(status.executors),
+                "num_queued": status.num_queued,
+            }
+        )
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -163,8 +181,13 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
     return app
 
 
-async def sse_body(gw: Gateway, p: Prepared, stream: GenerationStream, first: RequestOutput,
-                   tracker: RequestTracker) -> AsyncIterator[bytes]:
+async def sse_body(
+    gw: Gateway,
+    p: Prepared,
+    stream: GenerationStream,
+    first: RequestOutput,
+    tracker: RequestTracker,
+) -> AsyncIterator[bytes]:
     """SSE framing of chunk_events: every item as ``data: {...}``, always ending with [DONE] (also
     after an error event), unless the client is gone."""
     events = gw.chunk_events(p, stream, first, tracker)

@@ -17,58 +17,98 @@ class GatewayConfig:
     # The model name requests must send and /v1/models lists. None: whatever model names the live
     # executors report in their heartbeats (learnt from the scheduler), so it follows the stack.
     model_name: str | None = None
-    api_key: str | None = None                 # None: no auth
-    request_timeout_s: float = 600.0           # whole request, first byte to last; then abort + 504
-    max_tokens_default: int | None = None      # None: 16 for completions (OpenAI), unlimited for chat
-    health_timeout_s: float = 2.0              # scheduler status request of GET /health
+    api_key: str | None = None  # None: no auth
+    request_timeout_s: float = 600.0  # whole request, first byte to last; then abort + 504
+    max_tokens_default: int | None = None  # None: 16 for completions (OpenAI), unlimited for chat
+    health_timeout_s: float = 2.0  # scheduler status request of GET /health
     nats_connect_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
-            raise ValueError(f"nats_url must be a nats:// (or tls/ws/wss) URL, got {self.nats_url!r}")
+            raise ValueError(
+                f"nats_url must be a nats:// (or tls/ws/wss) URL, got {self.nats_url!r}"
+            )
         if not self.host:
             raise ValueError("host must not be empty")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.model_name is not None and (not self.model_name
-                                            or any(c.isspace() for c in self.model_name)):
-            raise ValueError(f"model_name must be a non-empty name without spaces, got {self.model_name!r}")
-        if self.api_key is not None and (not self.api_key or any(c.isspace() for c in self.api_key)):
+        if self.model_name is not None and (
+            not self.model_name or any(c.isspace() for c in self.model_name)
+        ):
+            raise ValueError(
+                f"model_name must be a non-empty name without spaces, got {self.model_name!r}"
+            )
+        if self.api_key is not None and (
+            not self.api_key or any(c.isspace() for c in self.api_key)
+        ):
             raise ValueError("api_key must be non-empty and contain no whitespace (or be unset)")
         for name in ("request_timeout_s", "health_timeout_s", "nats_connect_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_tokens_default is not None and self.max_tokens_default < 1:
-            raise ValueError(f"max_tokens_default must be >= 1 (or unset), got {self.max_tokens_default}")
+            raise ValueError(
+                f"max_tokens_default must be >= 1 (or unset), got {self.max_tokens_default}"
+            )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m services.gateway", description="The OpenAI-compatible HTTP/WebSocket edge of llmserve.")
+    p = argparse.ArgumentParser(
+        prog="python -m services.gateway",
+        description="The OpenAI-compatible HTTP/WebSocket edge of llmserve.",
+    )
     p.add_argument("--nats-url", default=env_str("NATS_URL", "nats://127.0.0.1:4222"))
     p.add_argument("--host", default=env_str("LLMSERVE_GATEWAY_HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=env_int("LLMSERVE_GATEWAY_PORT", 8000))
-    p.add_argument("--model-name", default=env_str("LLMSERVE_MODEL_NAME", None),
-                   help="the model name clients must send and /v1/models lists (default: the "
-                        "names the live executors report)")
-    p.add_argument("--api-key", default=env_str("LLMSERVE_API_KEY", None),
-                   help="require 'Authorization: Bearer <key>' on /v1/* (env LLMSERVE_API_KEY)")
-    p.add_argument("--access-log", action="store_true",
-                   default=env_bool("LLMSERVE_ACCESS_LOG", False),
-                   help="log every HTTP request (env LLMSERVE_ACCESS_LOG=1); off by default, as the "
-                        "launcher's readiness polls of /health would fill the log")
-    p.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
-                   help="abort a request (504) that has not finished after this long")
-    p.add_argument("--max-tokens-default", type=int, default=None,
-                   help="max_tokens when a request gives none (default: 16 for completions, "
-                        "until the context is full for chat)")
-    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="on SIGTERM, how long in-flight requests may take to finish")
+    p.add_argument(
+        "--model-name",
+        default=env_str("LLMSERVE_MODEL_NAME", None),
+        help="the model name clients must send and /v1/models lists (default: the "
+        "names the live executors report)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=env_str("LLMSERVE_API_KEY", None),
+        help="require 'Authorization: Bearer <key>' on /v1/* (env LLMSERVE_API_KEY)",
+    )
+    p.add_argument(
+        "--access-log",
+        action="store_true",
+        default=env_bool("LLMSERVE_ACCESS_LOG", False),
+        help="log every HTTP request (env LLMSERVE_ACCESS_LOG=1); off by default, as the "
+        "launcher's readiness polls of /health would fill the log",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="abort a request (504) that has not finished after this long",
+    )
+    p.add_argument(
+        "--max-tokens-default",
+        type=int,
+        default=None,
+        help="max_tokens when a request gives none (default: 16 for completions, "
+        "until the context is full for chat)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long in-flight requests may take to finish",
+    )
     p.add_argument("--log-level", default=env_str("LLMSERVE_LOG_LEVEL", "info"))
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
-    return GatewayConfig(nats_url=args.nats_url, host=args.host, port=args.port,
-                         model_name=args.model_name, api_key=args.api_key,
-                         request_timeout_s=args.request_timeout,
-                         max_tokens_default=args.max_tokens_default)
+    return GatewayConfig(
+        nats_url=args.nats_url,
+        host=args.host,
+        port=args.port,
+        model_name=args.model_name,
+        api_key=args.api_key,
+        request_timeout_s=args.request_timeout,
+        max_tokens_default=args.max_tokens_default,
+    )

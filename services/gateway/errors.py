@@ -63,8 +63,14 @@ class APIError(Exception):
         return f"{self.status} {self.type}: {self.message}"
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def headers(self) -> dict[str, str]:
         if self.retry_after_s is None:
@@ -86,13 +92,20 @@ def from_stream_error(err: StreamError) -> APIError:
 
 
 def unauthorized() -> APIError:
-    return APIError(401, "Invalid or missing API key. Pass it as 'Authorization: Bearer <key>'.",
-                    INVALID_REQUEST)
+    return APIError(
+        401,
+        "Invalid or missing API key. Pass it as 'Authorization: Bearer <key>'.",
+        INVALID_REQUEST,
+    )
 
 
 def model_not_found(model: str, served: str) -> APIError:
-    return APIError(404, f"The model '{model}' does not exist. This server serves '{served}'.",
-                    INVALID_REQUEST, "model")
+    return APIError(
+        404,
+        f"The model '{model}' does not exist. This server serves '{served}'.",
+        INVALID_REQUEST,
+        "model",
+    )
 
 
 def request_timeout(timeout_s: float) -> APIError:

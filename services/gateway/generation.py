@@ -24,10 +24,18 @@ import anyio
 
 from shared.wire import subjects
 from shared.wire.bus import Bus, BusError, BusTimeout
+from shared.wire.messages import (
+    SCHEDULER_STATUS,
+    SCHEDULER_STATUS_REQUEST,
+    TOKENIZER_STATUS,
+    TOKENIZER_STATUS_REQUEST,
+    GenerateRequest,
+    SchedulerStatus,
+    SchedulerStatusRequest,
+    TokenizerStatus,
+    TokenizerStatusRequest,
+)
 from shared.wire.outputs import RequestOutput
-from shared.wire.messages import (SCHEDULER_STATUS, SCHEDULER_STATUS_REQUEST, TOKENIZER_STATUS, TOKENIZER_STATUS_REQUEST,
-                             GenerateRequest, SchedulerStatus, SchedulerStatusRequest, TokenizerStatus,
-                             TokenizerStatusRequest)
 
 from . import protocol
 from .config import GatewayConfig
@@ -73,13 +81,19 @@ class Gateway:
         return self.bus
 
     async def scheduler_status(self) -> SchedulerStatus:
-        data = await self._status_request(subjects.SCHEDULER_STATUS,
-                                          SCHEDULER_STATUS_REQUEST.encode(SchedulerStatusRequest()), "scheduler")
+        data = await self._status_request(
+            subjects.SCHEDULER_STATUS,
+            SCHEDULER_STATUS_REQUEST.encode(SchedulerStatusRequest()),
+            "scheduler",
+        )
         return SCHEDULER_STATUS.decode(data)
 
     async def tokenizer_status(self) -> TokenizerStatus:
-        data = await self._status_request(subjects.TOKENIZER_STATUS,
-                                          TOKENIZER_STATUS_REQUEST.encode(TokenizerStatusRequest()), "tokenizer")
+        data = await self._status_request(
+            subjects.TOKENIZER_STATUS,
+            TOKENIZER_STATUS_REQUEST.encode(TokenizerStatusRequest()),
+            "tokenizer",
+        )
         return TOKENIZER_STATUS.decode(data)
 
     async def _status_request(self, subject: str, payload: bytes, service: str) -> bytes:
@@ -111,7 +125,9 @@ class Gateway:
 
     # -- requests ------------------------------------------------------------------------------
 
-    async def prepare(self, api: protocol.Api, body: bytes, *, force_stream: bool = False) -> Prepared:
+    async def prepare(
+        self, api: protocol.Api, body: bytes, *, force_stream: bool = False
+    ) -> Prepared:
         req = parse_chat_request(body) if api == "chat" else parse_completion_request(body)
         # The model is checked here, against the served set; the scheduler routes by it.
         await self.check_model(req.model)
@@ -120,20 +136,28 @@ class Gateway:
         prefix = "chatcmpl" if api == "chat" else "cmpl"
         request_id, deadline = f"{prefix}-{uuid.uuid4().hex}", now + self.config.request_timeout_s
         if isinstance(req, ChatCompletionRequest):
-            generate = protocol.chat_to_generate(req, request_id=request_id, limits=limits,
-                                                 arrival_time=now, deadline=deadline)
+            generate = protocol.chat_to_generate(
+                req, request_id=request_id, limits=limits, arrival_time=now, deadline=deadline
+            )
         else:
-            generate = protocol.completion_to_generate(req, request_id=request_id, limits=limits,
-                                                       arrival_time=now, deadline=deadline)
+            generate = protocol.completion_to_generate(
+                req, request_id=request_id, limits=limits, arrival_time=now, deadline=deadline
+            )
         stream = bool(req.stream) or force_stream
         spec = protocol.ResponseSpec(
-            api=api, request_id=generate.request_id, model=req.model, created=int(now),
-            n=generate.params.n, logprobs=generate.params.logprobs,
-            include_usage=stream and bool(req.stream_options and req.stream_options.include_usage))
+            api=api,
+            request_id=generate.request_id,
+            model=req.model,
+            created=int(now),
+            n=generate.params.n,
+            logprobs=generate.params.logprobs,
+            include_usage=stream and bool(req.stream_options and req.stream_options.include_usage),
+        )
         return Prepared(api, stream, generate, spec)
 
-    async def start(self, p: Prepared, disconnected: Callable[[], Awaitable[None]] | None
-                    ) -> tuple[GenerationStream, RequestOutput]:
+    async def start(
+        self, p: Prepared, disconnected: Callable[[], Awaitable[None]] | None
+    ) -> tuple[GenerationStream, RequestOutput]:
         """Dispatch and wait for the first output. On any exception the stream is closed (aborted)."""
         stream = GenerationStream(self._bus(), p.generate, self.config.request_timeout_s)
         try:
@@ -145,12 +169,17 @@ class Gateway:
             raise
         return stream, first
 
-    async def collect(self, p: Prepared, tracker: RequestTracker,
-                      disconnected: Callable[[], Awaitable[None]] | None) -> dict[str, Any]:
+    async def collect(
+        self,
+        p: Prepared,
+        tracker: RequestTracker,
+        disconnected: Callable[[], Awaitable[None]] | None,
+    ) -> dict[str, Any]:
         """The whole non-streaming response; raises APIError / ClientDisconnected."""
         builder = protocol.ResponseBuilder(p.spec)
         stream, out = await self.start(p, disconnected)
         try:
+
             async def fold(out: RequestOutput) -> None:
                 while True:
                     builder.apply(out, render=False)
@@ -164,12 +193,16 @@ class Gateway:
             with anyio.CancelScope(shield=True):
                 await stream.close()
         response = builder.response()
-        tracker.done(200, num_prompt_tokens=response["usage"]["prompt_tokens"],
-                     finish_reasons=[c["finish_reason"] for c in response["choices"]])
+        tracker.done(
+            200,
+            num_prompt_tokens=response["usage"]["prompt_tokens"],
+            finish_reasons=[c["finish_reason"] for c in response["choices"]],
+        )
         return response
 
-    async def chunk_events(self, p: Prepared, stream: GenerationStream, first: RequestOutput,
-                           tracker: RequestTracker) -> AsyncIterator[dict[str, Any]]:
+    async def chunk_events(
+        self, p: Prepared, stream: GenerationStream, first: RequestOutput, tracker: RequestTracker
+    ) -> AsyncIterator[dict[str, Any]]:
         """Every chunk of a started stream, then the usage chunk if asked; an error ends it with
         its error body. Closing this iterator early (client gone) closes and aborts the stream."""
         builder = protocol.ResponseBuilder(p.spec)
@@ -198,15 +231,20 @@ class Gateway:
             with anyio.CancelScope(shield=True):
                 await stream.close()
             response = builder.response()
-            tracker.done(status, num_prompt_tokens=response["usage"]["prompt_tokens"],
-                         finish_reasons=[c["finish_reason"] for c in response["choices"]])
+            tracker.done(
+                status,
+                num_prompt_tokens=response["usage"]["prompt_tokens"],
+                finish_reasons=[c["finish_reason"] for c in response["choices"]],
+            )
 
 
 def _num_tokens(out: RequestOutput) -> int:
     return sum(len(d.token_ids) for d in out.deltas)
 
 
-async def race_disconnect(aw: Awaitable[T], disconnected: Callable[[], Awaitable[None]] | None) -> T:
+async def race_disconnect(
+    aw: Awaitable[T], disconnected: Callable[[], Awaitable[None]] | None
+) -> T:
     """``await aw``, unless ``disconnected()`` returns first: then cancel it, raise ClientDisconnected."""
     if disconnected is None:
         return await aw

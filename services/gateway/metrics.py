@@ -17,35 +17,125 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 CLIENT_CLOSED = 499
 
 # vLLM's buckets for the same histograms.
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                10.0, 20.0, 40.0, 80.0)
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r, labels = self.registry, []  # one served model per gateway: no model label
-        self.requests = Counter("llmserve:gateway_requests", "Requests by endpoint and final status.",
-                                ["endpoint", "status"], registry=r)
-        self.in_flight = Gauge("llmserve:gateway_requests_in_flight",
-                               "Generation requests the gateway is waiting on.", labels, registry=r)
-        self.request_success = Counter("llmserve:request_success", "Finished requests by finish reason.",
-                                       ["finished_reason"], registry=r)
-        self.ttft = Histogram("llmserve:time_to_first_token_seconds", "Time to first token.", labels,
-                              buckets=_TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("llmserve:inter_token_latency_seconds",
-                             "Time between consecutive token-carrying outputs.", labels,
-                             buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("llmserve:e2e_request_latency_seconds", "End-to-end request latency.",
-                             labels, buckets=_E2E_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("llmserve:prompt_tokens", "Prompt tokens of finished requests.",
-                                     labels, registry=r)
-        self.generation_tokens = Counter("llmserve:generation_tokens", "Generated tokens.", labels,
-                                         registry=r)
+        self.requests = Counter(
+            "llmserve:gateway_requests",
+            "Requests by endpoint and final status.",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "llmserve:gateway_requests_in_flight",
+            "Generation requests the gateway is waiting on.",
+            labels,
+            registry=r,
+        )
+        self.request_success = Counter(
+            "llmserve:request_success",
+            "Finished requests by finish reason.",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "llmserve:time_to_first_token_seconds",
+            "Time to first token.",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "llmserve:inter_token_latency_seconds",
+            "Time between consecutive token-carrying outputs.",
+            labels,
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "llmserve:e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            labels,
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "llmserve:prompt_tokens", "Prompt tokens of finished requests.", labels, registry=r
+        )
+        self.generation_tokens = Counter(
+            "llmserve:generation_tokens", "Generated tokens.", labels, registry=r
+        )
 
     def count(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
@@ -76,8 +166,13 @@ class RequestTracker:
         self._last_token_at = now
         self._m.generation_tokens.inc(num_tokens)
 
-    def done(self, status: int, *, num_prompt_tokens: int = 0,
-             finish_reasons: list[str | None] | None = None) -> None:
+    def done(
+        self,
+        status: int,
+        *,
+        num_prompt_tokens: int = 0,
+        finish_reasons: list[str | None] | None = None,
+    ) -> None:
         if self._done:
             return
         self._done = True

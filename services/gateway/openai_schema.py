@@ -14,8 +14,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import APIError, bad_request
 
-__all__ = ["CompletionRequest", "ChatCompletionRequest", "ChatMessageIn", "StreamOptions",
-           "parse_completion_request", "parse_chat_request"]
+__all__ = [
+    "ChatCompletionRequest",
+    "ChatMessageIn",
+    "CompletionRequest",
+    "StreamOptions",
+    "parse_chat_request",
+    "parse_completion_request",
+]
 
 
 class _Model(BaseModel):
@@ -89,8 +95,8 @@ class ChatCompletionRequest(_CommonRequest):
 _FIELD_HINTS: dict[str, str] = {
     "prompt": "must be a string, a list of token ids, or a list of one of those",
     "stop": "must be a string or a list of strings",
-    "content": "must be a string or a list of {\"type\": \"text\", \"text\": ...} parts",
-    "stream_options": "must be an object like {\"include_usage\": true}",
+    "content": 'must be a string or a list of {"type": "text", "text": ...} parts',
+    "stream_options": 'must be an object like {"include_usage": true}',
 }
 
 
@@ -107,7 +113,7 @@ def _edge_error(e: ValidationError) -> APIError:
         return bad_request(f"Missing required parameter: '{'.'.join(loc)}'.", param)
     for i, part in enumerate(loc):
         if part in _FIELD_HINTS:  # cut pydantic's union-member tags ("prompt.str") off the path
-            return bad_request(f"Invalid '{'.'.join(loc[:i + 1])}': {_FIELD_HINTS[part]}.", param)
+            return bad_request(f"Invalid '{'.'.join(loc[: i + 1])}': {_FIELD_HINTS[part]}.", param)
     return bad_request(f"Invalid '{'.'.join(loc)}': {first['msg']}.", param)
 
 

@@ -29,12 +29,16 @@ def sse_event(obj: Any) -> bytes:
 class EventStreamResponse(Response):
     media_type = "text/event-stream"
 
-    def __init__(self, body: AsyncIterator[bytes], headers: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, body: AsyncIterator[bytes], headers: Mapping[str, str] | None = None
+    ) -> None:
         self.body_iterator = body
         self.status_code = 200
         self.background = None
         # no-cache: proxies must not hold events; X-Accel-Buffering: nginx must not buffer them.
-        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
+        self.init_headers(
+            {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})}
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = self.body_iterator
@@ -48,8 +52,13 @@ class EventStreamResponse(Response):
 
                 tg.start_soon(watch_disconnect)
                 try:
-                    await send({"type": "http.response.start", "status": self.status_code,
-                                "headers": self.raw_headers})
+                    await send(
+                        {
+                            "type": "http.response.start",
+                            "status": self.status_code,
+                            "headers": self.raw_headers,
+                        }
+                    )
                     async for chunk in body:
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -20,9 +20,16 @@ import msgspec
 
 from shared.wire import subjects
 from shared.wire.bus import Bus, BusError, BusNoResponders, BusTimeout, Subscription
+from shared.wire.messages import (
+    ABORT_REQUEST,
+    GENERATE_REQUEST,
+    STREAM_MESSAGE,
+    AbortRequest,
+    GenerateRequest,
+    StreamError,
+    StreamOutput,
+)
 from shared.wire.outputs import RequestOutput
-from shared.wire.messages import (ABORT_REQUEST, GENERATE_REQUEST, STREAM_MESSAGE, AbortRequest,
-                             GenerateRequest, StreamError, StreamOutput)
 
 from .errors import APIError, from_stream_error, request_timeout, service_unavailable
 
@@ -39,7 +46,7 @@ class GenerationStream:
         self.timeout_s = timeout_s
         self._deadline = time.monotonic() + timeout_s
         self._sub: Subscription | None = None
-        self.ended = False            # a finished output or an error arrived: nothing to abort
+        self.ended = False  # a finished output or an error arrived: nothing to abort
         self.abort_reason: str | None = None
 
     @property
@@ -49,8 +56,11 @@ class GenerationStream:
     async def open(self) -> None:
         try:
             self._sub = await self.bus.subscribe_iter(subjects.stream(self.request_id))
-            await self.bus.request(subjects.TOKENIZER_GENERATE, GENERATE_REQUEST.encode(self.request),
-                                   timeout=max(self._deadline - time.monotonic(), 0.001))
+            await self.bus.request(
+                subjects.TOKENIZER_GENERATE,
+                GENERATE_REQUEST.encode(self.request),
+                timeout=max(self._deadline - time.monotonic(), 0.001),
+            )
         except BusNoResponders:
             self.ended = True  # nobody took it, nothing to abort
             raise service_unavailable("No tokenizer is running.") from None
@@ -99,8 +109,10 @@ class GenerationStream:
             self.ended = True
             reason = reason or self.abort_reason or "client disconnected"
             try:
-                await self.bus.publish(subjects.ABORT, ABORT_REQUEST.encode(
-                    AbortRequest(request_id=self.request_id, reason=reason)))
+                await self.bus.publish(
+                    subjects.ABORT,
+                    ABORT_REQUEST.encode(AbortRequest(request_id=self.request_id, reason=reason)),
+                )
             except BusError as e:
                 log.warning("could not publish abort of %s: %s", self.request_id, e)
         if self._sub is not None:

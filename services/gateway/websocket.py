@@ -67,8 +67,9 @@ class _Inbox:
         self._task.cancel()
 
 
-def register_websocket(app: FastAPI, gw: Gateway,
-                       check_api_key: Callable[[Any, str | None], None]) -> None:
+def register_websocket(
+    app: FastAPI, gw: Gateway, check_api_key: Callable[[Any, str | None], None]
+) -> None:
     @app.websocket("/v1/ws")
     async def ws(websocket: WebSocket) -> None:
         await websocket.accept()
@@ -123,8 +124,13 @@ async def _serve_one(gw: Gateway, websocket: WebSocket, data: bytes, inbox: _Inb
                     return
             except (msgspec.DecodeError, AttributeError):
                 pass
-            await _send(websocket, bad_request("A request is in progress on this socket; send "
-                                               "{\"abort\": true} or wait for {\"done\": true}.").body())
+            await _send(
+                websocket,
+                bad_request(
+                    "A request is in progress on this socket; send "
+                    '{"abort": true} or wait for {"done": true}.'
+                ).body(),
+            )
 
     try:
         stream, first = await gw.start(p, stopped)
@@ -152,8 +158,11 @@ async def _serve_one(gw: Gateway, websocket: WebSocket, data: bytes, inbox: _Inb
     try:
         await race_disconnect(pump(), stopped)
     except ClientDisconnected:
-        log.info("%s: websocket client %s", p.generate.request_id,
-                 "aborted the request" if aborted else "disconnected")
+        log.info(
+            "%s: websocket client %s",
+            p.generate.request_id,
+            "aborted the request" if aborted else "disconnected",
+        )
         if not aborted:
             return False
     except Exception as e:  # the socket failed under us (send on a closed connection)

@@ -26,8 +26,15 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from shared.wire.messages import (ExecuteRequest, ExecutorHeartbeat, ExecutorStatus, RequestProgress,
-                             SchedulerStatus, StreamError, TokenizedRequest)
+from shared.wire.messages import (
+    ExecuteRequest,
+    ExecutorHeartbeat,
+    ExecutorStatus,
+    RequestProgress,
+    SchedulerStatus,
+    StreamError,
+    TokenizedRequest,
+)
 
 ROLES_THAT_DECODE = ("decode", "both")
 
@@ -36,11 +43,11 @@ ROLES_THAT_DECODE = ("decode", "both")
 class RouterConfig:
     max_queue_len: int = 256
     heartbeat_timeout_s: float = 2.0
-    no_executor_timeout_s: float = 10.0     # queued requests wait this long for any executor → 503
-    max_in_flight_per_executor: int | None = None   # None: the executor's max_num_seqs
-    default_max_in_flight: int = 64         # when neither the flag nor the heartbeat says
-    retry_after_s: float = 1.0              # Retry-After on 429
-    max_attempts: int = 3                   # routing attempts of one request (fail-over included)
+    no_executor_timeout_s: float = 10.0  # queued requests wait this long for any executor → 503
+    max_in_flight_per_executor: int | None = None  # None: the executor's max_num_seqs
+    default_max_in_flight: int = 64  # when neither the flag nor the heartbeat says
+    retry_after_s: float = 1.0  # Retry-After on 429
+    max_attempts: int = 3  # routing attempts of one request (fail-over included)
 
     def __post_init__(self) -> None:
         if self.max_queue_len < 0:
@@ -49,7 +56,9 @@ class RouterConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_in_flight_per_executor is not None and self.max_in_flight_per_executor < 1:
-            raise ValueError(f"max_in_flight_per_executor must be >= 1, got {self.max_in_flight_per_executor}")
+            raise ValueError(
+                f"max_in_flight_per_executor must be >= 1, got {self.max_in_flight_per_executor}"
+            )
         if self.default_max_in_flight < 1 or self.max_attempts < 1:
             raise ValueError("default_max_in_flight and max_attempts must be >= 1")
 
@@ -94,7 +103,7 @@ class ExecutorState:
 
 @dataclass(order=True)
 class _Queued:
-    sort_key: tuple[int, int, int]          # (-attempt: retries first, priority, arrival sequence)
+    sort_key: tuple[int, int, int]  # (-attempt: retries first, priority, arrival sequence)
     request: ExecuteRequest = field(compare=False)
     deadline: float | None = field(compare=False, default=None)
     cancelled: bool = field(compare=False, default=False)
@@ -111,10 +120,12 @@ class Router:
         # One heap per model (FIFO within a model: a busy model does not hold up another one's
         # requests); cancelled entries are skipped lazily, an empty heap is removed.
         self._queues: dict[str, list[_Queued]] = {}
-        self._queued: dict[str, _Queued] = {}      # live entries by request id
+        self._queued: dict[str, _Queued] = {}  # live entries by request id
         self._seq = itertools.count()
-        self._started = now                        # grace period from start: executors may be loading
-        self._model_seen: dict[str, float] = {}    # model -> when an executor serving it last reported
+        self._started = now  # grace period from start: executors may be loading
+        self._model_seen: dict[
+            str, float
+        ] = {}  # model -> when an executor serving it last reported
 
     # -- inputs ------------------------------------------------------------------------------
 
@@ -136,17 +147,41 @@ class Router:
         if req.request_id in self._queued or self._owner(req.request_id) is not None:
             return []  # a redelivered submit: the request is already being served
         if req.deadline is not None and wall_time >= req.deadline:
-            return [Fail(StreamError(request_id=req.request_id, status=504, type="timeout_error",
-                                     message="the request timed out before it was scheduled"))]
-        if self._alive(now) and not any(s.heartbeat.model == req.model for s in self.executors.values()):
+            return [
+                Fail(
+                    StreamError(
+                        request_id=req.request_id,
+                        status=504,
+                        type="timeout_error",
+                        message="the request timed out before it was scheduled",
+                    )
+                )
+            ]
+        if self._alive(now) and not any(
+            s.heartbeat.model == req.model for s in self.executors.values()
+        ):
             served = ", ".join(sorted({s.heartbeat.model for s in self.executors.values()}))
-            return [Fail(StreamError(request_id=req.request_id, status=404, type="invalid_request_error",
-                                     param="model", message=f"The model '{req.model}' does not exist. "
-                                                            f"This server serves '{served}'."))]
-        request = ExecuteRequest(request_id=req.request_id, model=req.model,
-                                 prompt_token_ids=req.prompt_token_ids,
-                                 block_hashes=req.block_hashes, params=req.params, priority=req.priority,
-                                 arrival_time=req.arrival_time)
+            return [
+                Fail(
+                    StreamError(
+                        request_id=req.request_id,
+                        status=404,
+                        type="invalid_request_error",
+                        param="model",
+                        message=f"The model '{req.model}' does not exist. "
+                        f"This server serves '{served}'.",
+                    )
+                )
+            ]
+        request = ExecuteRequest(
+            request_id=req.request_id,
+            model=req.model,
+            prompt_token_ids=req.prompt_token_ids,
+            block_hashes=req.block_hashes,
+            params=req.params,
+            priority=req.priority,
+            arrival_time=req.arrival_time,
+        )
         return self._admit(request, now, req.deadline)
 
     def on_progress(self, progress: RequestProgress, now: float) -> list[Action]:
@@ -182,12 +217,22 @@ class Router:
             self._model_seen[s.heartbeat.model] = now
         for entry in list(self._queued.values()):
             if entry.deadline is not None and wall_time >= entry.deadline:
-                actions.append(self._drop_queued(entry, 504, "timeout_error",
-                                                 "the request timed out while waiting in the queue"))
+                actions.append(
+                    self._drop_queued(
+                        entry,
+                        504,
+                        "timeout_error",
+                        "the request timed out while waiting in the queue",
+                    )
+                )
         for entry in list(self._queued.values()):
             model = entry.request.model
             if self._no_executor_for(model, now):
-                actions.append(self._drop_queued(entry, 503, "server_error", self._no_executor_message(model, now)))
+                actions.append(
+                    self._drop_queued(
+                        entry, 503, "server_error", self._no_executor_message(model, now)
+                    )
+                )
         return actions + self._drain_queue(now)
 
     # -- outputs -----------------------------------------------------------------------------
@@ -198,16 +243,21 @@ class Router:
 
     def status(self, now: float) -> SchedulerStatus:
         executors = [
-            ExecutorStatus(executor_id=s.executor_id, model=s.heartbeat.model,
-                           num_free_blocks=s.heartbeat.stats.num_free_blocks,
-                           num_total_blocks=s.heartbeat.stats.num_total_blocks,
-                           num_running=s.heartbeat.stats.num_running,
-                           num_waiting=s.heartbeat.stats.num_waiting,
-                           num_in_flight=len(s.in_flight), last_heartbeat_age_s=now - s.last_seen)
+            ExecutorStatus(
+                executor_id=s.executor_id,
+                model=s.heartbeat.model,
+                num_free_blocks=s.heartbeat.stats.num_free_blocks,
+                num_total_blocks=s.heartbeat.stats.num_total_blocks,
+                num_running=s.heartbeat.stats.num_running,
+                num_waiting=s.heartbeat.stats.num_waiting,
+                num_in_flight=len(s.in_flight),
+                last_heartbeat_age_s=now - s.last_seen,
+            )
             for s in self._alive(now)
         ]
-        return SchedulerStatus(executors=executors, num_queued=self.num_queued,
-                               max_queue_len=self.config.max_queue_len)
+        return SchedulerStatus(
+            executors=executors, num_queued=self.num_queued, max_queue_len=self.config.max_queue_len
+        )
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -217,20 +267,28 @@ class Router:
         return state.heartbeat.max_num_seqs or self.config.default_max_in_flight
 
     def _alive(self, now: float) -> list[ExecutorState]:
-        return [s for s in self.executors.values()
-                if now - s.last_seen <= self.config.heartbeat_timeout_s
-                and not s.heartbeat.draining and s.heartbeat.role in ROLES_THAT_DECODE]
+        return [
+            s
+            for s in self.executors.values()
+            if now - s.last_seen <= self.config.heartbeat_timeout_s
+            and not s.heartbeat.draining
+            and s.heartbeat.role in ROLES_THAT_DECODE
+        ]
 
     def _last_seen(self, model: str) -> float:
         return self._model_seen.get(model, self._started)
 
     def _no_executor_for(self, model: str, now: float) -> bool:
-        return (not any(s.heartbeat.model == model for s in self._alive(now))
-                and now - self._last_seen(model) >= self.config.no_executor_timeout_s)
+        return (
+            not any(s.heartbeat.model == model for s in self._alive(now))
+            and now - self._last_seen(model) >= self.config.no_executor_timeout_s
+        )
 
     def _no_executor_message(self, model: str, now: float) -> str:
-        return (f"no executor serving {model} is available (none has reported for "
-                f"{now - self._last_seen(model):.1f}s); try again later")
+        return (
+            f"no executor serving {model} is available (none has reported for "
+            f"{now - self._last_seen(model):.1f}s); try again later"
+        )
 
     def _pick(self, request: ExecuteRequest, now: float) -> ExecutorState | None:
         """Among the executors serving the request's model, the least loaded: fewest in-flight
@@ -249,29 +307,45 @@ class Router:
                 best, best_key = s, key
         return best
 
-    def _admit(self, request: ExecuteRequest, now: float, deadline: float | None,
-               is_retry: bool = False) -> list[Action]:
+    def _admit(
+        self, request: ExecuteRequest, now: float, deadline: float | None, is_retry: bool = False
+    ) -> list[Action]:
         # Strict FIFO within a model and priority: a new request may not overtake its model's queue.
         if self._head(request.model) is None:
             target = self._pick(request, now)
             if target is not None:
                 return [self._dispatch(target, request, deadline)]
         if self._no_executor_for(request.model, now):
-            return [Fail(StreamError(request_id=request.request_id, status=503,
-                                     message=self._no_executor_message(request.model, now)))]
+            return [
+                Fail(
+                    StreamError(
+                        request_id=request.request_id,
+                        status=503,
+                        message=self._no_executor_message(request.model, now),
+                    )
+                )
+            ]
         if not is_retry and len(self._queued) >= self.config.max_queue_len:
-            return [Fail(StreamError(
-                request_id=request.request_id, status=429, type="rate_limit_error",
-                message=f"the server is overloaded: {len(self._queued)} requests are already waiting "
+            return [
+                Fail(
+                    StreamError(
+                        request_id=request.request_id,
+                        status=429,
+                        type="rate_limit_error",
+                        message=f"the server is overloaded: {len(self._queued)} requests are already waiting "
                         f"(max_queue_len={self.config.max_queue_len}); retry later",
-                retry_after_s=self.config.retry_after_s))]
+                        retry_after_s=self.config.retry_after_s,
+                    )
+                )
+            ]
         entry = _Queued((-request.attempt, request.priority, next(self._seq)), request, deadline)
         heapq.heappush(self._queues.setdefault(request.model, []), entry)
         self._queued[request.request_id] = entry
         return self._drain_queue(now)
 
-    def _dispatch(self, target: ExecutorState, request: ExecuteRequest,
-                  deadline: float | None) -> Dispatch:
+    def _dispatch(
+        self, target: ExecutorState, request: ExecuteRequest, deadline: float | None
+    ) -> Dispatch:
         target.in_flight[request.request_id] = _InFlight(request, _weight(request), deadline)
         return Dispatch(target.executor_id, request)
 
@@ -300,8 +374,11 @@ class Router:
     def _drop_queued(self, entry: _Queued, status: int, type_: str, message: str) -> Fail:
         entry.cancelled = True
         del self._queued[entry.request.request_id]
-        return Fail(StreamError(request_id=entry.request.request_id, status=status, type=type_,
-                                message=message))
+        return Fail(
+            StreamError(
+                request_id=entry.request.request_id, status=status, type=type_, message=message
+            )
+        )
 
     def _owner(self, request_id: str) -> ExecutorState | None:
         for s in self.executors.values():
@@ -317,15 +394,27 @@ class Router:
             if entry.aborted:
                 continue
             if entry.started:
-                actions.append(Fail(StreamError(
-                    request_id=rid, status=502,
-                    message=f"executor {state.executor_id} {why} while generating this response; "
-                            f"the output is incomplete")))
+                actions.append(
+                    Fail(
+                        StreamError(
+                            request_id=rid,
+                            status=502,
+                            message=f"executor {state.executor_id} {why} while generating this response; "
+                            f"the output is incomplete",
+                        )
+                    )
+                )
             elif entry.request.attempt + 1 >= self.config.max_attempts:
-                actions.append(Fail(StreamError(
-                    request_id=rid, status=503,
-                    message=f"executor {state.executor_id} {why} before this request started, "
-                            f"after {entry.request.attempt + 1} attempts; try again later")))
+                actions.append(
+                    Fail(
+                        StreamError(
+                            request_id=rid,
+                            status=503,
+                            message=f"executor {state.executor_id} {why} before this request started, "
+                            f"after {entry.request.attempt + 1} attempts; try again later",
+                        )
+                    )
+                )
             else:
                 retry = msgspec.structs.replace(entry.request, attempt=entry.request.attempt + 1)
                 actions += self._admit(retry, now, entry.deadline, is_retry=True)

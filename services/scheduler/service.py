@@ -28,11 +28,15 @@ class SchedulerService:
         self._ticker: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        await self.bus.subscribe(subjects.SCHEDULER_SUBMIT, self._on_submit, queue=subjects.QUEUE_SCHEDULER)
+        await self.bus.subscribe(
+            subjects.SCHEDULER_SUBMIT, self._on_submit, queue=subjects.QUEUE_SCHEDULER
+        )
         await self.bus.subscribe(subjects.EXECUTOR_STATS_ALL, self._on_heartbeat)
         await self.bus.subscribe(subjects.SCHEDULER_PROGRESS, self._on_progress)
         await self.bus.subscribe(subjects.ABORT, self._on_abort)
-        await self.bus.subscribe(subjects.SCHEDULER_STATUS, self._on_status, queue=subjects.QUEUE_SCHEDULER)
+        await self.bus.subscribe(
+            subjects.SCHEDULER_STATUS, self._on_status, queue=subjects.QUEUE_SCHEDULER
+        )
         await self.bus.flush()
         self._ticker = asyncio.create_task(self._tick_loop())
 
@@ -63,7 +67,9 @@ class SchedulerService:
 
     async def _on_status(self, msg: Msg) -> None:
         if msg.reply:
-            await msg.respond(messages.SCHEDULER_STATUS.encode(self.router.status(time.monotonic())))
+            await msg.respond(
+                messages.SCHEDULER_STATUS.encode(self.router.status(time.monotonic()))
+            )
 
     async def _tick_loop(self) -> None:
         while True:
@@ -77,13 +83,22 @@ class SchedulerService:
         for action in actions:
             try:
                 if isinstance(action, Dispatch):
-                    await self.bus.publish(subjects.executor_decode(action.executor_id),
-                                           messages.EXECUTE_REQUEST.encode(action.request), headers=headers)
+                    await self.bus.publish(
+                        subjects.executor_decode(action.executor_id),
+                        messages.EXECUTE_REQUEST.encode(action.request),
+                        headers=headers,
+                    )
                 elif isinstance(action, Fail):
-                    log.info("request %s failed: %d %s", action.error.request_id, action.error.status,
-                             action.error.message)
-                    await self.bus.publish(subjects.stream(action.error.request_id),
-                                           messages.STREAM_MESSAGE.encode(action.error))
+                    log.info(
+                        "request %s failed: %d %s",
+                        action.error.request_id,
+                        action.error.status,
+                        action.error.message,
+                    )
+                    await self.bus.publish(
+                        subjects.stream(action.error.request_id),
+                        messages.STREAM_MESSAGE.encode(action.error),
+                    )
             except BusError:
                 log.exception("cannot publish a scheduler action")
 
@@ -92,8 +107,11 @@ async def serve(config: SchedulerConfig, stop: asyncio.Event) -> None:
     bus = await Bus.connect(config.nats_url, config.name)
     service = SchedulerService(bus, config)
     await service.start()
-    log.info("scheduler ready (max_queue_len=%d, heartbeat_timeout=%.1fs)",
-             config.router.max_queue_len, config.router.heartbeat_timeout_s)
+    log.info(
+        "scheduler ready (max_queue_len=%d, heartbeat_timeout=%.1fs)",
+        config.router.max_queue_len,
+        config.router.heartbeat_timeout_s,
+    )
     await stop.wait()
     await service.stop()
     await bus.drain()

@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from shared.wire.block_hash import hash_prompt_blocks
 from shared.engine.tokenizer import ChatTemplateError, Tokenizer, read_gguf_metadata
+from shared.wire.block_hash import hash_prompt_blocks
 from shared.wire.messages import GenerateRequest, StreamError, TokenizedRequest
 
 
@@ -23,8 +23,13 @@ class PromptError(ValueError):
         self.param = param
 
     def to_stream_error(self, request_id: str) -> StreamError:
-        return StreamError(request_id=request_id, status=400, type="invalid_request_error",
-                           message=str(self), param=self.param)
+        return StreamError(
+            request_id=request_id,
+            status=400,
+            type="invalid_request_error",
+            message=str(self),
+            param=self.param,
+        )
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,9 @@ def _encode_chat(req: GenerateRequest, tokenizer: Tokenizer) -> list[int]:
     assert req.messages is not None
     messages = [{"role": m.role, "content": m.content} for m in req.messages]
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=req.add_generation_prompt
+        )
     except ChatTemplateError as e:
         raise PromptError(f"cannot render the chat template: {e}", "messages") from e
     # Most templates write BOS themselves; add it only when the model wants one and it is missing.
@@ -68,10 +75,17 @@ def _encode_chat(req: GenerateRequest, tokenizer: Tokenizer) -> list[int]:
 
 def prompt_token_ids(req: GenerateRequest, tokenizer: Tokenizer) -> tuple[list[int], str]:
     """The prompt's ids and the name of the parameter they came from."""
-    given = [name for name in ("prompt", "prompt_token_ids", "messages") if getattr(req, name) is not None]
+    given = [
+        name
+        for name in ("prompt", "prompt_token_ids", "messages")
+        if getattr(req, name) is not None
+    ]
     if len(given) != 1:
-        raise PromptError(f"exactly one of prompt, prompt_token_ids or messages must be given, got "
-                          f"{', '.join(given) or 'none'}", "prompt")
+        raise PromptError(
+            f"exactly one of prompt, prompt_token_ids or messages must be given, got "
+            f"{', '.join(given) or 'none'}",
+            "prompt",
+        )
     if req.messages is not None:
         if not req.messages:
             raise PromptError("messages must not be empty", "messages")
@@ -83,11 +97,15 @@ def prompt_token_ids(req: GenerateRequest, tokenizer: Tokenizer) -> tuple[list[i
     ids = list(req.prompt_token_ids or [])
     bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
     if bad:
-        raise PromptError(f"prompt token ids must be in [0, {tokenizer.vocab_size}); got {bad[:5]}", "prompt")
+        raise PromptError(
+            f"prompt token ids must be in [0, {tokenizer.vocab_size}); got {bad[:5]}", "prompt"
+        )
     return ids, "prompt"
 
 
-def tokenize_request(req: GenerateRequest, tokenizer: Tokenizer, limits: PromptLimits) -> TokenizedRequest:
+def tokenize_request(
+    req: GenerateRequest, tokenizer: Tokenizer, limits: PromptLimits
+) -> TokenizedRequest:
     ids, param = prompt_token_ids(req, tokenizer)
     if not ids:
         raise PromptError(f"the {param} encodes to zero tokens", param)
@@ -101,7 +119,15 @@ def tokenize_request(req: GenerateRequest, tokenizer: Tokenizer, limits: PromptL
             f"requested {num_prompt + (max_tokens or 0)} tokens ({num_prompt} {where}, "
             f"{max_tokens or 0} for the completion). Please reduce the length of the {param} "
             f"or the completion (max_tokens).",
-            param if num_prompt >= limits.max_model_len or not max_tokens else "max_tokens")
-    return TokenizedRequest(request_id=req.request_id, model=req.model, prompt_token_ids=ids,
-                            block_hashes=hash_prompt_blocks(ids, limits.block_size), params=req.params,
-                            priority=req.priority, arrival_time=req.arrival_time, deadline=req.deadline)
+            param if num_prompt >= limits.max_model_len or not max_tokens else "max_tokens",
+        )
+    return TokenizedRequest(
+        request_id=req.request_id,
+        model=req.model,
+        prompt_token_ids=ids,
+        block_hashes=hash_prompt_blocks(ids, limits.block_size),
+        params=req.params,
+        priority=req.priority,
+        arrival_time=req.arrival_time,
+        deadline=req.deadline,
+    )

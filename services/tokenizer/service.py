@@ -17,9 +17,9 @@ import msgspec
 
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.prompts import PromptError, PromptLimits, tokenize_request
+from shared.engine.tokenizer import Tokenizer
 from shared.wire import messages, subjects
 from shared.wire.bus import Bus, BusError, BusNoResponders, BusTimeout, Msg
-from shared.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("llmserve.tokenizer")
 
@@ -37,8 +37,13 @@ class TokenizerService:
 
     async def start(self) -> None:
         self._subscriptions = [
-            await self.bus.subscribe(subjects.TOKENIZER_GENERATE, self._on_generate, queue=subjects.QUEUE_TOKENIZER),
-            await self.bus.subscribe(subjects.TOKENIZER_STATUS, self._on_status, queue=subjects.QUEUE_TOKENIZER)]
+            await self.bus.subscribe(
+                subjects.TOKENIZER_GENERATE, self._on_generate, queue=subjects.QUEUE_TOKENIZER
+            ),
+            await self.bus.subscribe(
+                subjects.TOKENIZER_STATUS, self._on_status, queue=subjects.QUEUE_TOKENIZER
+            ),
+        ]
         await self.bus.flush()
 
     async def stop(self) -> None:
@@ -51,8 +56,13 @@ class TokenizerService:
             await asyncio.wait(set(self._submits))
 
     async def _on_status(self, msg: Msg) -> None:
-        await msg.respond(messages.TOKENIZER_STATUS.encode(messages.TokenizerStatus(
-            max_model_len=self.limits.max_model_len, block_size=self.limits.block_size)))
+        await msg.respond(
+            messages.TOKENIZER_STATUS.encode(
+                messages.TokenizerStatus(
+                    max_model_len=self.limits.max_model_len, block_size=self.limits.block_size
+                )
+            )
+        )
 
     async def _on_generate(self, msg: Msg) -> None:
         try:
@@ -69,33 +79,64 @@ class TokenizerService:
             return
         except Exception as e:  # a tokenizer bug must still end the request, not leave it hanging
             log.exception("tokenizing %s failed", req.request_id)
-            await self._fail(messages.StreamError(request_id=req.request_id, status=500,
-                                                  message=f"tokenizer failed: {e}"))
+            await self._fail(
+                messages.StreamError(
+                    request_id=req.request_id, status=500, message=f"tokenizer failed: {e}"
+                )
+            )
             return
         task = asyncio.create_task(self._submit(tokenized, msg.headers))
         self._submits.add(task)
         task.add_done_callback(self._submits.discard)
 
-    async def _submit(self, tokenized: messages.TokenizedRequest, headers: dict[str, str] | None) -> None:
+    async def _submit(
+        self, tokenized: messages.TokenizedRequest, headers: dict[str, str] | None
+    ) -> None:
         try:
-            await self.bus.request(subjects.SCHEDULER_SUBMIT, messages.TOKENIZED_REQUEST.encode(tokenized),
-                                   timeout=SUBMIT_ACK_TIMEOUT_S, headers=headers)
+            await self.bus.request(
+                subjects.SCHEDULER_SUBMIT,
+                messages.TOKENIZED_REQUEST.encode(tokenized),
+                timeout=SUBMIT_ACK_TIMEOUT_S,
+                headers=headers,
+            )
         except BusNoResponders:
-            await self._fail(messages.StreamError(request_id=tokenized.request_id, status=503,
-                                                  message="No scheduler is running."))
+            await self._fail(
+                messages.StreamError(
+                    request_id=tokenized.request_id, status=503, message="No scheduler is running."
+                )
+            )
         except BusTimeout:
             # A stuck scheduler may still route it later: the abort frees it wherever it lands.
-            log.error("the scheduler did not acknowledge %s within %.0f s", tokenized.request_id, SUBMIT_ACK_TIMEOUT_S)
-            await self.bus.publish(subjects.ABORT, messages.ABORT_REQUEST.encode(messages.AbortRequest(
-                request_id=tokenized.request_id, reason="the scheduler did not acknowledge it")))
-            await self._fail(messages.StreamError(
-                request_id=tokenized.request_id, status=503,
-                message=f"The scheduler did not acknowledge the request within {SUBMIT_ACK_TIMEOUT_S:.0f} s."))
-        except BusError as e:  # the connection is going away: nothing can reach the request's stream
+            log.error(
+                "the scheduler did not acknowledge %s within %.0f s",
+                tokenized.request_id,
+                SUBMIT_ACK_TIMEOUT_S,
+            )
+            await self.bus.publish(
+                subjects.ABORT,
+                messages.ABORT_REQUEST.encode(
+                    messages.AbortRequest(
+                        request_id=tokenized.request_id,
+                        reason="the scheduler did not acknowledge it",
+                    )
+                ),
+            )
+            await self._fail(
+                messages.StreamError(
+                    request_id=tokenized.request_id,
+                    status=503,
+                    message=f"The scheduler did not acknowledge the request within {SUBMIT_ACK_TIMEOUT_S:.0f} s.",
+                )
+            )
+        except (
+            BusError
+        ) as e:  # the connection is going away: nothing can reach the request's stream
             log.error("submitting %s failed: %s", tokenized.request_id, e)
 
     async def _fail(self, error: messages.StreamError) -> None:
-        await self.bus.publish(subjects.stream(error.request_id), messages.STREAM_MESSAGE.encode(error))
+        await self.bus.publish(
+            subjects.stream(error.request_id), messages.STREAM_MESSAGE.encode(error)
+        )
 
 
 async def serve(config: TokenizerConfig, tokenizer: Tokenizer, stop: asyncio.Event) -> None:
@@ -103,7 +144,9 @@ async def serve(config: TokenizerConfig, tokenizer: Tokenizer, stop: asyncio.Eve
     limits = config.limits
     service = TokenizerService(bus, tokenizer, limits)
     await service.start()
-    log.info("tokenizer ready (max_model_len=%d, block_size=%d)", limits.max_model_len, limits.block_size)
+    log.info(
+        "tokenizer ready (max_model_len=%d, block_size=%d)", limits.max_model_len, limits.block_size
+    )
     await stop.wait()
     await service.stop()
     await bus.drain()

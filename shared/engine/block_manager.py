@@ -96,7 +96,9 @@ class _SeqState:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True
+    ) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is padding), got {num_blocks}")
         if block_size < 1:
@@ -170,14 +172,18 @@ class BlockManager:
 
     # ---- prefix cache -------------------------------------------------------------------------
 
-    def match_prefix(self, token_ids: Sequence[int], block_hashes: Sequence[int] | None = None) -> int:
+    def match_prefix(
+        self, token_ids: Sequence[int], block_hashes: Sequence[int] | None = None
+    ) -> int:
         """Leading tokens already cached (a multiple of block_size, < len(token_ids)). Read-only.
 
         block_hashes: the chained hashes of token_ids' leading full blocks (the engine keeps them per
         sequence, so nothing is hashed here); None hashes the blocks from token_ids."""
         return len(self._find_cached_blocks(token_ids, block_hashes)) * self.block_size
 
-    def _find_cached_blocks(self, token_ids: Sequence[int], block_hashes: Sequence[int] | None) -> list[int]:
+    def _find_cached_blocks(
+        self, token_ids: Sequence[int], block_hashes: Sequence[int] | None
+    ) -> list[int]:
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
@@ -211,8 +217,13 @@ class BlockManager:
 
     # ---- sequence lifecycle -------------------------------------------------------------------
 
-    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int,
-                 block_hashes: Sequence[int] | None = None) -> int | None:
+    def allocate(
+        self,
+        seq_id: Hashable,
+        token_ids: Sequence[int],
+        num_new_tokens: int,
+        block_hashes: Sequence[int] | None = None,
+    ) -> int | None:
         """Reserve slots for num_new_tokens more tokens; None (and no change) if blocks are short.
 
         First call for seq_id: the cached prefix is taken first and its length returned; the caller
@@ -227,8 +238,13 @@ class BlockManager:
             return self._allocate_first(seq_id, token_ids, num_new_tokens, block_hashes)
         return 0 if self._grow(seq, num_new_tokens) else None
 
-    def _allocate_first(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int,
-                        block_hashes: Sequence[int] | None) -> int | None:
+    def _allocate_first(
+        self,
+        seq_id: Hashable,
+        token_ids: Sequence[int],
+        num_new_tokens: int,
+        block_hashes: Sequence[int] | None,
+    ) -> int | None:
         hits = self._find_cached_blocks(token_ids, block_hashes)
         num_cached_tokens = len(hits) * self.block_size
         num_tokens = num_cached_tokens + num_new_tokens
@@ -281,8 +297,13 @@ class BlockManager:
             list(parent.block_ids), parent.num_reserved_tokens, parent.num_hashed_blocks
         )
 
-    def commit(self, seq_id: Hashable, token_ids: Sequence[int], num_computed_tokens: int,
-               block_hashes: Sequence[int] | None = None) -> None:
+    def commit(
+        self,
+        seq_id: Hashable,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        block_hashes: Sequence[int] | None = None,
+    ) -> None:
         """Hash and cache every block now completely filled with computed tokens. block_hashes: as
         in match_prefix, covering at least the computed full blocks; None hashes them here."""
         seq = self._seq(seq_id)
@@ -298,7 +319,9 @@ class BlockManager:
         if end <= start:
             return
         if len(token_ids) < end * bs:
-            raise ValueError(f"token_ids has {len(token_ids)} tokens, {num_computed_tokens} were computed")
+            raise ValueError(
+                f"token_ids has {len(token_ids)} tokens, {num_computed_tokens} were computed"
+            )
         if block_hashes is not None:
             _check_hashes(block_hashes, end, len(token_ids))
         first_parent = self._blocks[seq.block_ids[start - 1]].block_hash if start else None
@@ -307,8 +330,11 @@ class BlockManager:
         for i in range(start, end):
             block = self._blocks[seq.block_ids[i]]
             if block.block_hash is None:  # a fork sibling may have hashed this shared block already
-                block.block_hash = (block_hashes[i] if block_hashes is not None
-                                    else hash_block(parent, token_ids[i * bs : (i + 1) * bs]))
+                block.block_hash = (
+                    block_hashes[i]
+                    if block_hashes is not None
+                    else hash_block(parent, token_ids[i * bs : (i + 1) * bs])
+                )
             # An identical registered block wins; this one then stays an unregistered duplicate.
             self._cached.setdefault(block.block_hash, block.block_id)
             hashes.append(block.block_hash)
@@ -386,5 +412,7 @@ class BlockManager:
 
 def _check_hashes(block_hashes: Sequence[int], num_needed: int, num_tokens: int) -> None:
     if len(block_hashes) < num_needed:
-        raise ValueError(f"block_hashes has {len(block_hashes)} hashes; {num_needed} full blocks of the "
-                         f"{num_tokens} tokens need one each")
+        raise ValueError(
+            f"block_hashes has {len(block_hashes)} hashes; {num_needed} full blocks of the "
+            f"{num_tokens} tokens need one each"
+        )

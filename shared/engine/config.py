@@ -26,7 +26,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.engine.memory import parse_bytes
-from shared.engine.quantization import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES, QUANTIZATION_HELP, QUANTIZATIONS
+from shared.engine.quantization import (
+    KV_CACHE_DTYPE_HELP,
+    KV_CACHE_DTYPES,
+    QUANTIZATION_HELP,
+    QUANTIZATIONS,
+)
 
 # The weight dtypes the loader maps to torch dtypes (``models.loader.DTYPES`` has exactly these keys).
 WEIGHT_DTYPES = ("bfloat16", "float16", "float32")
@@ -34,7 +39,9 @@ WEIGHT_DTYPES = ("bfloat16", "float16", "float32")
 ENV_PREFIX = "LLMSERVE_"
 
 
-def _setting(default: Any, help: str, *, type: type = str, choices: tuple[Any, ...] | None = None) -> Any:
+def _setting(
+    default: Any, help: str, *, type: type = str, choices: tuple[Any, ...] | None = None
+) -> Any:
     """A command-line setting: a dataclass field whose metadata says how to read and show it.
     ``type`` is ``str``, ``int`` or ``bool`` (a bool is a ``--flag/--no-flag`` pair)."""
     return field(default=default, metadata={"help": help, "type": type, "choices": choices})
@@ -43,20 +50,26 @@ def _setting(default: Any, help: str, *, type: type = str, choices: tuple[Any, .
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = _setting(
-        None, "GGUF file or Hugging Face directory (default: the bundled SmolLM2-135M-Instruct)")
+        None, "GGUF file or Hugging Face directory (default: the bundled SmolLM2-135M-Instruct)"
+    )
     dtype: str = _setting("bfloat16", "weight and activation dtype", choices=WEIGHT_DTYPES)
     device: str = _setting("cpu", "torch device the model runs on")
     block_size: int = _setting(16, "tokens per KV cache block", type=int)
     memory_budget: str = _setting(
-        "1GiB", "weights + activations + KV cache, e.g. 2GiB; the KV cache gets what is left")
+        "1GiB", "weights + activations + KV cache, e.g. 2GiB; the KV cache gets what is left"
+    )
     num_kv_blocks: int | None = _setting(  # padding block included
-        None, "KV cache blocks (overrides --memory-budget)", type=int)
+        None, "KV cache blocks (overrides --memory-budget)", type=int
+    )
     max_num_batched_tokens: int = _setting(512, "token budget of one engine step", type=int)
     max_num_seqs: int = _setting(64, "sequences one engine batches at once", type=int)
     max_model_len: int | None = _setting(None, "context length (default: the model's)", type=int)
     enable_prefix_caching: bool = _setting(
-        True, "reuse the KV cache blocks of prompt prefixes already computed", type=bool)
-    num_threads: int | None = _setting(None, "torch intra-op threads (default: torch's choice)", type=int)
+        True, "reuse the KV cache blocks of prompt prefixes already computed", type=bool
+    )
+    num_threads: int | None = _setting(
+        None, "torch intra-op threads (default: torch's choice)", type=int
+    )
     seed: int = _setting(0, "seed of the engine's global random generator", type=int)
     # "int8": W8A8 decoder linears (CPU kernels); see int8_linear
     quantization: str | None = _setting(None, QUANTIZATION_HELP, choices=QUANTIZATIONS)
@@ -65,21 +78,29 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in WEIGHT_DTYPES:
-            raise ValueError(f"unsupported dtype {self.dtype!r}; choose one of {', '.join(WEIGHT_DTYPES)}")
+            raise ValueError(
+                f"unsupported dtype {self.dtype!r}; choose one of {', '.join(WEIGHT_DTYPES)}"
+            )
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
-            raise ValueError(f"num_kv_blocks must be at least 2 (block 0 is padding), got {self.num_kv_blocks}")
+            raise ValueError(
+                f"num_kv_blocks must be at least 2 (block 0 is padding), got {self.num_kv_blocks}"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be positive (or unset), got {self.num_threads}")
         parse_bytes(self.memory_budget)
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {self.quantization!r}")
+            raise ValueError(
+                f"quantization must be None or one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
 
     # ---- derived from the settings ----------------------------------------------------------------
 
@@ -91,12 +112,19 @@ class EngineConfig:
         return dataclasses.replace(base or cls(), **given)
 
     @classmethod
-    def from_env(cls, read: Callable[[str, type], Any], base: EngineConfig | None = None,
-                 *, include: Collection[str] | None = None) -> EngineConfig:
+    def from_env(
+        cls,
+        read: Callable[[str, type], Any],
+        base: EngineConfig | None = None,
+        *,
+        include: Collection[str] | None = None,
+    ) -> EngineConfig:
         """``base`` with every setting whose environment variable is set. ``read(name, type)`` returns
         the variable's value as ``type``, or None when it is unset: ``services.runtime.env_value``,
         the one reader of the environment (this module reads none itself)."""
-        found = {s.name: value for s in settings(include) if (value := read(s.env, s.type)) is not None}
+        found = {
+            s.name: value for s in settings(include) if (value := read(s.env, s.type)) is not None
+        }
         return dataclasses.replace(base or cls(), **found)
 
     @classmethod
@@ -105,7 +133,9 @@ class EngineConfig:
         add_engine_arguments(parser, base or cls())
         return cls.from_args(parser.parse_args(argv), base)
 
-    def to_argv(self, *, include: Collection[str] | None = None, exclude: Collection[str] = ()) -> list[str]:
+    def to_argv(
+        self, *, include: Collection[str] | None = None, exclude: Collection[str] = ()
+    ) -> list[str]:
         """The flags that give a command line this config's settings; a setting that is None is left
         out (no flag says None: the receiving command's default must be None too)."""
         argv: list[str] = []
@@ -123,6 +153,7 @@ class EngineConfig:
 @dataclass(frozen=True)
 class Setting:
     """One command-line setting of ``EngineConfig``, read off its field."""
+
     name: str
     default: Any
     help: str
@@ -140,22 +171,35 @@ class Setting:
 
 ENGINE_SETTINGS: tuple[Setting, ...] = tuple(
     Setting(f.name, f.default, f.metadata["help"], f.metadata["type"], f.metadata["choices"])
-    for f in dataclasses.fields(EngineConfig) if "help" in f.metadata)
+    for f in dataclasses.fields(EngineConfig)
+    if "help" in f.metadata
+)
 
 
-def settings(include: Collection[str] | None = None, exclude: Collection[str] = ()) -> list[Setting]:
+def settings(
+    include: Collection[str] | None = None, exclude: Collection[str] = ()
+) -> list[Setting]:
     """The settings named in ``include`` (default: all) less those in ``exclude``; a name that is no
     setting is an error, so a rename cannot silently drop a flag."""
     names = {s.name for s in ENGINE_SETTINGS}
     unknown = (set(include or ()) | set(exclude)) - names
     if unknown:
         raise ValueError(f"not engine settings: {', '.join(sorted(unknown))}")
-    return [s for s in ENGINE_SETTINGS if (include is None or s.name in include) and s.name not in exclude]
+    return [
+        s
+        for s in ENGINE_SETTINGS
+        if (include is None or s.name in include) and s.name not in exclude
+    ]
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser, defaults: EngineConfig | None = None, *,
-                         include: Collection[str] | None = None, exclude: Collection[str] = (),
-                         help: Mapping[str, str] | None = None) -> None:
+def add_engine_arguments(
+    parser: argparse.ArgumentParser,
+    defaults: EngineConfig | None = None,
+    *,
+    include: Collection[str] | None = None,
+    exclude: Collection[str] = (),
+    help: Mapping[str, str] | None = None,
+) -> None:
     """Add the engine settings' flags to ``parser`` (``help`` replaces a setting's help text for this
     command). Their argparse default is SUPPRESS, so ``from_args`` can tell a flag given from one
     left to the environment or to ``defaults``, which only the help shows."""
@@ -165,8 +209,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, defaults: EngineConfig
         value = getattr(defaults, s.name)
         text = (help or {}).get(s.name, s.help)
         shown = f" (default: {value})" if value is not None else ""
-        kwargs: dict[str, Any] = dict(dest=s.name, default=argparse.SUPPRESS,
-                                      help=f"{text}{shown} [env {s.env}]".replace("%", "%%"))
+        kwargs: dict[str, Any] = dict(
+            dest=s.name,
+            default=argparse.SUPPRESS,
+            help=f"{text}{shown} [env {s.env}]".replace("%", "%%"),
+        )
         if s.type is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:

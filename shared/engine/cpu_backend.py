@@ -37,14 +37,18 @@ class CpuBackend:
             raise ValueError("a CpuBackend without ops must say why (reason)")
 
     @classmethod
-    def pick(cls, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16) -> CpuBackend:
+    def pick(
+        cls, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16
+    ) -> CpuBackend:
         """The best kernel level for a model with weights of ``dtype`` on ``device``, or the torch path
         with the reason (not a CPU, a dtype the kernels do not take, ``LLMSERVE_CPU_KERNELS=0``, no
         level on this CPU, a failed build)."""
         if torch.device(device).type != "cpu":
             return cls.off(f"the model is on {device}, not the CPU")
         if dtype not in KERNEL_DTYPES:
-            return cls.off(f"the kernels take float32 or bfloat16 weights, not {str(dtype).removeprefix('torch.')}")
+            return cls.off(
+                f"the kernels take float32 or bfloat16 weights, not {str(dtype).removeprefix('torch.')}"
+            )
         ops = kernels_cpu.cpu_ops()
         return cls.off(kernels_cpu.unavailable_reason()) if ops is None else cls.of(ops)
 
@@ -74,8 +78,12 @@ class CpuBackend:
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         """``x.argmax(dim=-1)`` of a 2-D tensor, by the kernel where it applies: the same indices (first
         maximum; NaN counts as the maximum), several times faster than torch's on large vocabularies."""
-        if (self.ops is not None and x.device.type == "cpu" and x.dtype in KERNEL_DTYPES
-                and x.is_contiguous()):
+        if (
+            self.ops is not None
+            and x.device.type == "cpu"
+            and x.dtype in KERNEL_DTYPES
+            and x.is_contiguous()
+        ):
             return self.ops.argmax_rows(x)
         return x.argmax(dim=-1)
 

@@ -24,13 +24,14 @@ from shared.engine.models.loader import resolve_dtype, resolve_model_path
 from shared.engine.models.runtime import load_runtime
 from shared.engine.output_processor import OutputProcessor
 from shared.engine.quantization import kv_dtype_name
-from shared.wire.kv_events import KVEventBatch
-from shared.wire.outputs import EngineStats, RequestOutput
 from shared.engine.sampler import SamplingBatch, make_generator, sample
-from shared.wire.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import Request, Sequence, SequenceStatus
 from shared.engine.tokenizer import Tokenizer
+from shared.wire.kv_events import KVEventBatch
+from shared.wire.outputs import EngineStats, RequestOutput
+from shared.wire.sampling_params import SamplingParams
+
 
 class PromptTooLongError(ValueError):
     """The prompt (plus the requested output) does not fit the context or the KV pool."""
@@ -40,7 +41,9 @@ class Engine:
     """``backend``: the CPU kernels to run on (default: ``CpuBackend.pick``, the best this host has for
     the configured device and dtype); the model, attention and the sampler all run on this one."""
 
-    def __init__(self, config: EngineConfig, *, progress: bool = True, backend: CpuBackend | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, *, progress: bool = True, backend: CpuBackend | None = None
+    ) -> None:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -50,44 +53,76 @@ class Engine:
         self.tokenizer = Tokenizer.from_path(path)
         self.backend = backend or CpuBackend.pick(config.device, resolve_dtype(config.dtype))
         if config.quantization == "int8" and not int8_supported(self.backend.ops):
-            raise ValueError("quantization='int8' needs the CPU kernels (kernels/cpu), which are unavailable "
-                             f"here: {self.backend.reason}")
-        self.model = load_runtime(path, dtype=config.dtype, device=config.device, backend=self.backend,
-                                  progress=progress)
+            raise ValueError(
+                "quantization='int8' needs the CPU kernels (kernels/cpu), which are unavailable "
+                f"here: {self.backend.reason}"
+            )
+        self.model = load_runtime(
+            path, dtype=config.dtype, device=config.device, backend=self.backend, progress=progress
+        )
         if config.quantization == "int8":
             quantize_model_int8(self.model, self.tokenizer.encode(calibration_text()), self.backend)
         self.model_config = self.model.config
-        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.max_position_embeddings)
+        self.max_model_len = min(
+            config.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+        )
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
             # config.dtype is a name the loader accepted; the ledger uses the same names.
             ledger = plan_memory(
-                self.model_config, memory_budget_bytes=parse_bytes(config.memory_budget),
-                weight_dtype=config.dtype, kv_dtype=kv_dtype_name(config.kv_cache_dtype, config.dtype),
+                self.model_config,
+                memory_budget_bytes=parse_bytes(config.memory_budget),
+                weight_dtype=config.dtype,
+                kv_dtype=kv_dtype_name(config.kv_cache_dtype, config.dtype),
                 block_size=config.block_size,
-                max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-                context_len=self.max_model_len, resident_weight_bytes=self.model.weight_bytes(),
-                quantization=config.quantization)
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                context_len=self.max_model_len,
+                resident_weight_bytes=self.model.weight_bytes(),
+                quantization=config.quantization,
+            )
             num_blocks = ledger.num_kv_blocks
-        self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, self.model.dtype,
-                                config.device, config.kv_cache_dtype)
+        self.kv_cache = KVCache(
+            self.model_config,
+            num_blocks,
+            config.block_size,
+            self.model.dtype,
+            config.device,
+            config.kv_cache_dtype,
+        )
         self.runner = ModelRunner(self.model, self.kv_cache)
-        self.block_manager = BlockManager(num_blocks, config.block_size,
-                                          enable_prefix_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens=config.max_num_batched_tokens,
-                                   max_num_seqs=config.max_num_seqs)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+        )
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._kv_events: KVEventBatch | None = None
         self._arrivals = itertools.count()
-        self._counters = dict(num_prompt_tokens=0, num_computed_tokens=0, num_generated_tokens=0,
-                              num_steps=0, last_step_num_tokens=0)
+        self._counters = dict(
+            num_prompt_tokens=0,
+            num_computed_tokens=0,
+            num_generated_tokens=0,
+            num_steps=0,
+            last_step_num_tokens=0,
+        )
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    *, priority: int = 0, block_hashes: list[int] | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        block_hashes: list[int] | None = None,
+    ) -> None:
         """Queue a request. block_hashes: the chained hashes of the prompt's full blocks
         (hash_prompt_blocks with this engine's block_size), as the tokenizer computed them; None:
         the sequence hashes its blocks when the prefix cache first needs them. Either way each block
@@ -100,10 +135,19 @@ class Engine:
         if block_hashes is not None and len(block_hashes) != len(ids) // block_size:
             raise ValueError(
                 f"block_hashes has {len(block_hashes)} hashes, but the prompt's {len(ids)} tokens fill "
-                f"{len(ids) // block_size} blocks of {block_size}: were they hashed with another block size?")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
-        request = Request(request_id=request_id, prompt_token_ids=ids, params=params, priority=priority,
-                          arrival_order=next(self._arrivals), max_tokens=max_tokens)
+                f"{len(ids) // block_size} blocks of {block_size}: were they hashed with another block size?"
+            )
+        max_tokens = (
+            params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        )
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            params=params,
+            priority=priority,
+            arrival_order=next(self._arrivals),
+            max_tokens=max_tokens,
+        )
         seq = self._new_sequence(request, 0, list(ids))
         if block_hashes is not None:
             seq.block_hashes = list(block_hashes)
@@ -122,16 +166,22 @@ class Engine:
         if len(ids) >= self.max_model_len or total > self.max_model_len:
             raise PromptTooLongError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                f"{len(ids)} tokens and max_tokens asks for {params.max_tokens or 0} more")
+                f"{len(ids)} tokens and max_tokens asks for {params.max_tokens or 0} more"
+            )
         usable_tokens = (self.kv_cache.num_blocks - 1) * self.config.block_size
         if total > usable_tokens:
             raise PromptTooLongError(
-                f"the request needs {total} tokens of KV cache but the pool holds {usable_tokens}")
+                f"the request needs {total} tokens of KV cache but the pool holds {usable_tokens}"
+            )
 
     def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
         seed = request.params.seed
-        seq = Sequence(request=request, index=index, token_ids=token_ids,
-                       generator=make_generator(None if seed is None else seed + index, self.config.device))
+        seq = Sequence(
+            request=request,
+            index=index,
+            token_ids=token_ids,
+            generator=make_generator(None if seed is None else seed + index, self.config.device),
+        )
         request.sequences.append(seq)
         self.outputs.start(seq)
         return seq
@@ -175,18 +225,23 @@ class Engine:
         chunks = []
         for seq, num_new in sched.scheduled:
             start = seq.num_computed_tokens
-            chunks.append(ScheduledChunk(
-                token_ids=seq.token_ids[start:start + num_new], num_computed=start,
-                block_table=self.block_manager.block_table(seq.seq_id),
-                need_logits=start + num_new == len(seq.token_ids),
-                decode_from=seq.num_prompt_tokens))
+            chunks.append(
+                ScheduledChunk(
+                    token_ids=seq.token_ids[start : start + num_new],
+                    num_computed=start,
+                    block_table=self.block_manager.block_table(seq.seq_id),
+                    need_logits=start + num_new == len(seq.token_ids),
+                    decode_from=seq.num_prompt_tokens,
+                )
+            )
         logits = self.runner.execute(chunks)
         self._counters["num_computed_tokens"] += sched.num_tokens
 
         for seq, num_new in sched.scheduled:
             seq.num_computed_tokens += num_new
-            self.block_manager.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
-                                      self.scheduler.block_hashes(seq))
+            self.block_manager.commit(
+                seq.seq_id, seq.token_ids, seq.num_computed_tokens, self.scheduler.block_hashes(seq)
+            )
         # Rows of `logits` follow the chunks that need them, in order.
         to_sample: list[Sequence] = []
         rows: list[int] = []
@@ -219,7 +274,9 @@ class Engine:
             [s.request.prompt_token_ids for s in seqs],
             [s.output_token_ids for s in seqs],
             [s.generator for s in seqs],
-            self.model_config.vocab_size, logits.device)
+            self.model_config.vocab_size,
+            logits.device,
+        )
         result = sample(logits, batch, self.backend)
         for seq, token, lp in zip(seqs, result.sampled_token_ids, result.logprobs):
             self.outputs.append_token(seq, token, lp)
@@ -238,10 +295,15 @@ class Engine:
             if not deltas:
                 continue
             finished = request.finished
-            outputs.append(RequestOutput(
-                request_id=request.request_id, deltas=deltas,
-                num_prompt_tokens=len(request.prompt_token_ids),
-                num_cached_tokens=request.num_cached_tokens, finished=finished))
+            outputs.append(
+                RequestOutput(
+                    request_id=request.request_id,
+                    deltas=deltas,
+                    num_prompt_tokens=len(request.prompt_token_ids),
+                    num_cached_tokens=request.num_cached_tokens,
+                    finished=finished,
+                )
+            )
             if finished:
                 del self.requests[request.request_id]
         return outputs

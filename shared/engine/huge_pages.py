@@ -24,7 +24,7 @@ import torch
 HUGE_PAGE_BYTES = 2 << 20
 _PAGE_BYTES = 4096
 _MADV_HUGEPAGE = 14  # Linux <sys/mman.h>
-_ALIGN_BYTES = 64    # every tensor in an arena starts on a cache line (the kernels' aligned loads)
+_ALIGN_BYTES = 64  # every tensor in an arena starts on a cache line (the kernels' aligned loads)
 
 
 @functools.lru_cache(maxsize=1)
@@ -53,7 +53,9 @@ def advise(t: torch.Tensor) -> int:
     return last - first if fn(first, last - first, _MADV_HUGEPAGE) == 0 else 0
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+def zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """``torch.zeros``, on huge pages where the CPU allows."""
     t = torch.empty(shape, dtype=dtype, device=device)
     advise(t)
@@ -77,6 +79,6 @@ def relocate(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     out = []
     for t, offset in zip(tensors, offsets):
         nbytes = t.numel() * t.element_size()
-        view = arena[offset: offset + nbytes].view(t.dtype).view(t.shape)
+        view = arena[offset : offset + nbytes].view(t.dtype).view(t.shape)
         out.append(view.copy_(t))
     return out

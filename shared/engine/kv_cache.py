@@ -19,8 +19,8 @@ import torch
 
 from shared.engine import huge_pages
 from shared.engine.models.config import ModelConfig
-from shared.engine.quantize_rows import quantize_rows
 from shared.engine.quantization import KV_CACHE_DTYPES, KV_SCALE_BYTES
+from shared.engine.quantize_rows import quantize_rows
 
 
 def quantize_kv(x: torch.Tensor) -> torch.Tensor:
@@ -37,12 +37,23 @@ def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class KVCache:
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", kv_cache_dtype: str = "auto") -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        kv_cache_dtype: str = "auto",
+    ) -> None:
         if num_blocks < 2:
-            raise ValueError(f"KV cache needs at least 2 blocks (block 0 is padding), got {num_blocks}")
+            raise ValueError(
+                f"KV cache needs at least 2 blocks (block 0 is padding), got {num_blocks}"
+            )
         if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         int8 = kv_cache_dtype == "int8"

@@ -7,8 +7,9 @@ continuous batching interleaves them; results come back in prompt order.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence, Union
+from typing import Union
 
 from tqdm import tqdm
 
@@ -38,7 +39,9 @@ class GenerationResult:
 
 
 class LLM:
-    def __init__(self, config: EngineConfig | None = None, *, progress: bool = True, **engine_args) -> None:
+    def __init__(
+        self, config: EngineConfig | None = None, *, progress: bool = True, **engine_args
+    ) -> None:
         self.engine = Engine(config or EngineConfig(**engine_args), progress=progress)
         self._next_id = 0
 
@@ -46,9 +49,16 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, progress: bool = False) -> list[GenerationResult]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        progress: bool = False,
+    ) -> list[GenerationResult]:
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]  # one prompt, text or token ids
         prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):
@@ -62,10 +72,13 @@ class LLM:
             self._next_id += 1
             self.engine.add_request(rid, prompt, p)
             request = self.engine.requests[rid]
-            results[rid] = GenerationResult(rid, list(request.prompt_token_ids),
-                                            [CompletionOutput(index=i) for i in range(p.n)])
+            results[rid] = GenerationResult(
+                rid, list(request.prompt_token_ids), [CompletionOutput(index=i) for i in range(p.n)]
+            )
             order.append(rid)
-        bar = tqdm(total=len(order), desc="generating", unit="req", disable=not progress, file=sys.stderr)
+        bar = tqdm(
+            total=len(order), desc="generating", unit="req", disable=not progress, file=sys.stderr
+        )
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 result = results[out.request_id]

@@ -62,13 +62,19 @@ def parse_bytes(text: str | int) -> int:
         return text
     match = _BYTES_RE.match(str(text))
     if match is None:
-        raise ValueError(f"cannot parse memory size {text!r}; expected e.g. 80GiB, 512MiB, 1.5GB or 1024")
+        raise ValueError(
+            f"cannot parse memory size {text!r}; expected e.g. 80GiB, 512MiB, 1.5GB or 1024"
+        )
     number, unit = match.groups()
     scale = _UNITS.get(unit.lower())
     if scale is None:
-        raise ValueError(f"unknown unit {unit!r} in {text!r}; use B, KiB, MiB, GiB, TiB or KB, MB, GB, TB")
+        raise ValueError(
+            f"unknown unit {unit!r} in {text!r}; use B, KiB, MiB, GiB, TiB or KB, MB, GB, TB"
+        )
     try:
-        value = Decimal(number) * scale  # Decimal: "1.1GB" must be exactly 1_100_000_000, no float error
+        value = (
+            Decimal(number) * scale
+        )  # Decimal: "1.1GB" must be exactly 1_100_000_000, no float error
     except InvalidOperation as exc:  # pragma: no cover - the regex admits only decimal numerals
         raise ValueError(f"cannot parse memory size {text!r}") from exc
     return int(value)
@@ -89,7 +95,11 @@ def kv_bytes_per_token(config: ModelConfig, kv_dtype: str) -> int:
     """K and V, for every layer and KV head: 2 x num_layers x num_kv_heads x head_dim x bytes. An int8
     row also carries its fp32 scale: 2 x num_layers x num_kv_heads x (head_dim + 4), as the engine's
     int8 cache holds it (``shared/engine/kv_cache.py``)."""
-    row = config.head_dim + KV_SCALE_BYTES if kv_dtype == "int8" else config.head_dim * dtype_bytes(kv_dtype)
+    row = (
+        config.head_dim + KV_SCALE_BYTES
+        if kv_dtype == "int8"
+        else config.head_dim * dtype_bytes(kv_dtype)
+    )
     return 2 * config.num_layers * config.num_kv_heads * row
 
 
@@ -100,8 +110,12 @@ def decoder_linear_shapes(config: ModelConfig) -> list[tuple[int, int]]:
     return [(config.q_size + 2 * config.kv_size, h), (h, config.q_size), (2 * i, h), (h, i)]
 
 
-def weight_bytes(config: ModelConfig, weight_dtype: str, num_params: int | None = None,
-                 quantization: str | None = None) -> int:
+def weight_bytes(
+    config: ModelConfig,
+    weight_dtype: str,
+    num_params: int | None = None,
+    quantization: str | None = None,
+) -> int:
     """Parameters x bytes. ``num_params`` overrides the count from shapes when the real tensors of a
     model on disk were counted. ``quantization="int8"``: the decoder linears' weights take one byte
     each, plus, per linear, an fp32 scale and an int32 column sum per output feature and an fp32
@@ -118,8 +132,13 @@ def weight_bytes(config: ModelConfig, weight_dtype: str, num_params: int | None 
     return (count - linear) * dtype_bytes(weight_dtype) + linear + extras
 
 
-def activation_bytes(config: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int,
-                     dtype: str, quantization: str | None = None) -> int:
+def activation_bytes(
+    config: ModelConfig,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    dtype: str,
+    quantization: str | None = None,
+) -> int:
     """Conservative peak transient memory of one forward pass over a full token budget.
 
     With T = max_num_batched_tokens, h = hidden, q = num_heads x head_dim, kv = num_kv_heads x head_dim,
@@ -138,14 +157,20 @@ def activation_bytes(config: ModelConfig, max_num_batched_tokens: int, max_num_s
     Attention is assumed paged/fused, never materializing a T x context score matrix.
     """
     if max_num_batched_tokens <= 0 or max_num_seqs <= 0:
-        raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) and max_num_seqs "
-                         f"({max_num_seqs}) must be positive")
+        raise ValueError(
+            f"max_num_batched_tokens ({max_num_batched_tokens}) and max_num_seqs "
+            f"({max_num_seqs}) must be positive"
+        )
     h, i = config.hidden_size, config.intermediate_size
     per_token = 2 * h + (config.q_size + 2 * config.kv_size) + config.q_size + 2 * i + i
     rows = min(max_num_seqs, max_num_batched_tokens)
-    quantized = max(k for _, k in decoder_linear_shapes(config)) + 4 if quantization == "int8" else 0
-    return (max_num_batched_tokens * (per_token * dtype_bytes(dtype) + quantized)
-            + rows * config.vocab_size * 4 * 2)
+    quantized = (
+        max(k for _, k in decoder_linear_shapes(config)) + 4 if quantization == "int8" else 0
+    )
+    return (
+        max_num_batched_tokens * (per_token * dtype_bytes(dtype) + quantized)
+        + rows * config.vocab_size * 4 * 2
+    )
 
 
 @dataclass(frozen=True)
@@ -180,13 +205,28 @@ class MemoryLedger:
     @property
     def headroom_bytes(self) -> int:
         """Budget left over: less than one block, since the pool takes every whole block that fits."""
-        return self.memory_budget_bytes - self.weight_bytes - self.activation_bytes - self.kv_cache_bytes
+        return (
+            self.memory_budget_bytes
+            - self.weight_bytes
+            - self.activation_bytes
+            - self.kv_cache_bytes
+        )
 
 
-def plan_memory(config: ModelConfig, *, memory_budget_bytes: int, weight_dtype: str, kv_dtype: str,
-                block_size: int = 16, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
-                context_len: int | None = None, num_params: int | None = None,
-                resident_weight_bytes: int | None = None, quantization: str | None = None) -> MemoryLedger:
+def plan_memory(
+    config: ModelConfig,
+    *,
+    memory_budget_bytes: int,
+    weight_dtype: str,
+    kv_dtype: str,
+    block_size: int = 16,
+    max_num_batched_tokens: int = 2048,
+    max_num_seqs: int = 256,
+    context_len: int | None = None,
+    num_params: int | None = None,
+    resident_weight_bytes: int | None = None,
+    quantization: str | None = None,
+) -> MemoryLedger:
     """Size the KV pool from the budget: floor((budget - weights - activations) / bytes per block).
     ``resident_weight_bytes``: what a loaded model really holds (packed weights, and the tied head's
     packed copy next to the embedding), used instead of params x dtype bytes when given."""
@@ -198,9 +238,14 @@ def plan_memory(config: ModelConfig, *, memory_budget_bytes: int, weight_dtype: 
     if context <= 0:
         raise ValueError(f"context_len must be positive, got {context}")
     params = config.num_params() if num_params is None else num_params
-    weights = (weight_bytes(config, weight_dtype, params, quantization) if resident_weight_bytes is None
-               else resident_weight_bytes)
-    activations = activation_bytes(config, max_num_batched_tokens, max_num_seqs, weight_dtype, quantization)
+    weights = (
+        weight_bytes(config, weight_dtype, params, quantization)
+        if resident_weight_bytes is None
+        else resident_weight_bytes
+    )
+    activations = activation_bytes(
+        config, max_num_batched_tokens, max_num_seqs, weight_dtype, quantization
+    )
     per_token = kv_bytes_per_token(config, kv_dtype)
     per_block = per_token * block_size
     # The padding block plus one usable block is the smallest pool that can run anything.
@@ -209,7 +254,8 @@ def plan_memory(config: ModelConfig, *, memory_budget_bytes: int, weight_dtype: 
         raise InsufficientMemoryError(
             f"memory budget {format_bytes(memory_budget_bytes)} ({memory_budget_bytes} B) is below the "
             f"minimum {format_bytes(minimum)} ({minimum} B): weights {format_bytes(weights)} + "
-            f"activations {format_bytes(activations)} + 2 KV blocks of {format_bytes(per_block)}")
+            f"activations {format_bytes(activations)} + 2 KV blocks of {format_bytes(per_block)}"
+        )
     num_blocks = (memory_budget_bytes - weights - activations) // per_block
     usable = num_blocks - 1
     return MemoryLedger(
@@ -237,30 +283,54 @@ def format_ledger(ledger: MemoryLedger, config: ModelConfig) -> str:
     budget = ledger.memory_budget_bytes
 
     def share(num_bytes: int) -> str:
-        return f"{format_bytes(num_bytes)}  ({100 * num_bytes / budget:.1f}%)" if budget else format_bytes(num_bytes)
+        return (
+            f"{format_bytes(num_bytes)}  ({100 * num_bytes / budget:.1f}%)"
+            if budget
+            else format_bytes(num_bytes)
+        )
 
     rows = [
         ("model", config.name or config.architecture),
-        ("shape", f"{config.num_layers} layers, hidden {config.hidden_size}, {config.num_heads} heads, "
-                  f"{config.num_kv_heads} kv heads x {config.head_dim}"),
+        (
+            "shape",
+            f"{config.num_layers} layers, hidden {config.hidden_size}, {config.num_heads} heads, "
+            f"{config.num_kv_heads} kv heads x {config.head_dim}",
+        ),
         ("budget", f"{format_bytes(budget)}  ({budget} B)"),
-        ("weights", f"{share(ledger.weight_bytes)}  [{ledger.num_params:,} params, {ledger.weight_dtype}"
-                    + (f", {ledger.quantization} decoder linears]" if ledger.quantization else "]")),
-        ("activations", f"{share(ledger.activation_bytes)}  [{ledger.max_num_batched_tokens} batched "
-                        f"tokens, {ledger.max_num_seqs} seqs]"),
+        (
+            "weights",
+            f"{share(ledger.weight_bytes)}  [{ledger.num_params:,} params, {ledger.weight_dtype}"
+            + (f", {ledger.quantization} decoder linears]" if ledger.quantization else "]"),
+        ),
+        (
+            "activations",
+            f"{share(ledger.activation_bytes)}  [{ledger.max_num_batched_tokens} batched "
+            f"tokens, {ledger.max_num_seqs} seqs]",
+        ),
         ("kv cache", f"{share(ledger.kv_cache_bytes)}  [{ledger.kv_dtype}]"),
         ("kv per token", format_bytes(ledger.kv_bytes_per_token)),
-        ("kv per block", f"{format_bytes(ledger.kv_bytes_per_block)}  [{ledger.block_size} tokens]"),
-        ("kv blocks", f"{ledger.num_kv_blocks:,}  (block 0 is padding: {ledger.num_usable_kv_blocks:,} usable)"),
+        (
+            "kv per block",
+            f"{format_bytes(ledger.kv_bytes_per_block)}  [{ledger.block_size} tokens]",
+        ),
+        (
+            "kv blocks",
+            f"{ledger.num_kv_blocks:,}  (block 0 is padding: {ledger.num_usable_kv_blocks:,} usable)",
+        ),
         ("kv tokens", f"{ledger.num_kv_tokens:,}"),
-        ("concurrent requests", f"{ledger.max_concurrent_requests:,}  at context {ledger.context_len:,}"),
+        (
+            "concurrent requests",
+            f"{ledger.max_concurrent_requests:,}  at context {ledger.context_len:,}",
+        ),
         ("headroom", format_bytes(ledger.headroom_bytes)),
     ]
     width = max(len(label) for label, _ in rows)
     lines = [f"{label:<{width}}  {value}" for label, value in rows]
     if ledger.context_len > config.max_position_embeddings:
-        lines.append(f"note: context {ledger.context_len} exceeds the model's maximum of "
-                     f"{config.max_position_embeddings} positions")
+        lines.append(
+            f"note: context {ledger.context_len} exceeds the model's maximum of "
+            f"{config.max_position_embeddings} positions"
+        )
     if ledger.max_concurrent_requests == 0:
         lines.append(f"note: not one request of {ledger.context_len} tokens fits in the KV cache")
     return "\n".join(lines)

@@ -61,15 +61,19 @@ class ModelRunner:
             if not c.token_ids:
                 raise ValueError("a chunk has at least one new token")
             if c.num_computed + len(c.token_ids) > max_len:
-                raise ValueError(f"prompt of {c.num_computed + len(c.token_ids)} tokens exceeds the "
-                                 f"model's context of {max_len}")
+                raise ValueError(
+                    f"prompt of {c.num_computed + len(c.token_ids)} tokens exceeds the "
+                    f"model's context of {max_len}"
+                )
         # One attention item per decode token, then one per prefill part: decodes go first so
         # attention can batch them (see AttentionMetadata). Every token's K/V is written before any
         # item attends, so a decode item at position p reads its sequence's first p + 1 tokens
         # whichever item wrote them.
         decodes: list[tuple[list[int], int, list[int]]] = []  # (token ids, position, block table)
         prefills: list[tuple[list[int], int, list[int]]] = []
-        last_item: list[tuple[bool, int]] = []  # per chunk: (is a decode, index) of its last token's item
+        last_item: list[
+            tuple[bool, int]
+        ] = []  # per chunk: (is a decode, index) of its last token's item
         for c in chunks:
             num_prefill, num_decode = c.split()
             if num_prefill:
@@ -87,10 +91,15 @@ class ModelRunner:
             device=self.device,
             dtype=self.model.dtype,
         )
-        input_ids = torch.tensor([t for ids, _, _ in items for t in ids], dtype=torch.int64, device=self.device)
+        input_ids = torch.tensor(
+            [t for ids, _, _ in items for t in ids], dtype=torch.int64, device=self.device
+        )
         hidden = self.model(input_ids, self.kv_cache.layers, meta)
-        rows = [meta.query_start_loc[index + (0 if is_decode else len(decodes)) + 1] - 1
-                for (is_decode, index), c in zip(last_item, chunks) if c.need_logits]
+        rows = [
+            meta.query_start_loc[index + (0 if is_decode else len(decodes)) + 1] - 1
+            for (is_decode, index), c in zip(last_item, chunks)
+            if c.need_logits
+        ]
         if not rows:
             return torch.empty(0, self.model.config.vocab_size)
         return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])

@@ -11,9 +11,9 @@ import functools
 
 import msgspec
 
-from shared.wire.outputs import CompletionDelta, TokenLogprobs
 from shared.engine.sequence import Sequence
 from shared.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from shared.wire.outputs import CompletionDelta, TokenLogprobs
 
 
 class OutputProcessor:
@@ -27,19 +27,25 @@ class OutputProcessor:
     def _decode_token(self, token_id: int) -> str | None:
         try:
             return self.tokenizer.decode([token_id], skip_special_tokens=False)
-        except Exception:  # an id the vocabulary cannot decode keeps no name; the gateway shows its id
+        except (
+            Exception
+        ):  # an id the vocabulary cannot decode keeps no name; the gateway shows its id
             return None
 
     def name_logprobs(self, logprobs: TokenLogprobs) -> TokenLogprobs:
         """The sampler's logprobs with the text of the chosen and the top tokens (for the API)."""
         return msgspec.structs.replace(
-            logprobs, token=self._token_text(logprobs.token_id),
-            top_tokens=[self._token_text(token_id) for token_id, _ in logprobs.top])
+            logprobs,
+            token=self._token_text(logprobs.token_id),
+            top_tokens=[self._token_text(token_id) for token_id, _ in logprobs.top],
+        )
 
     def start(self, seq: Sequence) -> None:
         seq.detokenizer = IncrementalDetokenizer(
-            self.tokenizer, skip_special_tokens=seq.request.params.skip_special_tokens,
-            prompt_ids=seq.request.prompt_token_ids)
+            self.tokenizer,
+            skip_special_tokens=seq.request.params.skip_special_tokens,
+            prompt_ids=seq.request.prompt_token_ids,
+        )
 
     def append_token(self, seq: Sequence, token_id: int, logprobs: TokenLogprobs | None) -> None:
         """Record a sampled token and decide whether the sequence is finished."""
@@ -57,7 +63,10 @@ class OutputProcessor:
             self._finish(seq, "stop", token_id)
         elif params.stop and self._check_stop_strings(seq):
             pass
-        elif seq.num_output_tokens >= seq.request.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        elif (
+            seq.num_output_tokens >= seq.request.max_tokens
+            or len(seq.token_ids) >= self.max_model_len
+        ):
             self._finish(seq, "length", None)
 
     def _check_stop_strings(self, seq: Sequence) -> bool:
@@ -73,11 +82,15 @@ class OutputProcessor:
         if best is None:
             return False
         at, stop = best
-        seq.text = seq.text[: at + len(stop)] if params.include_stop_str_in_output else seq.text[:at]
+        seq.text = (
+            seq.text[: at + len(stop)] if params.include_stop_str_in_output else seq.text[:at]
+        )
         self._finish(seq, "stop", stop, flush=False)
         return True
 
-    def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None, *, flush: bool = True) -> None:
+    def _finish(
+        self, seq: Sequence, reason: str, stop_reason: str | int | None, *, flush: bool = True
+    ) -> None:
         if flush and seq.detokenizer is not None:
             seq.text += seq.detokenizer.finish()
         seq.finish_reason = reason
@@ -97,7 +110,7 @@ class OutputProcessor:
         delta = CompletionDelta(
             index=seq.index,
             token_ids=seq.new_token_ids,
-            text=seq.text[seq.num_emitted_chars:end],
+            text=seq.text[seq.num_emitted_chars : end],
             logprobs=seq.new_logprobs if params.logprobs is not None else None,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,

@@ -11,9 +11,11 @@ QUANTIZATION_HELP = "int8: int8 weights and activations in the decoder linears (
 KV_CACHE_DTYPES = ("auto", "int8")
 KV_SCALE_BYTES = 4  # the fp32 scale after the values of each (token, KV head) row of an int8 cache
 
-KV_CACHE_DTYPE_HELP = ("KV cache element type. auto: the model dtype; int8: int8 with a scale per token and "
-                       "KV head (about half the bytes: 1.9x the tokens in the same memory, faster decode "
-                       "attention; slightly less exact)")
+KV_CACHE_DTYPE_HELP = (
+    "KV cache element type. auto: the model dtype; int8: int8 with a scale per token and "
+    "KV head (about half the bytes: 1.9x the tokens in the same memory, faster decode "
+    "attention; slightly less exact)"
+)
 
 
 def kv_dtype_name(kv_cache_dtype: str, dtype: str) -> str:

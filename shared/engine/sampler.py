@@ -97,37 +97,61 @@ class SamplingBatch:
     ) -> SamplingBatch:
         num_seqs = len(params_list)
         if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == num_seqs):
-            raise ValueError("params_list, prompt_token_ids, output_token_ids and generators "
-                             "must have one entry per sequence")
+            raise ValueError(
+                "params_list, prompt_token_ids, output_token_ids and generators "
+                "must have one entry per sequence"
+            )
         greedy = [p.is_greedy for p in params_list]
         all_greedy = all(greedy)
         num_logprobs = tuple(p.logprobs for p in params_list)
         wanted = [n for n in num_logprobs if n is not None]
         penalties = None
         if any(p.uses_penalties for p in params_list):
-            penalties = _build_penalties(params_list, prompt_token_ids, output_token_ids,
-                                         vocab_size, device)
-        common = dict(num_seqs=num_seqs, vocab_size=vocab_size, all_greedy=all_greedy,
-                      penalties=penalties, num_logprobs=num_logprobs,
-                      max_num_logprobs=max(wanted) if wanted else None)
+            penalties = _build_penalties(
+                params_list, prompt_token_ids, output_token_ids, vocab_size, device
+            )
+        common = dict(
+            num_seqs=num_seqs,
+            vocab_size=vocab_size,
+            all_greedy=all_greedy,
+            penalties=penalties,
+            num_logprobs=num_logprobs,
+            max_num_logprobs=max(wanted) if wanted else None,
+        )
         if all_greedy:
-            return cls(greedy_mask=None, temperatures=None, top_ks=None, top_ps=None, min_ps=None,
-                       seeded_rows=(), has_unseeded_random=False, **common)
+            return cls(
+                greedy_mask=None,
+                temperatures=None,
+                top_ks=None,
+                top_ps=None,
+                min_ps=None,
+                seeded_rows=(),
+                has_unseeded_random=False,
+                **common,
+            )
 
         # Greedy rows get neutral values so the vectorised random path runs harmlessly over them.
         temps = [1.0 if g else p.temperature for p, g in zip(params_list, greedy)]
-        ks = [vocab_size if g or p.top_k <= 0 else min(p.top_k, vocab_size)
-              for p, g in zip(params_list, greedy)]
+        ks = [
+            vocab_size if g or p.top_k <= 0 else min(p.top_k, vocab_size)
+            for p, g in zip(params_list, greedy)
+        ]
         ps = [1.0 if g else p.top_p for p, g in zip(params_list, greedy)]
         mins = [0.0 if g else p.min_p for p, g in zip(params_list, greedy)]
-        seeded = tuple((i, gen) for i, (gen, g) in enumerate(zip(generators, greedy))
-                       if gen is not None and not g)
+        seeded = tuple(
+            (i, gen)
+            for i, (gen, g) in enumerate(zip(generators, greedy))
+            if gen is not None and not g
+        )
         f32 = dict(dtype=torch.float32, device=device)
         return cls(
-            greedy_mask=torch.tensor(greedy, dtype=torch.bool, device=device) if any(greedy) else None,
+            greedy_mask=torch.tensor(greedy, dtype=torch.bool, device=device)
+            if any(greedy)
+            else None,
             temperatures=torch.tensor(temps, **f32),
             top_ks=torch.tensor(ks, dtype=torch.int64, device=device)
-            if any(k < vocab_size for k in ks) else None,
+            if any(k < vocab_size for k in ks)
+            else None,
             top_ps=torch.tensor(ps, **f32) if any(p < 1.0 for p in ps) else None,
             min_ps=torch.tensor(mins, **f32) if any(m > 0.0 for m in mins) else None,
             seeded_rows=seeded,
@@ -136,7 +160,9 @@ class SamplingBatch:
         )
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, backend: CpuBackend = _TORCH) -> SamplerOutput:
+def sample(
+    logits: torch.Tensor, batch: SamplingBatch, backend: CpuBackend = _TORCH
+) -> SamplerOutput:
     """Pick one token per row of `logits` [num_seqs, vocab_size] (fp32, or bf16/fp16 → upcast).
     Argmaxes run on `backend` (its kernel where it applies; the same indices as torch's).
 
@@ -144,20 +170,28 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, backend: CpuBackend = _TO
     """
     argmax_rows = backend.argmax_rows
     if logits.dim() != 2 or tuple(logits.shape) != (batch.num_seqs, batch.vocab_size):
-        raise ValueError(f"logits shape {tuple(logits.shape)} != "
-                         f"(num_seqs={batch.num_seqs}, vocab_size={batch.vocab_size})")
+        raise ValueError(
+            f"logits shape {tuple(logits.shape)} != "
+            f"(num_seqs={batch.num_seqs}, vocab_size={batch.vocab_size})"
+        )
     if batch.all_greedy and batch.penalties is None and batch.max_num_logprobs is None:
         # Hot path: argmax is exact in bf16 too, so skip the upcast.
-        return SamplerOutput(sampled_token_ids=argmax_rows(logits).tolist(),
-                             logprobs=[None] * batch.num_seqs)
+        return SamplerOutput(
+            sampled_token_ids=argmax_rows(logits).tolist(), logprobs=[None] * batch.num_seqs
+        )
 
     raw = logits.float()
     x = raw
     if batch.penalties is not None:
         pen = batch.penalties
-        x = apply_penalties(x, pen.prompt_token_ids, pen.output_token_ids,
-                            pen.repetition_penalties, pen.presence_penalties,
-                            pen.frequency_penalties)
+        x = apply_penalties(
+            x,
+            pen.prompt_token_ids,
+            pen.output_token_ids,
+            pen.repetition_penalties,
+            pen.presence_penalties,
+            pen.frequency_penalties,
+        )
     if batch.all_greedy:
         token_ids = argmax_rows(x)
     else:
@@ -171,8 +205,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, backend: CpuBackend = _TO
     return SamplerOutput(sampled_token_ids=token_ids.tolist(), logprobs=logprobs)
 
 
-def _sample_random(logits: torch.Tensor, batch: SamplingBatch,
-                   argmax_rows: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def _sample_random(
+    logits: torch.Tensor, batch: SamplingBatch, argmax_rows: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
     assert batch.temperatures is not None
     x = logits / batch.temperatures.unsqueeze(1)
     if batch.top_ks is not None or batch.top_ps is not None:
@@ -218,8 +253,9 @@ def apply_penalties(
     return x - presence_penalties.unsqueeze(1) * output_seen.to(logits.dtype)
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None,
-                      top_ps: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None
+) -> torch.Tensor:
     """Mask to -inf everything outside the top-k, then outside the top-p nucleus; at least the most
     likely token always survives. top_ks in [1, vocab] (vocab = off); top_ps in (0, 1] (1 = off).
     Ties with the k-th value are kept (the mask compares values, not positions).
@@ -244,8 +280,12 @@ def apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, _NEG_INF)
 
 
-def compute_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor,
-                     num_logprobs: Sequence[int | None], max_num_logprobs: int) -> list[TokenLogprobs | None]:
+def compute_logprobs(
+    raw_logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    num_logprobs: Sequence[int | None],
+    max_num_logprobs: int,
+) -> list[TokenLogprobs | None]:
     """OpenAI logprobs from the raw logits: chosen token's logprob and rank, plus the top-N."""
     lp = raw_logits.float().log_softmax(dim=-1)
     chosen = lp.gather(1, token_ids.unsqueeze(1))
@@ -262,8 +302,14 @@ def compute_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor,
         if n is None:
             out.append(None)
             continue
-        out.append(TokenLogprobs(token_id=ids[i], logprob=chosen_lp[i], rank=ranks[i],
-                                 top=list(zip(top_ids[i][:n], top_vals[i][:n]))))
+        out.append(
+            TokenLogprobs(
+                token_id=ids[i],
+                logprob=chosen_lp[i],
+                rank=ranks[i],
+                top=list(zip(top_ids[i][:n], top_vals[i][:n])),
+            )
+        )
     return out
 
 
@@ -274,22 +320,28 @@ def _token_counts(token_ids: torch.Tensor, vocab_size: int, dtype: torch.dtype) 
     return counts[:, :vocab_size]
 
 
-def pad_token_ids(rows: Sequence[Sequence[int]], pad_id: int,
-                  device: torch.device | str) -> torch.Tensor:
+def pad_token_ids(
+    rows: Sequence[Sequence[int]], pad_id: int, device: torch.device | str
+) -> torch.Tensor:
     """[len(rows), max_len] int64, right-padded with pad_id."""
     width = max((len(r) for r in rows), default=0)
     out = torch.full((len(rows), width), pad_id, dtype=torch.int64)
     for i, r in enumerate(rows):
         if len(r):
-            out[i, :len(r)] = torch.as_tensor(r, dtype=torch.int64)
+            out[i, : len(r)] = torch.as_tensor(r, dtype=torch.int64)
     return out.to(device)
 
 
-def _build_penalties(params_list: Sequence[SamplingParams],
-                     prompt_token_ids: Sequence[Sequence[int]],
-                     output_token_ids: Sequence[Sequence[int]],
-                     vocab_size: int, device: torch.device | str) -> PenaltyBatch:
-    prompts = [ids if p.uses_repetition_penalty else () for p, ids in zip(params_list, prompt_token_ids)]
+def _build_penalties(
+    params_list: Sequence[SamplingParams],
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+    vocab_size: int,
+    device: torch.device | str,
+) -> PenaltyBatch:
+    prompts = [
+        ids if p.uses_repetition_penalty else () for p, ids in zip(params_list, prompt_token_ids)
+    ]
     outputs = [ids if p.uses_penalties else () for p, ids in zip(params_list, output_token_ids)]
     f32 = dict(dtype=torch.float32, device=device)
     return PenaltyBatch(

@@ -20,7 +20,9 @@ from shared.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, num new tokens)
+    scheduled: list[tuple[Sequence, int]] = field(
+        default_factory=list
+    )  # (sequence, num new tokens)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -29,14 +31,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, *, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(
+        self, block_manager: BlockManager, *, max_num_batched_tokens: int, max_num_seqs: int
+    ) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         self.bm = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.waiting: list[Sequence] = []   # kept sorted by Sequence.sort_key
-        self.running: list[Sequence] = []   # kept sorted by Sequence.sort_key
+        self.waiting: list[Sequence] = []  # kept sorted by Sequence.sort_key
+        self.running: list[Sequence] = []  # kept sorted by Sequence.sort_key
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -88,7 +92,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hashes = self.block_hashes(seq)
-            num_cached = self.bm.match_prefix(seq.token_ids, hashes) if seq.seq_id not in self.bm else 0
+            num_cached = (
+                self.bm.match_prefix(seq.token_ids, hashes) if seq.seq_id not in self.bm else 0
+            )
             num_new = min(len(seq.token_ids) - num_cached, budget)
             got = self.bm.allocate(seq.seq_id, seq.token_ids, num_new, hashes)
             if got is None:

@@ -31,37 +31,38 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int
-    arrival_order: int               # FCFS tie-break: lower arrived first
-    max_tokens: int                  # resolved: params.max_tokens or what the context leaves
-    sequences: list["Sequence"] = field(default_factory=list)
-    num_cached_tokens: int = 0       # prompt tokens served from the prefix cache
+    arrival_order: int  # FCFS tie-break: lower arrived first
+    max_tokens: int  # resolved: params.max_tokens or what the context leaves
+    sequences: list[Sequence] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     @property
     def finished(self) -> bool:
         return len(self.sequences) == self.params.n and all(
-            s.status is SequenceStatus.FINISHED for s in self.sequences)
+            s.status is SequenceStatus.FINISHED for s in self.sequences
+        )
 
 
 @dataclass(eq=False)
 class Sequence:
     request: Request
-    index: int                       # choice index (n > 1)
+    index: int  # choice index (n > 1)
     token_ids: list[int]
     num_computed_tokens: int = 0
     # Chained hashes of the leading full blocks of token_ids (the tokenizer's for the prompt, when
     # given); full_block_hashes() extends it as output fills blocks, so each block is hashed once.
     block_hashes: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
-    generator: Any = None            # torch.Generator for seeded sampling, or None
+    generator: Any = None  # torch.Generator for seeded sampling, or None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     # Output bookkeeping for the next delta.
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
     detokenizer: Any = None
-    text: str = ""                   # detokenized output so far (stop string removed once found)
+    text: str = ""  # detokenized output so far (stop string removed once found)
     num_emitted_chars: int = 0
-    finish_emitted: bool = False     # the delta carrying finish_reason went out; nothing follows it
+    finish_emitted: bool = False  # the delta carrying finish_reason went out; nothing follows it
 
     @property
     def seq_id(self) -> str:
@@ -77,7 +78,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_uncomputed(self) -> int:
@@ -89,7 +90,7 @@ class Sequence:
         tokens = self.token_ids
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), len(tokens) // block_size):
-            parent = hash_block(parent, tokens[i * block_size:(i + 1) * block_size])
+            parent = hash_block(parent, tokens[i * block_size : (i + 1) * block_size])
             hashes.append(parent)
         return hashes
 

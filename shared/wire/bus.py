@@ -27,7 +27,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription as _NatsSubscription
 
-__all__ = ["Bus", "BusError", "BusTimeout", "BusNoResponders", "Handler", "Msg", "Subscription"]
+__all__ = ["Bus", "BusError", "BusNoResponders", "BusTimeout", "Handler", "Msg", "Subscription"]
 
 log = logging.getLogger("llmserve.bus")
 
@@ -89,8 +89,11 @@ class Subscription:
     async def unsubscribe(self) -> None:
         try:
             await self._sub.unsubscribe()
-        except (nats.errors.BadSubscriptionError, nats.errors.ConnectionClosedError,
-                nats.errors.ConnectionDrainingError):
+        except (
+            nats.errors.BadSubscriptionError,
+            nats.errors.ConnectionClosedError,
+            nats.errors.ConnectionDrainingError,
+        ):
             pass  # already gone: unsubscribing is idempotent
 
     async def __aenter__(self) -> Subscription:
@@ -106,11 +109,12 @@ class Bus:
     def __init__(self, nc: Client, name: str) -> None:
         self._nc = nc
         self.name = name
-        self._closing = False   # a disconnect we asked for is not worth a warning
+        self._closing = False  # a disconnect we asked for is not worth a warning
 
     @classmethod
-    async def connect(cls, url: str, name: str, *, connect_timeout_s: float = 30.0,
-                      reconnect_wait_s: float = 0.5) -> Bus:
+    async def connect(
+        cls, url: str, name: str, *, connect_timeout_s: float = 30.0, reconnect_wait_s: float = 0.5
+    ) -> Bus:
         """Connect, retrying the *first* connection for up to ``connect_timeout_s`` (a service may
         start before the server is up); after that, reconnect forever. ``name`` shows in the server's
         monitoring and in our logs."""
@@ -131,13 +135,23 @@ class Bus:
         # With max_reconnect_attempts=-1 nats-py also retries the first connection forever, so the
         # deadline is ours.
         try:
-            nc = await asyncio.wait_for(nats.connect(
-                servers=url, name=name, allow_reconnect=True, max_reconnect_attempts=-1,
-                reconnect_time_wait=reconnect_wait_s, connect_timeout=2,  # type: ignore[arg-type]
-                ping_interval=5, max_outstanding_pings=3,
-                error_cb=on_error, disconnected_cb=on_disconnected, reconnected_cb=on_reconnected,
-            ), timeout=connect_timeout_s)
-        except asyncio.TimeoutError:
+            nc = await asyncio.wait_for(
+                nats.connect(
+                    servers=url,
+                    name=name,
+                    allow_reconnect=True,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=reconnect_wait_s,
+                    connect_timeout=2,  # type: ignore[arg-type]
+                    ping_interval=5,
+                    max_outstanding_pings=3,
+                    error_cb=on_error,
+                    disconnected_cb=on_disconnected,
+                    reconnected_cb=on_reconnected,
+                ),
+                timeout=connect_timeout_s,
+            )
+        except TimeoutError:
             raise BusError(f"cannot connect to NATS at {url} within {connect_timeout_s}s") from None
         except (OSError, nats.errors.Error) as e:
             raise BusError(f"cannot connect to NATS at {url}: {e!r}") from e
@@ -154,17 +168,22 @@ class Bus:
     def is_connected(self) -> bool:
         return bool(self._nc.is_connected)
 
-    async def publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> None:
+    async def publish(
+        self, subject: str, data: bytes, headers: dict[str, str] | None = None
+    ) -> None:
         try:
             await self._nc.publish(subject, data, headers=headers)
         except nats.errors.MaxPayloadError:
-            raise BusError(f"message of {len(data)} bytes on {subject} exceeds the server's "
-                           f"max_payload of {self.max_payload} bytes") from None
+            raise BusError(
+                f"message of {len(data)} bytes on {subject} exceeds the server's "
+                f"max_payload of {self.max_payload} bytes"
+            ) from None
         except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as e:
             raise BusError(f"cannot publish on {subject}: {e!r}") from None
 
-    async def request(self, subject: str, data: bytes, timeout: float,
-                      headers: dict[str, str] | None = None) -> bytes:
+    async def request(
+        self, subject: str, data: bytes, timeout: float, headers: dict[str, str] | None = None
+    ) -> bytes:
         """Send a request and return the reply's payload; ``BusTimeout`` if none comes in time."""
         try:
             msg = await self._nc.request(subject, data, timeout=timeout, headers=headers)
@@ -173,34 +192,47 @@ class Bus:
         except nats.errors.TimeoutError:
             raise BusTimeout(f"no reply on {subject} within {timeout}s") from None
         except nats.errors.MaxPayloadError:
-            raise BusError(f"request of {len(data)} bytes on {subject} exceeds the server's "
-                           f"max_payload of {self.max_payload} bytes") from None
+            raise BusError(
+                f"request of {len(data)} bytes on {subject} exceeds the server's "
+                f"max_payload of {self.max_payload} bytes"
+            ) from None
         except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as e:
             raise BusError(f"cannot request on {subject}: {e!r}") from None
         return msg.data
 
-    async def subscribe(self, subject: str, handler: Handler, queue: str | None = None) -> _NatsSubscription:
+    async def subscribe(
+        self, subject: str, handler: Handler, queue: str | None = None
+    ) -> _NatsSubscription:
         """Run ``await handler(msg)`` for each message, one at a time, in arrival order. With
         ``queue``, each message goes to one member of the queue group. A handler's exception is
         logged and the subscription carries on. Returns the nats subscription (``.unsubscribe()``)."""
+
         async def guarded(msg: Msg) -> None:
             try:
                 await handler(msg)
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.exception("[%s] handler for %s failed on a message on %s",
-                              self.name, subject, msg.subject)
+                log.exception(
+                    "[%s] handler for %s failed on a message on %s", self.name, subject, msg.subject
+                )
 
-        return await self._nc.subscribe(subject, queue=queue or "", cb=guarded,
-                                        pending_msgs_limit=PENDING_MSGS_LIMIT,
-                                        pending_bytes_limit=PENDING_BYTES_LIMIT)
+        return await self._nc.subscribe(
+            subject,
+            queue=queue or "",
+            cb=guarded,
+            pending_msgs_limit=PENDING_MSGS_LIMIT,
+            pending_bytes_limit=PENDING_BYTES_LIMIT,
+        )
 
     async def subscribe_iter(self, subject: str, queue: str | None = None) -> Subscription:
         """An iterator subscription (see ``Subscription``), e.g. one per request's stream."""
-        sub = await self._nc.subscribe(subject, queue=queue or "",
-                                       pending_msgs_limit=PENDING_MSGS_LIMIT,
-                                       pending_bytes_limit=PENDING_BYTES_LIMIT)
+        sub = await self._nc.subscribe(
+            subject,
+            queue=queue or "",
+            pending_msgs_limit=PENDING_MSGS_LIMIT,
+            pending_bytes_limit=PENDING_BYTES_LIMIT,
+        )
         return Subscription(sub)
 
     async def flush(self, timeout: float = 5.0) -> None:
@@ -213,8 +245,9 @@ class Bus:
             async def written_then_acknowledged() -> None:
                 await self._nc._flush_pending(force_flush=True)
                 await self._nc.flush(timeout=timeout)  # type: ignore[arg-type]
+
             await asyncio.wait_for(written_then_acknowledged(), timeout)
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+        except (TimeoutError, nats.errors.TimeoutError):
             raise BusTimeout(f"flush not acknowledged within {timeout}s") from None
 
     async def drain(self) -> None:

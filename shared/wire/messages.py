@@ -24,14 +24,14 @@ class GenerateRequest(msgspec.Struct, kw_only=True, frozen=True):
     (chat, rendered with the model's template) is set."""
 
     request_id: str
-    model: str                     # a served model name, checked by the gateway
+    model: str  # a served model name, checked by the gateway
     params: SamplingParams
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     priority: int = 0
-    arrival_time: float = 0.0     # gateway wall clock (time.time()), for queue-time metrics
+    arrival_time: float = 0.0  # gateway wall clock (time.time()), for queue-time metrics
     deadline: float | None = None  # wall clock after which the request is abandoned
 
 
@@ -40,7 +40,7 @@ class TokenizedRequest(msgspec.Struct, kw_only=True, frozen=True):
     (shared/wire/block_hash.py: one per full block, ``len(prompt_token_ids) // block_size``)."""
 
     request_id: str
-    model: str                     # the served model name the client asked for; routing follows it
+    model: str  # the served model name the client asked for; routing follows it
     prompt_token_ids: list[int]
     block_hashes: list[int]
     params: SamplingParams
@@ -56,13 +56,13 @@ class ExecuteRequest(msgspec.Struct, kw_only=True, frozen=True):
     the prompt again, and rejects a request whose hash count is not its prompt's full-block count."""
 
     request_id: str
-    model: str                     # the executor it is sent to serves it (the router's invariant)
+    model: str  # the executor it is sent to serves it (the router's invariant)
     prompt_token_ids: list[int]
     block_hashes: list[int]
     params: SamplingParams
     priority: int = 0
     arrival_time: float = 0.0
-    attempt: int = 0               # > 0 when re-routed after an executor died
+    attempt: int = 0  # > 0 when re-routed after an executor died
 
 
 class StreamError(msgspec.Struct, kw_only=True, frozen=True, tag="error", tag_field="kind"):
@@ -107,14 +107,14 @@ class ExecutorHeartbeat(msgspec.Struct, kw_only=True, frozen=True):
 
     executor_id: str
     epoch: str
-    role: str                      # 'prefill' | 'decode' | 'both'
-    model: str                     # the served model name: only requests for it are routed here
+    role: str  # 'prefill' | 'decode' | 'both'
+    model: str  # the served model name: only requests for it are routed here
     max_model_len: int
     block_size: int
     stats: EngineStats
     sent_at: float
-    max_num_seqs: int = 0          # the engine's batch limit: the scheduler's in-flight cap (0 = unknown)
-    draining: bool = False         # shutting down: finishing what it holds, route nothing new to it
+    max_num_seqs: int = 0  # the engine's batch limit: the scheduler's in-flight cap (0 = unknown)
+    draining: bool = False  # shutting down: finishing what it holds, route nothing new to it
 
 
 class TokenizerStatusRequest(msgspec.Struct, kw_only=True, frozen=True):
@@ -122,7 +122,7 @@ class TokenizerStatusRequest(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class TokenizerStatus(msgspec.Struct, kw_only=True, frozen=True):
-    max_model_len: int   # prompts longer than this (plus max_tokens) are refused with 400
+    max_model_len: int  # prompts longer than this (plus max_tokens) are refused with 400
     block_size: int
 
 
@@ -178,10 +178,32 @@ SCHEDULER_STATUS_REQUEST = Codec[SchedulerStatusRequest](SchedulerStatusRequest)
 SCHEDULER_STATUS = Codec[SchedulerStatus](SchedulerStatus)
 
 __all__ = [
-    "ChatMessage", "GenerateRequest", "TokenizedRequest", "ExecuteRequest", "StreamError",
-    "StreamOutput", "StreamMessage", "AbortRequest", "RequestProgress", "ExecutorHeartbeat",
-    "SchedulerStatusRequest", "SchedulerStatus", "ExecutorStatus", "Codec", "CompletionDelta",
-    "RequestOutput", "TokenLogprobs", "EngineStats", "SamplingParams",
-    "GENERATE_REQUEST", "TOKENIZED_REQUEST", "EXECUTE_REQUEST", "STREAM_MESSAGE", "ABORT_REQUEST",
-    "REQUEST_PROGRESS", "EXECUTOR_HEARTBEAT", "SCHEDULER_STATUS_REQUEST", "SCHEDULER_STATUS",
+    "ABORT_REQUEST",
+    "EXECUTE_REQUEST",
+    "EXECUTOR_HEARTBEAT",
+    "GENERATE_REQUEST",
+    "REQUEST_PROGRESS",
+    "SCHEDULER_STATUS",
+    "SCHEDULER_STATUS_REQUEST",
+    "STREAM_MESSAGE",
+    "TOKENIZED_REQUEST",
+    "AbortRequest",
+    "ChatMessage",
+    "Codec",
+    "CompletionDelta",
+    "EngineStats",
+    "ExecuteRequest",
+    "ExecutorHeartbeat",
+    "ExecutorStatus",
+    "GenerateRequest",
+    "RequestOutput",
+    "RequestProgress",
+    "SamplingParams",
+    "SchedulerStatus",
+    "SchedulerStatusRequest",
+    "StreamError",
+    "StreamMessage",
+    "StreamOutput",
+    "TokenLogprobs",
+    "TokenizedRequest",
 ]

@@ -57,14 +57,14 @@ class EngineStats(msgspec.Struct, kw_only=True, frozen=True):
 
     num_running: int
     num_waiting: int
-    num_total_blocks: int            # usable blocks (the padding block excluded)
+    num_total_blocks: int  # usable blocks (the padding block excluded)
     num_free_blocks: int
-    kv_cache_usage: float            # used / usable blocks, in [0, 1]
+    kv_cache_usage: float  # used / usable blocks, in [0, 1]
     prefix_cache_queries_tokens: int
     prefix_cache_hits_tokens: int
     num_preemptions: int
-    num_prompt_tokens: int           # prompt tokens admitted
-    num_computed_tokens: int         # tokens run through the model (prefill + decode)
+    num_prompt_tokens: int  # prompt tokens admitted
+    num_computed_tokens: int  # tokens run through the model (prefill + decode)
     num_generated_tokens: int
     num_steps: int
-    last_step_num_tokens: int        # tokens scheduled in the most recent step
+    last_step_num_tokens: int  # tokens scheduled in the most recent step

@@ -56,8 +56,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
         _check_int("n", self.n, lo=1, hi=MAX_N)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, lo=1, what="a positive integer or None")
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
             # Normalise ints to float so downstream code (and equality after a wire round trip)
             # sees one type; force_setattr is msgspec's sanctioned escape hatch for frozen structs.
             msgspec.structs.force_setattr(self, name, _as_float(name, getattr(self, name)))
@@ -78,7 +84,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
         if self.seed is not None:
             _check_int("seed", self.seed, lo=_SEED_MIN, hi=_SEED_MAX)
         msgspec.structs.force_setattr(self, "stop", _check_stop(self.stop))
-        msgspec.structs.force_setattr(self, "stop_token_ids", _check_stop_token_ids(self.stop_token_ids))
+        msgspec.structs.force_setattr(
+            self, "stop_token_ids", _check_stop_token_ids(self.stop_token_ids)
+        )
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -95,8 +103,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
 
     @property
     def uses_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
@@ -137,8 +148,9 @@ def _explain(e: msgspec.ValidationError) -> str:
     return text
 
 
-def _check_int(name: str, value: object, *, lo: int, hi: int | None = None,
-               what: str | None = None) -> None:
+def _check_int(
+    name: str, value: object, *, lo: int, hi: int | None = None, what: str | None = None
+) -> None:
     # bool is an int subclass; True must not silently mean 1.
     ok = isinstance(value, int) and not isinstance(value, bool) and value >= lo
     ok = ok and (hi is None or value <= hi)  # type: ignore[operator]

@@ -13,9 +13,15 @@ import httpx
 from services.tokenizer.prompts import prompt_token_ids
 from shared.wire import subjects
 from shared.wire.bus import Bus
+from shared.wire.messages import (
+    SCHEDULER_STATUS,
+    SCHEDULER_STATUS_REQUEST,
+    ChatMessage,
+    GenerateRequest,
+    SchedulerStatus,
+    SchedulerStatusRequest,
+)
 from shared.wire.sampling_params import SamplingParams
-from shared.wire.messages import (SCHEDULER_STATUS, SCHEDULER_STATUS_REQUEST, ChatMessage, GenerateRequest,
-                             SchedulerStatus, SchedulerStatusRequest)
 
 
 @dataclass(frozen=True)
@@ -32,25 +38,46 @@ class Reference:
 
     def __init__(self) -> None:
         from shared.engine.llm import LLM
-        self.llm = LLM(dtype="float32", num_kv_blocks=256, max_num_seqs=4, num_threads=1, progress=False)
+
+        self.llm = LLM(
+            dtype="float32", num_kv_blocks=256, max_num_seqs=4, num_threads=1, progress=False
+        )
         self.tokenizer = self.llm.tokenizer
         self._cache: dict[tuple[Any, ...], Expected] = {}
 
-    def prompt_ids(self, *, prompt: str | None = None, messages: list[dict[str, str]] | None = None) -> list[int]:
+    def prompt_ids(
+        self, *, prompt: str | None = None, messages: list[dict[str, str]] | None = None
+    ) -> list[int]:
         """The ids the tokenizer service sends for this request (its own function, not a copy)."""
-        req = GenerateRequest(request_id="ref", model="ref", params=SamplingParams(), prompt=prompt,
-                              messages=[ChatMessage(role=m["role"], content=m["content"]) for m in messages]
-                              if messages is not None else None)
+        req = GenerateRequest(
+            request_id="ref",
+            model="ref",
+            params=SamplingParams(),
+            prompt=prompt,
+            messages=[ChatMessage(role=m["role"], content=m["content"]) for m in messages]
+            if messages is not None
+            else None,
+        )
         return prompt_token_ids(req, self.tokenizer)[0]
 
-    def greedy(self, max_tokens: int, *, prompt: str | None = None,
-               messages: list[dict[str, str]] | None = None, **params: Any) -> Expected:
+    def greedy(
+        self,
+        max_tokens: int,
+        *,
+        prompt: str | None = None,
+        messages: list[dict[str, str]] | None = None,
+        **params: Any,
+    ) -> Expected:
         key = (prompt, json.dumps(messages), max_tokens, tuple(sorted(params.items())))
         if key not in self._cache:
             ids = self.prompt_ids(prompt=prompt, messages=messages)
-            [result] = self.llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, **params))
+            [result] = self.llm.generate(
+                ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, **params)
+            )
             out = result.outputs[0]
-            self._cache[key] = Expected(out.text, len(out.token_ids), out.finish_reason, tuple(out.token_ids))
+            self._cache[key] = Expected(
+                out.text, len(out.token_ids), out.finish_reason, tuple(out.token_ids)
+            )
         return self._cache[key]
 
 
@@ -61,7 +88,7 @@ def parse_sse(raw: str) -> tuple[list[dict[str, Any]], bool]:
         if not event.strip():
             continue
         assert event.startswith("data: "), event
-        data = event[len("data: "):]
+        data = event[len("data: ") :]
         if data == "[DONE]":
             done = True
         else:
@@ -79,8 +106,12 @@ def stream_text(chunks: list[dict[str, Any]], chat: bool, index: int = 0) -> str
 
 
 def finish_reason(chunks: list[dict[str, Any]], index: int = 0) -> str | None:
-    reasons = [ch["finish_reason"] for c in chunks for ch in c.get("choices", [])
-               if ch["index"] == index and ch["finish_reason"]]
+    reasons = [
+        ch["finish_reason"]
+        for c in chunks
+        for ch in c.get("choices", [])
+        if ch["index"] == index and ch["finish_reason"]
+    ]
     assert len(reasons) <= 1, reasons
     return reasons[0] if reasons else None
 
@@ -88,9 +119,13 @@ def finish_reason(chunks: list[dict[str, Any]], index: int = 0) -> str | None:
 def scheduler_status(nats_url: str) -> SchedulerStatus:
     async def ask() -> SchedulerStatus:
         async with await Bus.connect(nats_url, "e2e-test") as bus:
-            data = await bus.request(subjects.SCHEDULER_STATUS,
-                                     SCHEDULER_STATUS_REQUEST.encode(SchedulerStatusRequest()), timeout=5)
+            data = await bus.request(
+                subjects.SCHEDULER_STATUS,
+                SCHEDULER_STATUS_REQUEST.encode(SchedulerStatusRequest()),
+                timeout=5,
+            )
             return SCHEDULER_STATUS.decode(data)
+
     return asyncio.run(ask())
 
 

@@ -33,8 +33,14 @@ def test_client_disconnect_returns_kv_blocks(stack):
     s = stack(num_kv_blocks=128)
     model = served_model(s.base_url, {})
     baseline = free_blocks(s.nats_url)
-    body = {"model": model, "prompt": LONG_PROMPT, "max_tokens": 1500, "ignore_eos": True,
-            "temperature": 0, "stream": True}
+    body = {
+        "model": model,
+        "prompt": LONG_PROMPT,
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
     with httpx.Client(base_url=s.base_url, timeout=60) as client:
         with client.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
@@ -43,7 +49,9 @@ def test_client_disconnect_returns_kv_blocks(stack):
                 next(lines)
             # mid-generation the request holds blocks: its prompt and 20 tokens fill two or more
             # 16-token blocks; a heartbeat from its first steps may still report fewer, so wait for a newer one
-            wait_for(lambda: baseline - free_blocks(s.nats_url) >= 2, 10, "two or more blocks in use")
+            wait_for(
+                lambda: baseline - free_blocks(s.nats_url) >= 2, 10, "two or more blocks in use"
+            )
         # the connection is closed here, mid-stream
     # the executor frees them once the abort arrives (seen through its next heartbeats)
     wait_for(lambda: free_blocks(s.nats_url) == baseline, 15, "the blocks to come back")
@@ -55,8 +63,16 @@ def test_overload_gives_429_with_retry_after_and_admitted_requests_complete(stac
     model = served_model(s.base_url, {})
 
     async def one(client: httpx.AsyncClient) -> httpx.Response:
-        return await client.post("/v1/completions", json={
-            "model": model, "prompt": LONG_PROMPT, "max_tokens": 24, "ignore_eos": True, "temperature": 0})
+        return await client.post(
+            "/v1/completions",
+            json={
+                "model": model,
+                "prompt": LONG_PROMPT,
+                "max_tokens": 24,
+                "ignore_eos": True,
+                "temperature": 0,
+            },
+        )
 
     async def main() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=s.base_url, timeout=120) as client:
@@ -74,14 +90,25 @@ def test_overload_gives_429_with_retry_after_and_admitted_requests_complete(stac
             assert r.json()["usage"]["completion_tokens"] == 24
     # and it is not stuck: a request after the burst is served
     with httpx.Client(base_url=s.base_url, timeout=120) as client:
-        assert client.post("/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 2}).status_code == 200
+        assert (
+            client.post(
+                "/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 2}
+            ).status_code
+            == 200
+        )
 
 
 def test_killed_executor_fails_every_waiting_request_promptly(stack):
     s = stack(request_timeout_s=120, heartbeat_timeout_s=3.0)
     model = served_model(s.base_url, {})
     # 1500 tokens fit the KV cache of 127 usable blocks (16 tokens each) with the prompt.
-    body = {"model": model, "prompt": LONG_PROMPT, "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+    body = {
+        "model": model,
+        "prompt": LONG_PROMPT,
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
 
     async def streaming(client: httpx.AsyncClient, first: asyncio.Event) -> tuple[str, float]:
         try:

@@ -26,8 +26,18 @@ CHAT = [{"role": "user", "content": "Name three colors."}]
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> Iterator[Stack]:
     log_dir = tmp_path_factory.mktemp("e2e-logs")
-    s = launch(StackConfig.of(port=0, num_kv_blocks=512, max_num_seqs=16, num_threads=1, dtype="float32",
-                           api_key=API_KEY, request_timeout_s=300, log_dir=str(log_dir)))
+    s = launch(
+        StackConfig.of(
+            port=0,
+            num_kv_blocks=512,
+            max_num_seqs=16,
+            num_threads=1,
+            dtype="float32",
+            api_key=API_KEY,
+            request_timeout_s=300,
+            log_dir=str(log_dir),
+        )
+    )
     yield s
     s.stop(grace_s=5.0)
 
@@ -44,8 +54,9 @@ def model(served) -> str:
 
 @pytest.fixture
 def client(served) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=served.base_url, headers={"Authorization": f"Bearer {API_KEY}"},
-                      timeout=120) as c:
+    with httpx.Client(
+        base_url=served.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120
+    ) as c:
         yield c
 
 
@@ -60,8 +71,12 @@ def test_completions_equal_offline_greedy(client, model, ref, prompt):
     assert r.json()["usage"]["completion_tokens"] == want.num_tokens
     assert r.json()["usage"]["prompt_tokens"] == len(ref.prompt_ids(prompt=prompt))
 
-    chunks, done = parse_sse(client.post("/v1/completions", json={
-        **body, "stream": True, "stream_options": {"include_usage": True}}).text)
+    chunks, done = parse_sse(
+        client.post(
+            "/v1/completions",
+            json={**body, "stream": True, "stream_options": {"include_usage": True}},
+        ).text
+    )
     assert done and stream_text(chunks, chat=False) == want.text
     assert finish_reason(chunks) == want.finish_reason
     assert chunks[-1]["usage"]["completion_tokens"] == want.num_tokens
@@ -74,20 +89,34 @@ def test_chat_equals_offline_greedy(client, model, ref):
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == want.text
     assert r.json()["choices"][0]["finish_reason"] == want.finish_reason
-    chunks, done = parse_sse(client.post("/v1/chat/completions", json={**body, "stream": True}).text)
+    chunks, done = parse_sse(
+        client.post("/v1/chat/completions", json={**body, "stream": True}).text
+    )
     assert done and chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert stream_text(chunks, chat=True) == want.text
 
 
 def test_completion_logprobs_name_the_greedy_tokens(client, model, ref):
     want = ref.greedy(6, prompt=PROMPTS[0])
-    r = client.post("/v1/completions", json={"model": model, "prompt": PROMPTS[0], "max_tokens": 6,
-                                             "temperature": 0, "logprobs": 2})
+    r = client.post(
+        "/v1/completions",
+        json={
+            "model": model,
+            "prompt": PROMPTS[0],
+            "max_tokens": 6,
+            "temperature": 0,
+            "logprobs": 2,
+        },
+    )
     lp = r.json()["choices"][0]["logprobs"]
-    assert lp["tokens"] == [ref.tokenizer.decode([t], skip_special_tokens=False) for t in want.token_ids]
+    assert lp["tokens"] == [
+        ref.tokenizer.decode([t], skip_special_tokens=False) for t in want.token_ids
+    ]
     assert all(len(top) in (2, 3) for top in lp["top_logprobs"])
     # greedy: the chosen token is the most likely one
-    assert all(lp["token_logprobs"][i] == max(top.values()) for i, top in enumerate(lp["top_logprobs"]))
+    assert all(
+        lp["token_logprobs"][i] == max(top.values()) for i, top in enumerate(lp["top_logprobs"])
+    )
 
 
 def test_official_openai_client(served, model, ref):
@@ -95,16 +124,27 @@ def test_official_openai_client(served, model, ref):
     want = ref.greedy(16, prompt=PROMPTS[1])
     c = oai.completions.create(model=model, prompt=PROMPTS[1], max_tokens=16, temperature=0)
     assert c.choices[0].text == want.text and c.usage.completion_tokens == want.num_tokens
-    text = "".join(ch.choices[0].text for ch in oai.completions.create(
-        model=model, prompt=PROMPTS[1], max_tokens=16, temperature=0, stream=True) if ch.choices)
+    text = "".join(
+        ch.choices[0].text
+        for ch in oai.completions.create(
+            model=model, prompt=PROMPTS[1], max_tokens=16, temperature=0, stream=True
+        )
+        if ch.choices
+    )
     assert text == want.text
 
     want = ref.greedy(20, messages=CHAT)
     cc = oai.chat.completions.create(model=model, messages=CHAT, max_tokens=20, temperature=0)
     assert cc.choices[0].message.content == want.text
     parts, usage = [], None
-    for ch in oai.chat.completions.create(model=model, messages=CHAT, max_tokens=20, temperature=0,
-                                          stream=True, stream_options={"include_usage": True}):
+    for ch in oai.chat.completions.create(
+        model=model,
+        messages=CHAT,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
         parts += [c.delta.content or "" for c in ch.choices]
         usage = ch.usage or usage
     assert "".join(parts) == want.text and usage.completion_tokens == want.num_tokens
@@ -112,7 +152,9 @@ def test_official_openai_client(served, model, ref):
     with pytest.raises(openai.NotFoundError):
         oai.completions.create(model="no-such-model", prompt="x", max_tokens=1)
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=served.base_url + "/v1", api_key="wrong", max_retries=0).models.list()
+        openai.OpenAI(
+            base_url=served.base_url + "/v1", api_key="wrong", max_retries=0
+        ).models.list()
 
 
 def test_websocket_carries_the_same_text(served, model, ref):
@@ -131,16 +173,28 @@ def test_32_concurrent_streams_are_exact(served, model, ref):
     wants = [ref.greedy(12, prompt=p) for p in prompts]
 
     async def one(client: httpx.AsyncClient, prompt: str) -> tuple[list[dict], bool]:
-        r = await client.post("/v1/completions", json={
-            "model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}})
+        r = await client.post(
+            "/v1/completions",
+            json={
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": 12,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
         assert r.status_code == 200, r.text
         return parse_sse(r.text)
 
     async def main() -> list[tuple[list[dict], bool]]:
         limits = httpx.Limits(max_connections=40)
-        async with httpx.AsyncClient(base_url=served.base_url, limits=limits, timeout=300,
-                                     headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+        async with httpx.AsyncClient(
+            base_url=served.base_url,
+            limits=limits,
+            timeout=300,
+            headers={"Authorization": f"Bearer {API_KEY}"},
+        ) as c:
             return await asyncio.gather(*(one(c, p) for p in prompts))
 
     results = asyncio.run(main())
@@ -156,14 +210,30 @@ def test_too_long_request_is_the_tokenizers_400(client, model):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "max_tokens" and "context length" in err["message"]
-    r = client.post("/v1/chat/completions", json={"model": model, "messages": [
-        {"role": "user", "content": "word " * 20000}], "max_tokens": 1})
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": model,
+            "messages": [{"role": "user", "content": "word " * 20000}],
+            "max_tokens": 1,
+        },
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
 
 
 def test_sampled_n2_with_seed_is_reproducible(client, model):
-    body = {"model": model, "messages": CHAT, "max_tokens": 12, "temperature": 0.9, "top_p": 0.95,
-            "top_k": 50, "n": 2, "seed": 1234, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": CHAT,
+        "max_tokens": 12,
+        "temperature": 0.9,
+        "top_p": 0.95,
+        "top_k": 50,
+        "n": 2,
+        "seed": 1234,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     runs = []
     for _ in range(2):
         chunks, done = parse_sse(client.post("/v1/chat/completions", json=body).text)

@@ -23,10 +23,21 @@ import time
 import httpx
 import pytest
 
-from services.cli.launcher import (EXECUTOR_OPENMP_ENV, StackConfig, StackStartError, launch,
-                               set_executor_openmp_policy)
-from services.cli.servers import (ServerStartError, detach_child, ephemeral_port_range, free_port, start_nats,
-                            start_redis)
+from services.cli.launcher import (
+    EXECUTOR_OPENMP_ENV,
+    StackConfig,
+    StackStartError,
+    launch,
+    set_executor_openmp_policy,
+)
+from services.cli.servers import (
+    ServerStartError,
+    detach_child,
+    ephemeral_port_range,
+    free_port,
+    start_nats,
+    start_redis,
+)
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -62,6 +73,7 @@ def wait_all_dead(pids, pid_alive, timeout: float = 20.0) -> list[int]:
 
 # -- servers -----------------------------------------------------------------------------------------
 
+
 def test_servers_start_answer_and_stop(pid_alive):
     nats, redis = start_nats(max_payload=4 * 1024 * 1024), start_redis()
     try:
@@ -71,7 +83,9 @@ def test_servers_start_answer_and_stop(pid_alive):
                     s.sendall(greeting)
                 data = s.recv(4096)
                 assert expect in data
-        info = json.loads(socket.create_connection((nats.host, nats.port), timeout=2).recv(4096)[5:])
+        info = json.loads(
+            socket.create_connection((nats.host, nats.port), timeout=2).recv(4096)[5:]
+        )
         assert info["max_payload"] == 4 * 1024 * 1024
     finally:
         nats.stop()
@@ -94,7 +108,9 @@ def test_free_port_is_bindable_and_outside_the_ephemeral_range():
 def test_server_start_error_shows_its_log():
     nats = start_nats()
     try:
-        with pytest.raises(ServerStartError, match=r"(?s)nats-server exited .*address already in use"):
+        with pytest.raises(
+            ServerStartError, match=r"(?s)nats-server exited .*address already in use"
+        ):
             start_nats(port=nats.port)
     finally:
         nats.stop()
@@ -102,31 +118,52 @@ def test_server_start_error_shows_its_log():
 
 # -- the stack, through the fixture ------------------------------------------------------------------
 
+
 def test_a_service_dying_at_start_is_reported_with_its_last_output(tmp_path, capfd):
     """Without a log directory each service's output goes to our stderr; when one dies its last
     lines are the error's message, not a pointer to a stream full of other services' lines."""
     missing = str(tmp_path / "no-such-model.gguf")
     with pytest.raises(StackStartError) as err:
         launch(StackConfig.of(model=missing, ready_timeout_s=120))
-    assert re.search(r"(executor|tokenizer)-0 exited with code \d+; its last output:", str(err.value))
+    assert re.search(
+        r"(executor|tokenizer)-0 exited with code \d+; its last output:", str(err.value)
+    )
     assert "no-such-model.gguf" in str(err.value)
     assert "/health" not in capfd.readouterr().err  # no access-log line for the readiness polls
 
+
 def test_stack_serves_sheds_load_and_survives_an_executor_kill(stack, pid_alive):
     # One sequence at a time and no waiting room: a second concurrent request is shed with 429.
-    s = stack(num_kv_blocks=128, max_num_seqs=1, max_queue_len=0, request_timeout_s=60, heartbeat_timeout_s=3.0)
+    s = stack(
+        num_kv_blocks=128,
+        max_num_seqs=1,
+        max_queue_len=0,
+        request_timeout_s=60,
+        heartbeat_timeout_s=3.0,
+    )
     assert s.base_url is not None
     with httpx.Client(base_url=s.base_url, timeout=60) as http:
         assert http.get("/health").status_code == 200
-        body = {"model": MODEL, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-                "messages": [{"role": "user", "content": "Say hi"}]}
+        body = {
+            "model": MODEL,
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Say hi"}],
+        }
         r = http.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 8
         # Streaming; while it runs a second request gets 429; then the executor is killed after the
         # first chunk and the stream ends with an error event instead of hanging.
-        body = {"model": MODEL, "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True,
-                "prompt": "Once upon a time"}
+        body = {
+            "model": MODEL,
+            "max_tokens": 2000,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "prompt": "Once upon a time",
+        }
         lines = []
         t0 = time.monotonic()
         with http.stream("POST", "/v1/completions", json=body) as resp:
@@ -135,7 +172,9 @@ def test_stack_serves_sheds_load_and_survives_an_executor_kill(stack, pid_alive)
                 if line:
                     lines.append(line)
                 if len(lines) == 1:
-                    busy = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+                    busy = http.post(
+                        "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+                    )
                     assert busy.status_code == 429, busy.text
                     assert float(busy.headers["retry-after"]) > 0
                     assert busy.json()["error"]["type"] == "rate_limit_error"
@@ -156,16 +195,37 @@ def test_stack_serves_sheds_load_and_survives_an_executor_kill(stack, pid_alive)
 
 # -- llmserve up, as a user runs it ------------------------------------------------------------------
 
+
 def _start_up(tmp_path, *extra: str) -> tuple[subprocess.Popen[str], queue.SimpleQueue[str]]:
     """``llmserve up`` on a free port; its stdout lines arrive on the returned queue (a reader thread,
     so the test never blocks on a pipe). stderr goes to a file. detach_child: should this test die,
     the launcher (and through it everything) goes too."""
     up = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--port", "0", "--num-kv-blocks", "64",
-         "--dtype", "float32", "--num-threads", "1", "--max-num-seqs", "4", "--log-dir", str(tmp_path / "logs"),
-         *extra],
-        stdout=subprocess.PIPE, stderr=open(tmp_path / "up.stderr", "w"), text=True, preexec_fn=detach_child,
-        env={k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL")})
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "up",
+            "--port",
+            "0",
+            "--num-kv-blocks",
+            "64",
+            "--dtype",
+            "float32",
+            "--num-threads",
+            "1",
+            "--max-num-seqs",
+            "4",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=open(tmp_path / "up.stderr", "w"),
+        text=True,
+        preexec_fn=detach_child,
+        env={k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL")},
+    )
     lines: queue.SimpleQueue[str] = queue.SimpleQueue()
 
     def pump() -> None:
@@ -184,27 +244,41 @@ def _read_until(up, lines, pattern: str, tmp_path, timeout: float) -> re.Match[s
             line = lines.get(timeout=0.5)
         except queue.Empty:
             if up.poll() is not None:
-                raise AssertionError(f"llmserve up exited ({up.returncode}):\n{(tmp_path / 'up.stderr').read_text()}")
+                raise AssertionError(
+                    f"llmserve up exited ({up.returncode}):\n{(tmp_path / 'up.stderr').read_text()}"
+                )
             continue
         if m := re.search(pattern, line):
             return m
-    raise AssertionError(f"no {pattern!r} from llmserve up within {timeout}s:\n{(tmp_path / 'up.stderr').read_text()}")
+    raise AssertionError(
+        f"no {pattern!r} from llmserve up within {timeout}s:\n{(tmp_path / 'up.stderr').read_text()}"
+    )
 
 
 def test_llmserve_up_serves_and_sigint_stops_everything(tmp_path, pid_alive):
     up, lines = _start_up(tmp_path, "--api-key", "sekret")
     try:
         base_url = _read_until(up, lines, r"ready at (http://\S+)", tmp_path, 240).group(1)
-        _read_until(up, lines, r"Authorization: Bearer sekret", tmp_path, 5)   # the curl example
+        _read_until(up, lines, r"Authorization: Bearer sekret", tmp_path, 5)  # the curl example
         children = children_of(up.pid)
-        assert len(children) >= 6        # nats, redis, executor, scheduler, tokenizer, gateway
+        assert len(children) >= 6  # nats, redis, executor, scheduler, tokenizer, gateway
         headers = {"Authorization": "Bearer sekret"}
         with httpx.Client(base_url=base_url, timeout=60) as http:
             assert http.get("/health").status_code == 200
-            assert http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"}).status_code == 401
-            r = http.post("/v1/completions", headers=headers,
-                          json={"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4,
-                                "temperature": 0})
+            assert (
+                http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"}).status_code
+                == 401
+            )
+            r = http.post(
+                "/v1/completions",
+                headers=headers,
+                json={
+                    "model": MODEL,
+                    "prompt": "The capital of France is",
+                    "max_tokens": 4,
+                    "temperature": 0,
+                },
+            )
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"]
         up.send_signal(signal.SIGINT)
@@ -221,14 +295,16 @@ def test_killed_launcher_leaves_no_orphans(tmp_path, pid_alive):
     try:
         deadline = time.monotonic() + 60
         children: list[int] = []
-        while len(children) < 5 and time.monotonic() < deadline:   # servers + services spawned
+        while len(children) < 5 and time.monotonic() < deadline:  # servers + services spawned
             time.sleep(0.2)
             children = children_of(up.pid)
         assert len(children) >= 5, (tmp_path / "up.stderr").read_text()
     finally:
         up.kill()
         up.wait()
-    assert wait_all_dead(children, pid_alive, 45.0) == []  # a service caught mid-drain may wait on nats
+    assert (
+        wait_all_dead(children, pid_alive, 45.0) == []
+    )  # a service caught mid-drain may wait on nats
 
 
 def test_executor_openmp_policy_is_a_default_not_an_override():

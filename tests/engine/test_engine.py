@@ -32,12 +32,18 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(EngineConfig(dtype="float32", num_kv_blocks=512, max_num_seqs=32, max_num_batched_tokens=256),
-               progress=False)
+    return LLM(
+        EngineConfig(
+            dtype="float32", num_kv_blocks=512, max_num_seqs=32, max_num_batched_tokens=256
+        ),
+        progress=False,
+    )
 
 
 def test_prefix_caching_off_from_the_command_line_reaches_the_engine():
-    config = EngineConfig.from_argv(["--dtype", "float32", "--num-kv-blocks", "16", "--no-enable-prefix-caching"])
+    config = EngineConfig.from_argv(
+        ["--dtype", "float32", "--num-kv-blocks", "16", "--no-enable-prefix-caching"]
+    )
     llm = LLM(config, progress=False)
     assert llm.engine.block_manager.enable_prefix_caching is False
     prompt = PROMPTS[0] * 4
@@ -83,8 +89,10 @@ def test_small_pool_forces_preemption_without_changing_output(llm, dtype):
 def test_shared_prefix_computes_only_uncached_tokens(llm):
     engine = llm.engine
     tok = engine.tokenizer
-    words = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho "
-             "sigma tau upsilon phi chi psi omega ").split()
+    words = (
+        "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho "
+        "sigma tau upsilon phi chi psi omega "
+    ).split()
     prefix: list[int] = []
     i = 0
     while len(prefix) < 512:
@@ -112,8 +120,15 @@ def test_chunked_prefill_matches_single_shot(llm):
     prompt = " ".join(PROMPTS) * 3
     params = SamplingParams(max_tokens=16, ignore_eos=True, **GREEDY)
     expected = _tokens(llm.generate(prompt, params))
-    chunked = LLM(EngineConfig(dtype="float32", num_kv_blocks=128, max_num_batched_tokens=32,
-                               enable_prefix_caching=False), progress=False)
+    chunked = LLM(
+        EngineConfig(
+            dtype="float32",
+            num_kv_blocks=128,
+            max_num_batched_tokens=32,
+            enable_prefix_caching=False,
+        ),
+        progress=False,
+    )
     assert _tokens(chunked.generate(prompt, params)) == expected
 
 
@@ -128,30 +143,42 @@ def test_seeded_sampling_does_not_depend_on_the_batch(llm):
 
 
 def test_stop_string_across_tokens_is_removed(llm):
-    base = llm.generate("The capital of France is", SamplingParams(max_tokens=20, **GREEDY))[0].outputs[0]
+    base = llm.generate("The capital of France is", SamplingParams(max_tokens=20, **GREEDY))[
+        0
+    ].outputs[0]
     text = base.text
     # A stop string straddling a token boundary: the end of one token and the start of the next.
     stop = text[3:9]
-    out = llm.generate("The capital of France is", SamplingParams(max_tokens=20, stop=[stop], **GREEDY))[0].outputs[0]
+    out = llm.generate(
+        "The capital of France is", SamplingParams(max_tokens=20, stop=[stop], **GREEDY)
+    )[0].outputs[0]
     assert out.text == text[: text.index(stop)]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop)
-    kept = llm.generate("The capital of France is",
-                        SamplingParams(max_tokens=20, stop=[stop], include_stop_str_in_output=True, **GREEDY))[0].outputs[0]
+    kept = llm.generate(
+        "The capital of France is",
+        SamplingParams(max_tokens=20, stop=[stop], include_stop_str_in_output=True, **GREEDY),
+    )[0].outputs[0]
     assert kept.text == text[: text.index(stop) + len(stop)]
 
 
 def test_stop_token_ids_and_max_tokens(llm):
-    base = llm.generate("1, 1, 2, 3, 5, 8,", SamplingParams(max_tokens=12, ignore_eos=True, **GREEDY))[0].outputs[0]
+    base = llm.generate(
+        "1, 1, 2, 3, 5, 8,", SamplingParams(max_tokens=12, ignore_eos=True, **GREEDY)
+    )[0].outputs[0]
     assert base.finish_reason == "length" and len(base.token_ids) == 12
     stop_id = base.token_ids[4]
-    out = llm.generate("1, 1, 2, 3, 5, 8,", SamplingParams(max_tokens=12, stop_token_ids=[stop_id], **GREEDY))[0].outputs[0]
+    out = llm.generate(
+        "1, 1, 2, 3, 5, 8,", SamplingParams(max_tokens=12, stop_token_ids=[stop_id], **GREEDY)
+    )[0].outputs[0]
     first = base.token_ids.index(stop_id)
     assert out.token_ids == base.token_ids[: first + 1]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
 
 
 def test_logprobs_follow_openai_semantics(llm):
-    out = llm.generate("The capital of France is", SamplingParams(max_tokens=6, logprobs=3, **GREEDY))[0].outputs[0]
+    out = llm.generate(
+        "The capital of France is", SamplingParams(max_tokens=6, logprobs=3, **GREEDY)
+    )[0].outputs[0]
     assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
     for tid, lp in zip(out.token_ids, out.logprobs):
         assert lp.token_id == tid
@@ -169,8 +196,15 @@ def test_n_greater_than_one_shares_the_prompt(llm):
     greedy = llm.generate(prompt, SamplingParams(n=3, max_tokens=10, ignore_eos=True, **GREEDY))[0]
     assert [c.index for c in greedy.outputs] == [0, 1, 2]
     assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids == greedy.outputs[2].token_ids
-    assert greedy.outputs[0].token_ids == _tokens(llm.generate(prompt, SamplingParams(max_tokens=10, ignore_eos=True, **GREEDY)))[0]
-    sampled = llm.generate(prompt, SamplingParams(n=3, max_tokens=16, temperature=1.0, seed=7, ignore_eos=True))[0]
+    assert (
+        greedy.outputs[0].token_ids
+        == _tokens(llm.generate(prompt, SamplingParams(max_tokens=10, ignore_eos=True, **GREEDY)))[
+            0
+        ]
+    )
+    sampled = llm.generate(
+        prompt, SamplingParams(n=3, max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
+    )[0]
     assert len({tuple(c.token_ids) for c in sampled.outputs}) > 1
     assert all(len(c.token_ids) == 16 for c in sampled.outputs)
     assert_no_leak(llm.engine)
@@ -180,8 +214,11 @@ def test_each_choice_reports_its_finish_once(llm):
     """With n > 1 the choices finish at different steps; a finished one must go quiet while the
     others run (the streaming API sends finish_reason once per choice)."""
     engine = llm.engine
-    engine.add_request("staggered", "Write a long list of fruits:",
-                       SamplingParams(n=3, max_tokens=24, temperature=1.0, seed=11, stop=[","]))
+    engine.add_request(
+        "staggered",
+        "Write a long list of fruits:",
+        SamplingParams(n=3, max_tokens=24, temperature=1.0, seed=11, stop=[","]),
+    )
     deltas: dict[int, list] = {0: [], 1: [], 2: []}
     finished_at: dict[int, int] = {}
     step = 0
@@ -202,7 +239,9 @@ def test_each_choice_reports_its_finish_once(llm):
 
 def test_abort_frees_blocks_at_once(llm):
     engine = llm.engine
-    engine.add_request("to-abort", "A long story begins here and", SamplingParams(max_tokens=50, **GREEDY))
+    engine.add_request(
+        "to-abort", "A long story begins here and", SamplingParams(max_tokens=50, **GREEDY)
+    )
     engine.step()
     engine.step()
     assert engine.stats().num_free_blocks < engine.stats().num_total_blocks
@@ -225,8 +264,16 @@ def test_bad_requests_are_rejected_clearly(llm):
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("dup", "hi", SamplingParams(max_tokens=1))
     engine.abort("dup")
-    for bad in (dict(max_tokens=0), dict(max_tokens=-3), dict(max_tokens=1.5), dict(temperature=-0.1),
-                dict(top_p=0.0), dict(top_p=1.5), dict(n=0), dict(foo=1)):
+    for bad in (
+        dict(max_tokens=0),
+        dict(max_tokens=-3),
+        dict(max_tokens=1.5),
+        dict(temperature=-0.1),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(n=0),
+        dict(foo=1),
+    ):
         with pytest.raises(ValueError):
             SamplingParams.from_dict(bad)
     assert_no_leak(engine)
@@ -243,15 +290,20 @@ def test_tokenizer_block_hashes_are_the_engines_and_each_block_is_hashed_once(ll
     bs = engine.config.block_size
     params = SamplingParams(max_tokens=2 * bs + 3, ignore_eos=True, **GREEDY)
     text = "The history of the printing press, told as a list of dates and places: " * 3
-    tokenized = tokenize_request(GenerateRequest(request_id="t", model="m", params=params, prompt=text),
-                                 engine.tokenizer, PromptLimits(max_model_len=engine.max_model_len, block_size=bs))
+    tokenized = tokenize_request(
+        GenerateRequest(request_id="t", model="m", params=params, prompt=text),
+        engine.tokenizer,
+        PromptLimits(max_model_len=engine.max_model_len, block_size=bs),
+    )
     ids, hashes = tokenized.prompt_token_ids, tokenized.block_hashes
     assert len(hashes) == len(ids) // bs >= 3
 
     calls = []
     for module in (block_manager, sequence):
         real = module.hash_block
-        monkeypatch.setattr(module, "hash_block", lambda p, t, real=real: calls.append(1) or real(p, t))
+        monkeypatch.setattr(
+            module, "hash_block", lambda p, t, real=real: calls.append(1) or real(p, t)
+        )
 
     def run(request_id: str, given: list[int] | None) -> tuple[list[int], list[int]]:
         engine.block_manager.reset_prefix_cache()
@@ -267,12 +319,14 @@ def test_tokenizer_block_hashes_are_the_engines_and_each_block_is_hashed_once(ll
         return tokens, registered
 
     computed_tokens, computed = run("own-hashes", None)
-    assert computed[:len(hashes)] == hashes                  # the engine's own hashes: the tokenizer's
-    num_full_blocks = (len(ids) + len(computed_tokens) - 1) // bs  # the last token is never computed
-    assert len(calls) == num_full_blocks == len(computed)    # every block hashed once
+    assert computed[: len(hashes)] == hashes  # the engine's own hashes: the tokenizer's
+    num_full_blocks = (
+        len(ids) + len(computed_tokens) - 1
+    ) // bs  # the last token is never computed
+    assert len(calls) == num_full_blocks == len(computed)  # every block hashed once
     given_tokens, given = run("given-hashes", hashes)
     assert given == computed and given_tokens == computed_tokens
-    assert len(calls) == num_full_blocks - len(hashes)       # only the blocks output filled
+    assert len(calls) == num_full_blocks - len(hashes)  # only the blocks output filled
     with pytest.raises(ValueError, match="block_hashes has 2 hashes, but the prompt's"):
         engine.add_request("bad-hashes", ids, params, block_hashes=hashes[:2])
     assert_no_leak(engine)
@@ -285,8 +339,13 @@ def test_per_request_state_stays_bounded_over_many_requests(llm):
     engine = llm.engine
     bm = engine.block_manager
     tok = engine.tokenizer
-    prefixes = [tok.encode(f"Request log {i}: the server answered the client with status code and "
-                           f"a short body, then closed the connection") for i in range(4)]
+    prefixes = [
+        tok.encode(
+            f"Request log {i}: the server answered the client with status code and "
+            f"a short body, then closed the connection"
+        )
+        for i in range(4)
+    ]
     assert all(len(p) > bm.block_size for p in prefixes)
     params = SamplingParams(max_tokens=2, ignore_eos=True, **GREEDY)
     num_batches = 0

@@ -14,10 +14,10 @@ import random
 import pytest
 
 from helpers.levels import capped_at, needs_kernels
-from shared.wire.block_hash import hash_block
 from shared.engine.engine import Engine, EngineConfig
-from shared.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from shared.engine.llm import LLM
+from shared.wire.block_hash import hash_block
+from shared.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from shared.wire.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
@@ -30,21 +30,28 @@ def random_requests(rng: random.Random) -> list[tuple[str, list[int], SamplingPa
     requests = []
     for i in range(NUM_REQUESTS):
         length = rng.randint(1, 90)
-        head = shared_prefix[:rng.randint(1, min(length, 80))] if rng.random() < 0.5 else []
+        head = shared_prefix[: rng.randint(1, min(length, 80))] if rng.random() < 0.5 else []
         prompt = head + [rng.randrange(100, 20000) for _ in range(length - len(head))]
         kw: dict = dict(max_tokens=rng.randint(1, 20), ignore_eos=rng.random() < 0.7)
         if rng.random() < 0.4:
             kw.update(temperature=0.0)
         else:
-            kw.update(temperature=rng.choice([0.7, 1.0, 1.3]), seed=rng.randrange(1000),
-                      top_p=rng.choice([1.0, 0.9]), top_k=rng.choice([-1, 20]), n=rng.choice([1, 2, 3]))
+            kw.update(
+                temperature=rng.choice([0.7, 1.0, 1.3]),
+                seed=rng.randrange(1000),
+                top_p=rng.choice([1.0, 0.9]),
+                top_k=rng.choice([-1, 20]),
+                n=rng.choice([1, 2, 3]),
+            )
         if rng.random() < 0.2:
             kw.update(logprobs=rng.randint(0, 3))
         if rng.random() < 0.25:
             kw.update(stop=["e", " the"])
         if rng.random() < 0.2:
             kw.update(repetition_penalty=1.2, presence_penalty=0.5)
-        requests.append((f"r{i}", prompt, SamplingParams(**kw), rng.randint(0, 2), rng.randint(0, 30)))
+        requests.append(
+            (f"r{i}", prompt, SamplingParams(**kw), rng.randint(0, 2), rng.randint(0, 30))
+        )
     return sorted(requests, key=lambda r: r[4])
 
 
@@ -66,7 +73,7 @@ class EventReplay:
             if isinstance(event, BlockStored):
                 parent = event.parent_block_hash
                 for i, h in enumerate(event.block_hashes):
-                    tokens = event.token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]
+                    tokens = event.token_ids[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]
                     assert h == hash_block(parent, tokens)
                     self.hashes.add(h)
                     parent = h
@@ -84,11 +91,21 @@ class EventReplay:
 # preempted sequence recomputes each sampled token through the decode kernel, as on its first pass.
 # In bf16 and int8 the two kernels round differently, so any of these done otherwise shows up here.
 # The bf16 and int8 pools also run with the kernels capped at AVX2, whose kernels round otherwise.
-@pytest.mark.parametrize("seed,dtype,quantization,num_blocks,batched_tokens,level", [
-    (2, "float32", None, 12, 128, None), (3, "float32", None, 16, 48, None), (5, "bfloat16", None, 12, 64, None),
-    pytest.param(6, "bfloat16", "int8", 14, 32, None, marks=needs_kernels), (4, "bfloat16", None, 400, 16, None),
-    (7, "bfloat16", None, 12, 64, "avx2"), pytest.param(8, "bfloat16", "int8", 14, 32, "avx2", marks=needs_kernels)])
-def test_random_workload_with_aborts_and_preemption(seed, dtype, quantization, num_blocks, batched_tokens, level):
+@pytest.mark.parametrize(
+    "seed,dtype,quantization,num_blocks,batched_tokens,level",
+    [
+        (2, "float32", None, 12, 128, None),
+        (3, "float32", None, 16, 48, None),
+        (5, "bfloat16", None, 12, 64, None),
+        pytest.param(6, "bfloat16", "int8", 14, 32, None, marks=needs_kernels),
+        (4, "bfloat16", None, 400, 16, None),
+        (7, "bfloat16", None, 12, 64, "avx2"),
+        pytest.param(8, "bfloat16", "int8", 14, 32, "avx2", marks=needs_kernels),
+    ],
+)
+def test_random_workload_with_aborts_and_preemption(
+    seed, dtype, quantization, num_blocks, batched_tokens, level
+):
     if level is None:
         run_random_workload(seed, dtype, quantization, num_blocks, batched_tokens)
     else:
@@ -98,9 +115,18 @@ def test_random_workload_with_aborts_and_preemption(seed, dtype, quantization, n
 
 def run_random_workload(seed, dtype, quantization, num_blocks, batched_tokens):
     rng = random.Random(seed)
-    llm = LLM(EngineConfig(dtype=dtype, quantization=quantization, kv_cache_dtype=quantization or "auto",
-                           num_kv_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=8,
-                           max_num_batched_tokens=batched_tokens), progress=False)
+    llm = LLM(
+        EngineConfig(
+            dtype=dtype,
+            quantization=quantization,
+            kv_cache_dtype=quantization or "auto",
+            num_kv_blocks=num_blocks,
+            block_size=BLOCK_SIZE,
+            max_num_seqs=8,
+            max_num_batched_tokens=batched_tokens,
+        ),
+        progress=False,
+    )
     engine = llm.engine
     requests = random_requests(rng)
     replay = EventReplay()
@@ -126,7 +152,9 @@ def run_random_workload(seed, dtype, quantization, num_blocks, batched_tokens):
             assert out.request_id in live
             for d in out.deltas:
                 done = finish_reasons.setdefault(out.request_id, {})
-                assert d.index not in done, f"{out.request_id} choice {d.index} spoke after finishing"
+                assert d.index not in done, (
+                    f"{out.request_id} choice {d.index} spoke after finishing"
+                )
                 tokens.setdefault(out.request_id, {}).setdefault(d.index, []).extend(d.token_ids)
                 if d.finish_reason is not None:
                     done[d.index] = d.finish_reason
@@ -141,7 +169,9 @@ def run_random_workload(seed, dtype, quantization, num_blocks, batched_tokens):
     assert aborted and stats.prefix_cache_hits_tokens > 0
     assert stats.num_running == stats.num_waiting == 0
     assert stats.num_free_blocks == stats.num_total_blocks
-    assert replay.hashes == {h for h in replay.hashes if engine.block_manager.cached_block_id(h) is not None}
+    assert replay.hashes == {
+        h for h in replay.hashes if engine.block_manager.cached_block_id(h) is not None
+    }
     assert len(replay.hashes) == engine.block_manager.num_cached_blocks
 
     for request_id, prompt, params, _, _ in requests:

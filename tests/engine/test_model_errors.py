@@ -20,7 +20,7 @@ gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 
 
-def write_gguf(path, arch: str, tensors: dict[str, tuple[np.ndarray, "Q | None"]]) -> str:
+def write_gguf(path, arch: str, tensors: dict[str, tuple[np.ndarray, Q | None]]) -> str:
     """A minimal GGUF: enough metadata for ``arch`` plus the given tensors (raw bytes when a type is
     given)."""
     w = gguf.GGUFWriter(str(path), arch)
@@ -72,8 +72,16 @@ def test_gguf_with_unsupported_architecture(arch, tmp_path):
 
 
 def test_hf_directory_with_unsupported_architecture(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 32, "n_embd": 8}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["GPT2LMHeadModel"],
+                "model_type": "gpt2",
+                "vocab_size": 32,
+                "n_embd": 8,
+            }
+        )
+    )
     with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
         load_config(str(tmp_path))
 
@@ -96,8 +104,17 @@ def test_gguf_with_unsupported_quantization_type(qtype, tmp_path):
 
 
 def test_prompt_longer_than_the_context_is_refused():
-    config = ModelConfig(architecture="llama", vocab_size=32, hidden_size=16, intermediate_size=32,
-                         num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=40)
+    config = ModelConfig(
+        architecture="llama",
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        max_position_embeddings=40,
+    )
     torch.manual_seed(0)
     model = LlamaModel(config).eval()
     runner = make_runner(model, num_blocks=8)

@@ -47,7 +47,7 @@ def _long_text() -> str:
     for section in range(1, 5):
         parts.append(f"## Section {section}")
         # Rotate the order so sections are not verbatim repeats of each other.
-        parts.extend(_LONG_PARAGRAPHS[section % 6:] + _LONG_PARAGRAPHS[: section % 6])
+        parts.extend(_LONG_PARAGRAPHS[section % 6 :] + _LONG_PARAGRAPHS[: section % 6])
     parts.append("## Summary\nIn short, the notes above describe")
     return "\n\n".join(parts)
 
@@ -59,17 +59,23 @@ PROMPT_NAMES = ["english", "chat", "code", "multilingual", "numbers", "long"]
 def prompt_ids(smollm2_tokenizer) -> dict[str, list[int]]:
     tok = smollm2_tokenizer
     chat = tok.apply_chat_template(
-        [{"role": "system", "content": "You are a helpful assistant."},
-         {"role": "user", "content": "Write a short story about a lighthouse keeper who finds a "
-                                     "message in a bottle."}])
+        [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {
+                "role": "user",
+                "content": "Write a short story about a lighthouse keeper who finds a "
+                "message in a bottle.",
+            },
+        ]
+    )
     texts = {
         "english": "The history of the printing press begins in",
         "code": 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
         "multilingual": "Traduction : « Le café est très chaud. » En español: «El café está muy "
-                        "caliente». Auf Deutsch: „Der Kaffee ist sehr heiß.“ 日本語では「コーヒーは"
-                        "とても熱い」。 Ελληνικά: «Ο καφές είναι πολύ ζεστός». Русский:",
+        "caliente». Auf Deutsch: „Der Kaffee ist sehr heiß.“ 日本語では「コーヒーは"
+        "とても熱い」。 Ελληνικά: «Ο καφές είναι πολύ ζεστός». Русский:",
         "numbers": "Shopping list for the week:\n1. 3 apples (0.45 each)\n2. 12 eggs\n3. 2.5 kg of "
-                   "flour\n4. 750 ml of milk\n5.",
+        "flour\n4. 750 ml of milk\n5.",
         "long": _long_text(),
     }
     ids = {name: tok.encode(text) for name, text in texts.items()}
@@ -87,25 +93,36 @@ def eos_ids(smollm2_tokenizer) -> tuple[int, ...]:
 
 @pytest.fixture(scope="module")
 def fp32_runs(runtime_fp32, prompt_ids, eos_ids):
-    return {name: greedy_generate(runtime_fp32, ids, NUM_NEW_TOKENS, keep_logits=True, stop_token_ids=eos_ids)
-            for name, ids in prompt_ids.items()}
+    return {
+        name: greedy_generate(
+            runtime_fp32, ids, NUM_NEW_TOKENS, keep_logits=True, stop_token_ids=eos_ids
+        )
+        for name, ids in prompt_ids.items()
+    }
 
 
 @pytest.mark.parametrize("name", PROMPT_NAMES)
-def test_fp32_greedy_tokens_identical_to_transformers(name, hf_reference_model, prompt_ids, fp32_runs):
+def test_fp32_greedy_tokens_identical_to_transformers(
+    name, hf_reference_model, prompt_ids, fp32_runs
+):
     ids = prompt_ids[name]
     with torch.inference_mode():
         out = hf_reference_model.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            do_sample=False, max_new_tokens=NUM_NEW_TOKENS)
-    expected = out[0, len(ids):].tolist()
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=NUM_NEW_TOKENS,
+        )
+    expected = out[0, len(ids) :].tolist()
     # Every prompt here runs the full 64 tokens (no early EOS), so the comparison is never short.
     assert len(expected) == NUM_NEW_TOKENS
     assert fp32_runs[name].token_ids == expected
 
 
 @pytest.mark.parametrize("name", PROMPT_NAMES)
-def test_fp32_last_position_logits_close_to_transformers(name, hf_reference_model, prompt_ids, fp32_runs):
+def test_fp32_last_position_logits_close_to_transformers(
+    name, hf_reference_model, prompt_ids, fp32_runs
+):
     ids = prompt_ids[name]
     with torch.inference_mode():
         expected = hf_reference_model(torch.tensor([ids])).logits[0, -1].float()
@@ -118,8 +135,10 @@ def test_fp32_last_position_logits_close_to_transformers(name, hf_reference_mode
 
 @pytest.fixture(scope="module")
 def bf16_runs(runtime_bf16, prompt_ids, eos_ids):
-    return {name: greedy_generate(runtime_bf16, ids, NUM_NEW_TOKENS, stop_token_ids=eos_ids)
-            for name, ids in prompt_ids.items()}
+    return {
+        name: greedy_generate(runtime_bf16, ids, NUM_NEW_TOKENS, stop_token_ids=eos_ids)
+        for name, ids in prompt_ids.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -130,10 +149,15 @@ def bf16_disagreements(runtime_fp32, prompt_ids, bf16_runs) -> dict[str, list[tu
     out = {}
     for name, ids in prompt_ids.items():
         bf16 = bf16_runs[name].token_ids
-        logits = all_position_logits(runtime_fp32, ids + bf16)[len(ids) - 1: len(ids) - 1 + len(bf16)]
+        logits = all_position_logits(runtime_fp32, ids + bf16)[
+            len(ids) - 1 : len(ids) - 1 + len(bf16)
+        ]
         best = logits.argmax(dim=-1)
-        out[name] = [(i, (logits[i, best[i]] - logits[i, t]).item())
-                     for i, t in enumerate(bf16) if t != int(best[i])]
+        out[name] = [
+            (i, (logits[i, best[i]] - logits[i, t]).item())
+            for i, t in enumerate(bf16)
+            if t != int(best[i])
+        ]
     return out
 
 
@@ -148,8 +172,10 @@ def test_bf16_leaves_fp32_path_only_at_near_ties(name, fp32_runs, bf16_runs, bf1
     flip on bf16's own path must stay within bf16's measured noise."""
     gaps = bf16_disagreements[name]
     first = first_divergence(fp32_runs[name].token_ids, bf16_runs[name].token_ids)
-    print(f"{name}: first divergence at {first}, (step, gap) where bf16 != fp32: "
-          f"{[(i, round(g, 4)) for i, g in gaps]}")
+    print(
+        f"{name}: first divergence at {first}, (step, gap) where bf16 != fp32: "
+        f"{[(i, round(g, 4)) for i, g in gaps]}"
+    )
     if first < NUM_NEW_TOKENS:
         # Up to the first divergence both greedy runs share the prefix, so the teacher-forced walk
         # flags exactly that step, and fp32's own top-2 margin there is the near-tie.
@@ -164,7 +190,9 @@ def test_bf16_tracks_fp32_closely(prompt_ids, fp32_runs, bf16_runs, bf16_disagre
     three revisions of the bf16 kernels, which move the near-ties): the first token agrees on all
     6 prompts, the first 3 on >= 5 of 6; teacher-forced disagreements 1-5 of 64 steps per prompt.
     (bf16's run may end early at EOS once it has left fp32's path.)"""
-    firsts = {n: first_divergence(fp32_runs[n].token_ids, bf16_runs[n].token_ids) for n in PROMPT_NAMES}
+    firsts = {
+        n: first_divergence(fp32_runs[n].token_ids, bf16_runs[n].token_ids) for n in PROMPT_NAMES
+    }
     counts = {n: len(bf16_disagreements[n]) for n in PROMPT_NAMES}
     print("bf16 first divergence:", firsts, "teacher-forced disagreements:", counts)
     assert sum(f >= 1 for f in firsts.values()) >= len(PROMPT_NAMES) - 1, firsts

@@ -68,11 +68,11 @@ def test_mixed_batch_matches_each_sequence_alone(model):
     # name: (all tokens known after this step, tokens already cached before it, need_logits)
     plan = {
         "fresh_prefill": (random_ids(37, 1), 0, True),
-        "continue_unaligned": (random_ids(45, 2), 20, True),   # 20: mid-block
-        "continue_aligned": (random_ids(50, 3), 32, True),     # 32: a block boundary
-        "continue_no_logits": (random_ids(70, 4), 9, False),   # a middle chunk: prompt goes on to 70
+        "continue_unaligned": (random_ids(45, 2), 20, True),  # 20: mid-block
+        "continue_aligned": (random_ids(50, 3), 32, True),  # 32: a block boundary
+        "continue_no_logits": (random_ids(70, 4), 9, False),  # a middle chunk: prompt goes on to 70
         "decode_short": (random_ids(18, 5), 17, True),
-        "decode_block_edge": (random_ids(33, 6), 32, True),    # the new token opens a fresh block
+        "decode_block_edge": (random_ids(33, 6), 32, True),  # the new token opens a fresh block
         "decode_long": (random_ids(81, 7), 80, True),
     }
     chunk_end = {"continue_no_logits": 40}
@@ -82,14 +82,31 @@ def test_mixed_batch_matches_each_sequence_alone(model):
         if num_computed:
             runner.execute([ScheduledChunk(ids[:num_computed], 0, tables[name], need_logits=False)])
 
-    order = ["decode_long", "continue_unaligned", "fresh_prefill", "decode_short", "continue_no_logits",
-             "continue_aligned", "decode_block_edge"]
-    chunks = [ScheduledChunk(plan[n][0][plan[n][1]: chunk_end.get(n, len(plan[n][0]))], plan[n][1],
-                             tables[n], need_logits=plan[n][2]) for n in order]
+    order = [
+        "decode_long",
+        "continue_unaligned",
+        "fresh_prefill",
+        "decode_short",
+        "continue_no_logits",
+        "continue_aligned",
+        "decode_block_edge",
+    ]
+    chunks = [
+        ScheduledChunk(
+            plan[n][0][plan[n][1] : chunk_end.get(n, len(plan[n][0]))],
+            plan[n][1],
+            tables[n],
+            need_logits=plan[n][2],
+        )
+        for n in order
+    ]
     assert sum(len(c.token_ids) == 1 for c in chunks) == 3 and len(chunks) == 7
     logits = runner.execute(chunks)
     with_logits = [n for n in order if plan[n][2]]
-    assert logits.shape == (len(with_logits), model.config.vocab_size) and logits.dtype == torch.float32
+    assert (
+        logits.shape == (len(with_logits), model.config.vocab_size)
+        and logits.dtype == torch.float32
+    )
 
     diffs = {}
     for row, name in zip(logits, with_logits):
@@ -142,7 +159,9 @@ def test_chunked_prefill_equals_one_shot(model, chunk_size):
     table = shuffled_block_table(n, 3 * n, random.Random(chunk_size))
     for start in range(0, len(ids), chunk_size):
         end = min(start + chunk_size, len(ids))
-        out = runner.execute([ScheduledChunk(ids[start:end], start, table, need_logits=end == len(ids))])
+        out = runner.execute(
+            [ScheduledChunk(ids[start:end], start, table, need_logits=end == len(ids))]
+        )
     diff = max_diff(out[0], expected)
     print(f"chunk {chunk_size}: max |logit diff| {diff:.2g}")
     assert diff <= ATOL
@@ -150,7 +169,7 @@ def test_chunked_prefill_equals_one_shot(model, chunk_size):
 
     # Same K/V, token by token, in every layer (read through each run's own block table).
     def cached(r: ModelRunner, tbl: list[int]) -> torch.Tensor:
-        s = r.kv_cache.storage   # [layers, 2, blocks, block_size, kv_heads, head_dim]
+        s = r.kv_cache.storage  # [layers, 2, blocks, block_size, kv_heads, head_dim]
         return s[:, :, torch.tensor(tbl)].flatten(2, 3)[:, :, : len(ids)]
 
     kv_diff = max_diff(cached(runner, table), cached(one_shot, one_shot_table))
@@ -173,10 +192,18 @@ def test_prompt_chunks_give_bit_identical_logits_in_bf16(runtime_bf16, last_chun
     whole = runner.execute([ScheduledChunk(ids, 0, one_table)])[0]
     head = len(ids) - last_chunk
     other = random_ids(33, seed=10)
-    runner.execute([ScheduledChunk(ids[:head], 0, two_table, need_logits=False),
-                    ScheduledChunk(other[:32], 0, other_table)])
-    split = runner.execute([ScheduledChunk([other[32]], 32, other_table, decode_from=32),
-                            ScheduledChunk(ids[head:], head, two_table, decode_from=len(ids))])[1]
+    runner.execute(
+        [
+            ScheduledChunk(ids[:head], 0, two_table, need_logits=False),
+            ScheduledChunk(other[:32], 0, other_table),
+        ]
+    )
+    split = runner.execute(
+        [
+            ScheduledChunk([other[32]], 32, other_table, decode_from=32),
+            ScheduledChunk(ids[head:], head, two_table, decode_from=len(ids)),
+        ]
+    )[1]
     assert torch.equal(split, whole)
 
 
@@ -193,16 +220,31 @@ def test_recomputed_sampled_tokens_give_bit_identical_logits_in_bf16(runtime_bf1
     first_table, again_table, other_table = alloc.take(4), alloc.take(4), alloc.take(4)
     runner = make_runner(runtime_bf16, 24)
     other = random_ids(60, seed=23)
-    runner.execute([ScheduledChunk(prompt, 0, first_table, decode_from=len(prompt)),
-                    ScheduledChunk(other[:40], 0, other_table, decode_from=40)])
+    runner.execute(
+        [
+            ScheduledChunk(prompt, 0, first_table, decode_from=len(prompt)),
+            ScheduledChunk(other[:40], 0, other_table, decode_from=40),
+        ]
+    )
     for i, token in enumerate(sampled):  # decode steps next to another sequence's
         position = len(prompt) + i
-        first_pass = runner.execute([ScheduledChunk([token], position, first_table, decode_from=len(prompt)),
-                                     ScheduledChunk([other[position]], position, other_table, decode_from=40)])[0]
+        first_pass = runner.execute(
+            [
+                ScheduledChunk([token], position, first_table, decode_from=len(prompt)),
+                ScheduledChunk([other[position]], position, other_table, decode_from=40),
+            ]
+        )[0]
     ids = prompt + sampled
-    runner.execute([ScheduledChunk(ids[:first_chunk], 0, again_table, need_logits=False, decode_from=len(prompt))])
-    recomputed = runner.execute([ScheduledChunk(ids[first_chunk:], first_chunk, again_table,
-                                                decode_from=len(prompt))])[0]
+    runner.execute(
+        [
+            ScheduledChunk(
+                ids[:first_chunk], 0, again_table, need_logits=False, decode_from=len(prompt)
+            )
+        ]
+    )
+    recomputed = runner.execute(
+        [ScheduledChunk(ids[first_chunk:], first_chunk, again_table, decode_from=len(prompt))]
+    )[0]
     assert torch.equal(recomputed, first_pass)
 
 

@@ -23,18 +23,44 @@ SEQ_LEN = 160  # past the llama3 variant's original context of 64, so its scalin
 # (largest: llama3 rope); ~5x headroom.
 ATOL = 3e-5
 
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-              rms_norm_eps=1e-6, initializer_range=0.1, bos_token_id=1, eos_token_id=None)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    initializer_range=0.1,
+    bos_token_id=1,
+    eos_token_id=None,
+)
 
 VARIANTS = {
     "llama-untied": ("llama", dict(tie_word_embeddings=False)),
     "llama-tied": ("llama", dict(tie_word_embeddings=True)),
-    "llama3-rope": ("llama", dict(tie_word_embeddings=False, rope_parameters={
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
-    "qwen2-bias": ("qwen2", dict(tie_word_embeddings=False, rope_parameters={
-        "rope_type": "default", "rope_theta": 1000000.0})),
+    "llama3-rope": (
+        "llama",
+        dict(
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
+    "qwen2-bias": (
+        "qwen2",
+        dict(
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        ),
+    ),
 }
 
 
@@ -70,9 +96,15 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            pad_token_id=0,
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def compare(ours, hf_model, seed: int = 1) -> float:
@@ -100,7 +132,11 @@ def test_safetensors_model_matches_transformers(variant, tmp_path):
     assert c.tie_word_embeddings == overrides["tie_word_embeddings"]
     assert c.qkv_bias == (arch == "qwen2")
     if variant == "llama3-rope":
-        assert c.rope_scaling is not None and c.rope_scaling.kind == "llama3" and c.rope_theta == 500000.0
+        assert (
+            c.rope_scaling is not None
+            and c.rope_scaling.kind == "llama3"
+            and c.rope_theta == 500000.0
+        )
     else:
         assert c.rope_scaling is None
     diff = compare(ours, hf_model)
@@ -111,28 +147,39 @@ def test_rope_scaling_changes_the_output(tmp_path):
     """The llama3 variant's agreement above is not vacuous: ignoring the scaling changes logits."""
     _, overrides = VARIANTS["llama3-rope"]
     scaled = build_hf_model("llama", overrides)
-    plain = build_hf_model("llama", {**overrides, "rope_parameters": {"rope_type": "default",
-                                                                      "rope_theta": 500000.0}})
+    plain = build_hf_model(
+        "llama", {**overrides, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
+    )
     ids = random_ids(SEQ_LEN, 1)
     assert (hf_logits(scaled, ids) - hf_logits(plain, ids)).abs().max().item() > 100 * ATOL
 
 
 # --- GGUF written like llama.cpp's convert_hf_to_gguf.py ---------------------------------------
 
+
 def llama_cpp_permute(w: torch.Tensor, n_head: int, n_head_kv: int | None = None) -> torch.Tensor:
     """convert_hf_to_gguf.LlamaModel.permute: per head, half-split RoPE rows → interleaved pairs."""
     if n_head_kv is not None and n_head != n_head_kv:
         n_head = n_head_kv
-    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 GGUF_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
-    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
 
@@ -175,7 +222,9 @@ def write_llama_gguf(hf_model, path) -> None:
 def test_gguf_roundtrip_undoes_llama_cpp_permutation(tied, tmp_path):
     hf_model = build_hf_model("llama", dict(tie_word_embeddings=tied), seed=3)
     q = hf_model.model.layers[0].self_attn.q_proj.weight
-    assert not torch.equal(llama_cpp_permute(q, 4, 4), q)  # the permutation is not the identity here
+    assert not torch.equal(
+        llama_cpp_permute(q, 4, 4), q
+    )  # the permutation is not the identity here
     path = tmp_path / "tiny.gguf"
     write_llama_gguf(hf_model, path)
 

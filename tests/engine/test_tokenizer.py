@@ -102,7 +102,7 @@ NO_DIGIT_TEXTS = [
     "if (a && b || !c) { std::cout << a->b; } else { return; }",
     "I'm sure they'll say it's what we've done, HE'LL DON'T",
     "!!!??? ... ---- ==== ____ **** ~~~~",
-    "<html><body class=\"x\">&amp; &lt;tag&gt;</body></html>",
+    '<html><body class="x">&amp; &lt;tag&gt;</body></html>',
     "Hello <|im_start|>world<|im_end|> again <|endoftext|>",
     "<|im_start|>user\nWhat is AI?<|im_end|>\n<|im_start|>assistant\n",
     "<repo_name>llmserve<file_sep>main.py",
@@ -137,12 +137,16 @@ def test_corpus_partition_is_clean():
 def test_ids_match_transformers_without_digits(ours: Tokenizer, hf, text: str):
     expected = hf.encode(text, add_special_tokens=False)
     assert ours.encode(text, add_special_tokens=False) == expected
-    assert ours.decode(expected, skip_special_tokens=False) == hf.decode(expected, skip_special_tokens=False)
+    assert ours.decode(expected, skip_special_tokens=False) == hf.decode(
+        expected, skip_special_tokens=False
+    )
     assert ours.decode(expected) == hf.decode(expected, skip_special_tokens=True)
 
 
 @pytest.mark.parametrize("text", DIGIT_TEXTS, ids=range(len(DIGIT_TEXTS)))
-def test_ids_with_digits_follow_smollm_pretokenizer(ours: Tokenizer, hf_smollm_reference, text: str):
+def test_ids_with_digits_follow_smollm_pretokenizer(
+    ours: Tokenizer, hf_smollm_reference, text: str
+):
     ids = ours.encode(text, add_special_tokens=False)
     assert ids == hf_smollm_reference.encode(text, add_special_tokens=False).ids
     assert ours.decode(ids) == text
@@ -160,7 +164,10 @@ def test_digit_splits_written_out(ours: Tokenizer):
     assert pieces("  42") == ["ĠĠ", "4", "2"]
     assert ours.encode("Hello world! 123") == [19556, 905, 17, 216, 33, 34, 35]
     assert ours.backend.pre_tokenizer.pre_tokenize_str("a  12") == [
-        ("a", (0, 1)), ("ĠĠ", (1, 3)), ("1", (3, 4)), ("2", (4, 5))
+        ("a", (0, 1)),
+        ("ĠĠ", (1, 3)),
+        ("1", (3, 4)),
+        ("2", (4, 5)),
     ]
 
 
@@ -226,15 +233,21 @@ def test_chat_template_matches_transformers(ours: Tokenizer, hf, messages):
 
 def _with_template(tok: Tokenizer, template: str | None) -> Tokenizer:
     return Tokenizer(
-        tok.backend, vocab_size=tok.vocab_size, bos_token_id=tok.bos_token_id,
-        eos_token_ids=tok.eos_token_ids, chat_template=template,
+        tok.backend,
+        vocab_size=tok.vocab_size,
+        bos_token_id=tok.bos_token_id,
+        eos_token_ids=tok.eos_token_ids,
+        chat_template=template,
     )
 
 
 def test_chat_template_helpers_and_errors(ours: Tokenizer):
     with pytest.raises(ChatTemplateError, match="no chat template"):
         _with_template(ours, None).apply_chat_template([{"role": "user", "content": "x"}])
-    refusing = _with_template(ours, "{% if messages[0].role != 'system' %}{{ raise_exception('need a system turn') }}{% endif %}")
+    refusing = _with_template(
+        ours,
+        "{% if messages[0].role != 'system' %}{{ raise_exception('need a system turn') }}{% endif %}",
+    )
     with pytest.raises(ChatTemplateError, match="need a system turn"):
         refusing.apply_chat_template([{"role": "user", "content": "x"}])
     with pytest.raises(ChatTemplateError, match="does not compile"):
@@ -247,7 +260,9 @@ def test_chat_template_helpers_and_errors(ours: Tokenizer):
     assert len(_with_template(ours, "{{ strftime_now('%Y') }}").apply_chat_template([])) == 4
     # The sandbox blocks attribute escapes into Python internals.
     with pytest.raises(ChatTemplateError):
-        _with_template(ours, "{{ messages.__class__.__mro__ }}{{ ''.__class__.__subclasses__() }}").apply_chat_template([])
+        _with_template(
+            ours, "{{ messages.__class__.__mro__ }}{{ ''.__class__.__subclasses__() }}"
+        ).apply_chat_template([])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,7 +280,9 @@ DETOKENIZE_TEXTS = [
 
 def _stream(tok: Tokenizer, ids: list[int], chunk: int = 1, **kwargs) -> list[str]:
     detok = IncrementalDetokenizer(tok, **kwargs)
-    deltas = [detok.add(ids[i : i + chunk] if chunk > 1 else ids[i]) for i in range(0, len(ids), chunk)]
+    deltas = [
+        detok.add(ids[i : i + chunk] if chunk > 1 else ids[i]) for i in range(0, len(ids), chunk)
+    ]
     deltas.append(detok.finish())
     return deltas
 
@@ -278,7 +295,9 @@ def test_incremental_equals_full_decode(ours: Tokenizer, text: str, chunk: int):
         deltas = _stream(ours, ids, chunk, skip_special_tokens=skip)
         assert "".join(deltas) == ours.decode(ids, skip_special_tokens=skip)
         assert not any("\ufffd" in d for d in deltas)
-    assert "".join(_stream(ours, ids, chunk)) == text.replace("<|im_start|>", "").replace("<|im_end|>", "")
+    assert "".join(_stream(ours, ids, chunk)) == text.replace("<|im_start|>", "").replace(
+        "<|im_end|>", ""
+    )
 
 
 def test_incremental_holds_back_partial_characters(ours: Tokenizer):
@@ -316,13 +335,17 @@ def test_incremental_with_prompt_context(ours: Tokenizer):
 
 def test_from_pretrained_dir(tmp_path, ours: Tokenizer, hf_smollm_reference):
     hf_smollm_reference.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|im_start|>",
-        "eos_token": {"content": "<|im_end|>"},
-        "pad_token": "<|im_end|>",
-        "unk_token": "<|endoftext|>",
-        "chat_template": ours.chat_template,
-    }))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|im_start|>",
+                "eos_token": {"content": "<|im_end|>"},
+                "pad_token": "<|im_end|>",
+                "unk_token": "<|endoftext|>",
+                "chat_template": ours.chat_template,
+            }
+        )
+    )
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     tok = Tokenizer.from_pretrained_dir(tmp_path)
     assert tok.vocab_size == ours.vocab_size
@@ -357,10 +380,17 @@ def test_missing_files(tmp_path):
 
 
 def test_from_path_takes_a_gguf_file_or_a_directory(tmp_path, model_path: str):
-    assert Tokenizer.from_path(model_path).encode("Hello world") == Tokenizer.from_gguf(model_path).encode("Hello world")
+    assert Tokenizer.from_path(model_path).encode("Hello world") == Tokenizer.from_gguf(
+        model_path
+    ).encode("Hello world")
     (tmp_path / "tokenizer.json").write_text(Tokenizer.from_gguf(model_path).backend.to_str())
-    assert Tokenizer.from_path(tmp_path).vocab_size == Tokenizer.from_pretrained_dir(tmp_path).vocab_size
-    with pytest.raises(FileNotFoundError, match="absent.gguf.* neither a GGUF file nor a Hugging Face directory"):
+    assert (
+        Tokenizer.from_path(tmp_path).vocab_size
+        == Tokenizer.from_pretrained_dir(tmp_path).vocab_size
+    )
+    with pytest.raises(
+        FileNotFoundError, match="absent.gguf.* neither a GGUF file nor a Hugging Face directory"
+    ):
         Tokenizer.from_path(tmp_path / "absent.gguf")
 
 
@@ -370,8 +400,14 @@ def test_default_model_path_missing_package(monkeypatch):
         default_model_path()
 
 
-def _write_gguf(path, model: str, tokens: list[str], types: list[int], scores: list[float] | None = None,
-                **flags: bool) -> None:
+def _write_gguf(
+    path,
+    model: str,
+    tokens: list[str],
+    types: list[int],
+    scores: list[float] | None = None,
+    **flags: bool,
+) -> None:
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_tokenizer_model(model)
     writer.add_token_list(tokens)
@@ -415,7 +451,14 @@ def test_byte_level_gguf_with_llama3_pretokenizer(tmp_path):
     # Llama-3 split: digits in threes, the space alone; "xyz" has no merges but is a whole pre-token
     # in the vocabulary, which ignore_merges takes as is.
     assert [tok.id_to_token(i) for i in ids] == [
-        "<|begin_of_text|>", "the", "Ġ", "123", "4", "<think>", "xyz", "<|eot_id|>"
+        "<|begin_of_text|>",
+        "the",
+        "Ġ",
+        "123",
+        "4",
+        "<think>",
+        "xyz",
+        "<|eot_id|>",
     ]
     assert tok.decode(ids) == "the 1234<think>xyz"
 
@@ -429,6 +472,7 @@ def test_unsupported_tokenizer_model(tmp_path):
 
 
 # -- SentencePiece ('llama') vocabularies, against llama.cpp's algorithm written out here --------
+
 
 def _spm_reference(text: str, tokens: list[str], scores: list[float]) -> list[int]:
     """llama.cpp `llm_tokenizer_spm`: "▁"-escaped text with a leading "▁"; repeatedly merge the
@@ -457,7 +501,9 @@ def _spm_reference(text: str, tokens: list[str], scores: list[float]) -> list[in
     return ids
 
 
-def _spm_vocab(rng: random.Random, alphabet: str, num_pieces: int) -> tuple[list[str], list[int], list[float]]:
+def _spm_vocab(
+    rng: random.Random, alphabet: str, num_pieces: int
+) -> tuple[list[str], list[int], list[float]]:
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     types = [2, 3, 3] + [6] * 256
     pieces = set(alphabet)
@@ -494,7 +540,9 @@ def test_sentencepiece_special_tokens_and_streaming(tmp_path):
     _write_gguf(path, "llama", tokens, types, scores)
     tok = Tokenizer.from_gguf(path)
     # llama.cpp prefixes a space to every text run that follows a special token.
-    expected = _spm_reference("hello", tokens, scores) + [2] + _spm_reference("world", tokens, scores)
+    expected = (
+        _spm_reference("hello", tokens, scores) + [2] + _spm_reference("world", tokens, scores)
+    )
     assert tok.encode("hello</s>world", add_special_tokens=False) == expected
     assert tok.decode(expected) == "hello world"
     ids = tok.encode("hello wörld 🎉 held")

@@ -24,33 +24,52 @@ def blocks_needed(num_tokens: int, block_size: int = BLOCK_SIZE) -> int:
     return -(-num_tokens // block_size)
 
 
-def make_runner(model: ModelRuntime | LlamaModel, num_blocks: int, block_size: int = BLOCK_SIZE,
-                kv_cache_dtype: str = "auto") -> ModelRunner:
+def make_runner(
+    model: ModelRuntime | LlamaModel,
+    num_blocks: int,
+    block_size: int = BLOCK_SIZE,
+    kv_cache_dtype: str = "auto",
+) -> ModelRunner:
     """A runner over a fresh, zeroed KV cache in the model's dtype (or int8)."""
-    return ModelRunner(model, KVCache(model.config, num_blocks, block_size, model.dtype,
-                                      kv_cache_dtype=kv_cache_dtype))
+    return ModelRunner(
+        model,
+        KVCache(model.config, num_blocks, block_size, model.dtype, kv_cache_dtype=kv_cache_dtype),
+    )
 
 
-def shuffled_block_table(num_blocks_needed: int, num_blocks_in_cache: int,
-                         rng: random.Random | None = None, exclude: set[int] | None = None) -> list[int]:
+def shuffled_block_table(
+    num_blocks_needed: int,
+    num_blocks_in_cache: int,
+    rng: random.Random | None = None,
+    exclude: set[int] | None = None,
+) -> list[int]:
     """Distinct, non-zero, non-contiguous block ids in random order (never block 0)."""
     rng = rng or random.Random(0)
     pool = [b for b in range(1, num_blocks_in_cache) if not exclude or b not in exclude]
     if len(pool) < num_blocks_needed:
-        raise ValueError(f"cache of {num_blocks_in_cache} blocks cannot give {num_blocks_needed} free blocks")
+        raise ValueError(
+            f"cache of {num_blocks_in_cache} blocks cannot give {num_blocks_needed} free blocks"
+        )
     return rng.sample(pool, num_blocks_needed)
 
 
 @dataclass
 class GreedyResult:
-    token_ids: list[int]                                            # new tokens only
-    logits: list[torch.Tensor] = field(default_factory=list)       # fp32 [vocab] per step, if kept
+    token_ids: list[int]  # new tokens only
+    logits: list[torch.Tensor] = field(default_factory=list)  # fp32 [vocab] per step, if kept
 
 
-def greedy_generate(model: ModelRuntime | LlamaModel, prompt_ids: list[int], max_new_tokens: int, *,
-                    chunk_size: int | None = None, block_size: int = BLOCK_SIZE,
-                    seed: int = 0, keep_logits: bool = False,
-                    stop_token_ids: tuple[int, ...] = ()) -> GreedyResult:
+def greedy_generate(
+    model: ModelRuntime | LlamaModel,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    *,
+    chunk_size: int | None = None,
+    block_size: int = BLOCK_SIZE,
+    seed: int = 0,
+    keep_logits: bool = False,
+    stop_token_ids: tuple[int, ...] = (),
+) -> GreedyResult:
     """Greedy decode of ``max_new_tokens`` (fewer if a stop token is produced; it is kept).
 
     The cache has a few spare blocks so the shuffled table is genuinely scattered."""
@@ -64,7 +83,7 @@ def greedy_generate(model: ModelRuntime | LlamaModel, prompt_ids: list[int], max
     chunk = chunk_size or len(prompt_ids)
     logits = None
     for start in range(0, len(prompt_ids), chunk):
-        ids = prompt_ids[start:start + chunk]
+        ids = prompt_ids[start : start + chunk]
         last = start + len(ids) == len(prompt_ids)
         out = runner.execute([ScheduledChunk(ids, start, table, need_logits=last)])
         if last:
@@ -86,15 +105,26 @@ def greedy_generate(model: ModelRuntime | LlamaModel, prompt_ids: list[int], max
     return result
 
 
-def all_position_logits(model: ModelRuntime | LlamaModel, token_ids: list[int], block_size: int = BLOCK_SIZE,
-                        seed: int = 0, kv_cache_dtype: str = "auto") -> torch.Tensor:
+def all_position_logits(
+    model: ModelRuntime | LlamaModel,
+    token_ids: list[int],
+    block_size: int = BLOCK_SIZE,
+    seed: int = 0,
+    kv_cache_dtype: str = "auto",
+) -> torch.Tensor:
     """fp32 logits [len(token_ids), vocab] at every position of one paged prefill (teacher forcing),
     over a scattered block table: row i is the distribution of the token after ``token_ids[:i + 1]``."""
     needed = blocks_needed(len(token_ids), block_size)
     num_blocks = 2 * needed + 3
     table = shuffled_block_table(needed, num_blocks, random.Random(seed))
-    return teacher_forcing.all_position_logits(model, token_ids, table, block_size=block_size,
-                                               num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype)
+    return teacher_forcing.all_position_logits(
+        model,
+        token_ids,
+        table,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        kv_cache_dtype=kv_cache_dtype,
+    )
 
 
 @contextlib.contextmanager
@@ -111,7 +141,9 @@ def torch_path(runtime: ModelRuntime, off: bool = True):
             runtime.use(backend)
 
 
-def mixed_batch_logits(model: ModelRuntime, fused: bool, kv_cache_dtype: str = "auto") -> torch.Tensor:
+def mixed_batch_logits(
+    model: ModelRuntime, fused: bool, kv_cache_dtype: str = "auto"
+) -> torch.Tensor:
     """Two sequences decoding over cached context plus a fresh prefill chunk, in one forward; then a
     decode-only step of all three (``fused=False``: on the plain torch path)."""
     with torch_path(model, off=not fused):
@@ -119,9 +151,21 @@ def mixed_batch_logits(model: ModelRuntime, fused: bool, kv_cache_dtype: str = "
         g = torch.Generator().manual_seed(5)
         ids = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (70, 33, 40)]
         tables = [list(range(1, 6)), list(range(6, 9)), list(range(9, 12))]
-        runner.execute([ScheduledChunk(ids[0][:69], 0, tables[0]), ScheduledChunk(ids[1][:32], 0, tables[1])])
-        mixed = runner.execute([ScheduledChunk(ids[0][69:], 69, tables[0]), ScheduledChunk(ids[2], 0, tables[2]),
-                                ScheduledChunk(ids[1][32:], 32, tables[1])])
-        decode = runner.execute([ScheduledChunk([7], 70, tables[0]), ScheduledChunk([8], 40, tables[2]),
-                                 ScheduledChunk([9], 33, tables[1])])
+        runner.execute(
+            [ScheduledChunk(ids[0][:69], 0, tables[0]), ScheduledChunk(ids[1][:32], 0, tables[1])]
+        )
+        mixed = runner.execute(
+            [
+                ScheduledChunk(ids[0][69:], 69, tables[0]),
+                ScheduledChunk(ids[2], 0, tables[2]),
+                ScheduledChunk(ids[1][32:], 32, tables[1]),
+            ]
+        )
+        decode = runner.execute(
+            [
+                ScheduledChunk([7], 70, tables[0]),
+                ScheduledChunk([8], 40, tables[2]),
+                ScheduledChunk([9], 33, tables[1]),
+            ]
+        )
         return torch.cat([mixed, decode])

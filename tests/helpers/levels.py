@@ -48,8 +48,10 @@ def best_ops():
 
 # For pytest.mark.skipif on tests that need the engine on the kernels: evaluated at import, so it
 # cannot fail; under REQUIRE_ENV the test runs and fails on its own when they are missing.
-needs_kernels = pytest.mark.skipif(cpu_ops() is None and not required(),
-                                   reason=f"the CPU kernels are unavailable: {unavailable_reason()}")
+needs_kernels = pytest.mark.skipif(
+    cpu_ops() is None and not required(),
+    reason=f"the CPU kernels are unavailable: {unavailable_reason()}",
+)
 
 
 @contextlib.contextmanager

@@ -10,14 +10,19 @@ SHAPES = [(9, 3, 64), (8, 2, 128), (4, 4, 64)]
 BLOCK_SIZES = [16, 8, 32]
 
 
-def scattered_tables(seq_lens: list[int], num_blocks: int, block_size: int, g: torch.Generator,
-                     spare_columns: int = 0) -> tuple[list[list[int]], torch.Tensor]:
+def scattered_tables(
+    seq_lens: list[int],
+    num_blocks: int,
+    block_size: int,
+    g: torch.Generator,
+    spare_columns: int = 0,
+) -> tuple[list[list[int]], torch.Tensor]:
     """Distinct, shuffled, non-zero block ids per sequence; the padded [num_seqs, width] tensor too."""
     perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
     tables, used = [], 0
     for n in seq_lens:
         nb = -(-n // block_size)
-        tables.append(perm[used: used + nb])
+        tables.append(perm[used : used + nb])
         used += nb
     width = max(len(t) for t in tables) + spare_columns
     return tables, torch.tensor([t + [0] * (width - len(t)) for t in tables])

@@ -61,9 +61,16 @@ def stack(tmp_path) -> Iterator[Callable[..., Stack]]:
     def factory(**overrides: Any) -> Stack:
         log_dir = tmp_path / f"logs-{len(started)}"
         log_dir.mkdir()
-        defaults: dict[str, Any] = dict(port=0, num_kv_blocks=128, max_num_seqs=8, num_threads=1,
-                                        dtype="float32", heartbeat_timeout_s=3.0, ready_timeout_s=180.0,
-                                        log_dir=str(log_dir))
+        defaults: dict[str, Any] = dict(
+            port=0,
+            num_kv_blocks=128,
+            max_num_seqs=8,
+            num_threads=1,
+            dtype="float32",
+            heartbeat_timeout_s=3.0,
+            ready_timeout_s=180.0,
+            log_dir=str(log_dir),
+        )
         s = launch(StackConfig.of(**{**defaults, **overrides}))
         started.append(s)
         return s

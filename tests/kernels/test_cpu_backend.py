@@ -17,8 +17,17 @@ from shared.engine.sampler import SamplingBatch, sample
 from shared.wire.sampling_params import SamplingParams
 
 # A head shape the attention kernels cover.
-TINY = ModelConfig(architecture="llama", vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=2,
-                   num_heads=2, num_kv_heads=1, head_dim=64, max_position_embeddings=128)
+TINY = ModelConfig(
+    architecture="llama",
+    vocab_size=64,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=64,
+    max_position_embeddings=128,
+)
 
 
 class SpyOps:
@@ -35,14 +44,18 @@ class SpyOps:
 @pytest.fixture
 def no_global_kernels(monkeypatch):
     """Fail any code that asks kernels.cpu for ops behind the backend's back."""
+
     def refuse(*_args, **_kwargs):
         raise AssertionError("kernels.cpu was consulted outside CpuBackend.pick")
+
     monkeypatch.setattr(kernels.cpu, "cpu_ops", refuse)
     monkeypatch.setattr(kernels.cpu, "ops_at", refuse)
 
 
 def _greedy_batch(n: int, vocab: int) -> SamplingBatch:
-    return SamplingBatch.build([SamplingParams(temperature=0.0)] * n, [[]] * n, [[]] * n, [None] * n, vocab, "cpu")
+    return SamplingBatch.build(
+        [SamplingParams(temperature=0.0)] * n, [[]] * n, [[]] * n, [None] * n, vocab, "cpu"
+    )
 
 
 def _mixed_batch(n: int, vocab: int) -> SamplingBatch:
@@ -55,7 +68,9 @@ def test_the_sampler_argmax_runs_on_the_backend_it_is_handed(no_global_kernels):
     logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0))
     spy = SpyOps()
     on = CpuBackend(spy, "spy")
-    assert sample(logits, _greedy_batch(4, 1000), on).sampled_token_ids == logits.argmax(-1).tolist()
+    assert (
+        sample(logits, _greedy_batch(4, 1000), on).sampled_token_ids == logits.argmax(-1).tolist()
+    )
     assert spy.calls == 1
     sample(logits, _mixed_batch(4, 1000), on)
     assert spy.calls == 3  # the random rows' race and the greedy rows
@@ -76,7 +91,11 @@ def test_pick_says_why_there_are_no_kernels(monkeypatch):
     kernels.cpu.cpu_ops.cache_clear()
     try:
         off = CpuBackend.pick("cpu", torch.bfloat16)
-        assert off.ops is None and off.level is None and off.reason == "switched off (LLMSERVE_CPU_KERNELS=0)"
+        assert (
+            off.ops is None
+            and off.level is None
+            and off.reason == "switched off (LLMSERVE_CPU_KERNELS=0)"
+        )
         assert off.paths() == ["every op: torch (switched off (LLMSERVE_CPU_KERNELS=0))"]
     finally:
         monkeypatch.delenv(kernels.cpu.KERNELS_ENV)
@@ -138,7 +157,9 @@ def test_an_engine_switched_off_samples_without_the_kernels(monkeypatch, smollm2
     assert engine.model.backend is engine.backend and engine.model.attention.ops is None
     assert all(m.ops is None for m in engine.model.modules() if isinstance(m, PackedLinear))
     monkeypatch.setattr(kernels.cpu, "cpu_ops", None)  # a step that asked kernels.cpu would fail
-    engine.add_request("a", "The capital of France is", SamplingParams(max_tokens=3, temperature=0.0))
+    engine.add_request(
+        "a", "The capital of France is", SamplingParams(max_tokens=3, temperature=0.0)
+    )
     while engine.has_unfinished():
         engine.step()
     assert handed and all(b is engine.backend for b in handed)

@@ -12,7 +12,6 @@ from helpers.greedy import mixed_batch_logits
 from helpers.paged import BLOCK_SIZES, SHAPES, scattered_tables
 from kernels.cpu import cpu_ops, unavailable_reason
 
-
 DTYPES = [torch.float32, torch.bfloat16]
 # bf16 results may differ from the unfused ops by rounding order: one bf16 ulp of the value's scale.
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=1.6e-2)}
@@ -24,11 +23,15 @@ def test_rms_norm_with_and_without_residual(ops, dtype):
     x = torch.randn(7, 576, generator=g).to(dtype)
     w = (1 + 0.1 * torch.randn(576, generator=g)).to(dtype)
     res = torch.randn(7, 576, generator=g).to(dtype)
-    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5, None), F.rms_norm(x, (576,), w, 1e-5), **TOL[dtype])
+    torch.testing.assert_close(
+        ops.rms_norm(x, w, 1e-5, None), F.rms_norm(x, (576,), w, 1e-5), **TOL[dtype]
+    )
     expected_sum = x + res
     expected = F.rms_norm(expected_sum, (576,), w, 1e-5)
     out = ops.rms_norm(x, w, 1e-5, res)
-    assert torch.equal(res, expected_sum)  # residual updated in place, rounded as the plain add rounds
+    assert torch.equal(
+        res, expected_sum
+    )  # residual updated in place, rounded as the plain add rounds
     torch.testing.assert_close(out, expected, **TOL[dtype])
 
 
@@ -57,10 +60,12 @@ def test_rope_and_cache_rotates_q_k_and_writes_k_v_slots(ops, dtype):
     qk = before[:, : (heads + kv_heads) * d].view(tokens, heads + kv_heads, d)
     expected_qk = _rope_reference(qk, positions, cos, sin).to(dtype).view(tokens, -1)
     torch.testing.assert_close(qkv[:, : (heads + kv_heads) * d], expected_qk, **TOL[dtype])
-    assert torch.equal(qkv[:, (heads + kv_heads) * d:], before[:, (heads + kv_heads) * d:])  # V untouched
+    assert torch.equal(
+        qkv[:, (heads + kv_heads) * d :], before[:, (heads + kv_heads) * d :]
+    )  # V untouched
     flat_k, flat_v = k_cache.view(-1, kv_heads * d), v_cache.view(-1, kv_heads * d)
-    assert torch.equal(flat_k[slots], qkv[:, heads * d: (heads + kv_heads) * d])
-    assert torch.equal(flat_v[slots], qkv[:, (heads + kv_heads) * d:])
+    assert torch.equal(flat_k[slots], qkv[:, heads * d : (heads + kv_heads) * d])
+    assert torch.equal(flat_v[slots], qkv[:, (heads + kv_heads) * d :])
     untouched = torch.ones(flat_k.shape[0], dtype=torch.bool)
     untouched[slots] = False
     assert not flat_k[untouched].any() and not flat_v[untouched].any()
@@ -71,9 +76,13 @@ def test_rope_and_cache_rejects_out_of_range_slots(ops):
     cos = sin = torch.ones(4, 4)
     cache = torch.zeros(2, 2, 1, 8)
     with pytest.raises(RuntimeError, match="outside the cache"):
-        ops.rope_and_cache(qkv, torch.tensor([0]), cos, sin, cache, cache.clone(), torch.tensor([4]), 2, 1, 8)
+        ops.rope_and_cache(
+            qkv, torch.tensor([0]), cos, sin, cache, cache.clone(), torch.tensor([4]), 2, 1, 8
+        )
     with pytest.raises(RuntimeError, match="outside the RoPE table"):
-        ops.rope_and_cache(qkv, torch.tensor([4]), cos, sin, cache, cache.clone(), torch.tensor([0]), 2, 1, 8)
+        ops.rope_and_cache(
+            qkv, torch.tensor([4]), cos, sin, cache, cache.clone(), torch.tensor([0]), 2, 1, 8
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -89,7 +98,9 @@ def test_argmax_rows_is_torch_argmax_ties_and_nan_included(ops, dtype):
     for rows, n in [(32, 49152), (1, 1), (3, 17), (5, 15), (2, 100003)]:
         x = torch.randn(rows, n, generator=g).to(dtype)
         assert torch.equal(ops.argmax_rows(x), x.argmax(-1)), (rows, n)
-    ties = torch.randint(-2, 2, (64, 1000), generator=g).to(dtype)  # every maximum repeats: the first wins
+    ties = torch.randint(-2, 2, (64, 1000), generator=g).to(
+        dtype
+    )  # every maximum repeats: the first wins
     assert torch.equal(ops.argmax_rows(ties), ties.argmax(-1))
     x = torch.full((5, 40), float("-inf"), dtype=dtype)
     x[1, 33] = x[2, 5] = x[2, 3] = float("nan")  # NaN is the maximum, the first one
@@ -118,41 +129,89 @@ def test_decode_attention_reads_paged_blocks_in_place(ops, dtype, heads, kv_head
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        one_thread = ops.decode_attention(q, k_cache, v_cache, block_tables, torch.tensor(seq_lens), heads, 1 / math.sqrt(d))
+        one_thread = ops.decode_attention(
+            q, k_cache, v_cache, block_tables, torch.tensor(seq_lens), heads, 1 / math.sqrt(d)
+        )
     finally:
         torch.set_num_threads(threads)
-    out = ops.decode_attention(q, k_cache, v_cache, block_tables, torch.tensor(seq_lens), heads, 1 / math.sqrt(d))
+    out = ops.decode_attention(
+        q, k_cache, v_cache, block_tables, torch.tensor(seq_lens), heads, 1 / math.sqrt(d)
+    )
     assert torch.equal(out, one_thread)
     tol = dict(atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-2)
     for s, n in enumerate(seq_lens):
         ids = torch.tensor(tables[s])
-        keys = k_cache[ids].reshape(-1, kv_heads, d)[:n].float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
-        values = v_cache[ids].reshape(-1, kv_heads, d)[:n].float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
-        expected = F.scaled_dot_product_attention(q[s].float().view(heads, 1, d), keys, values).reshape(-1)
+        keys = (
+            k_cache[ids]
+            .reshape(-1, kv_heads, d)[:n]
+            .float()
+            .transpose(0, 1)
+            .repeat_interleave(heads // kv_heads, 0)
+        )
+        values = (
+            v_cache[ids]
+            .reshape(-1, kv_heads, d)[:n]
+            .float()
+            .transpose(0, 1)
+            .repeat_interleave(heads // kv_heads, 0)
+        )
+        expected = F.scaled_dot_product_attention(
+            q[s].float().view(heads, 1, d), keys, values
+        ).reshape(-1)
         torch.testing.assert_close(out[s].float(), expected, **tol)
         # A sequence's keys are split by its own length (1,000 tokens: four parts of up to 256,
         # merged afterwards), so alone it gives exactly what it gives in the batch.
-        alone = ops.decode_attention(q[s:s + 1], k_cache, v_cache, block_tables[s:s + 1], torch.tensor([n]), heads, 1 / math.sqrt(d))
+        alone = ops.decode_attention(
+            q[s : s + 1],
+            k_cache,
+            v_cache,
+            block_tables[s : s + 1],
+            torch.tensor([n]),
+            heads,
+            1 / math.sqrt(d),
+        )
         assert torch.equal(alone[0], out[s])
 
 
 def test_decode_attention_rejects_lengths_beyond_the_block_table(ops):
     cache = torch.zeros(4, 16, 1, 64)
     with pytest.raises(RuntimeError, match="does not fit its block table"):
-        ops.decode_attention(torch.zeros(1, 64), cache, cache, torch.tensor([[1]]), torch.tensor([17]), 1, 1.0)
+        ops.decode_attention(
+            torch.zeros(1, 64), cache, cache, torch.tensor([[1]]), torch.tensor([17]), 1, 1.0
+        )
     with pytest.raises(RuntimeError, match="outside the cache"):
-        ops.decode_attention(torch.zeros(1, 64), cache, cache, torch.tensor([[9]]), torch.tensor([3]), 1, 1.0)
+        ops.decode_attention(
+            torch.zeros(1, 64), cache, cache, torch.tensor([[9]]), torch.tensor([3]), 1, 1.0
+        )
     with pytest.raises(RuntimeError, match="unsupported shape"):
-        ops.decode_attention(torch.zeros(1, 48), torch.zeros(4, 16, 1, 48), torch.zeros(4, 16, 1, 48),
-                             torch.tensor([[1]]), torch.tensor([3]), 1, 1.0)
+        ops.decode_attention(
+            torch.zeros(1, 48),
+            torch.zeros(4, 16, 1, 48),
+            torch.zeros(4, 16, 1, 48),
+            torch.tensor([[1]]),
+            torch.tensor([3]),
+            1,
+            1.0,
+        )
 
 
 # Rows: decode sizes, tile remainders (passes of at most 8, or 6), more than one 48- or 96-row chunk;
 # columns: a part-filled last panel of 48, fewer than one panel; inputs: more than one block of 256
 # features (the AVX2 form's), the last one short.
-@pytest.mark.parametrize("m,n,k,bias", [(1, 960, 576, False), (3, 577, 1536, True), (2, 5, 40, False), (4, 200, 64, True),
-                                         (7, 96, 100, False), (32, 131, 576, True), (101, 70, 64, True),
-                                         (250, 1000, 1538, True), (13, 49, 2, False)])
+@pytest.mark.parametrize(
+    "m,n,k,bias",
+    [
+        (1, 960, 576, False),
+        (3, 577, 1536, True),
+        (2, 5, 40, False),
+        (4, 200, 64, True),
+        (7, 96, 100, False),
+        (32, 131, 576, True),
+        (101, 70, 64, True),
+        (250, 1000, 1538, True),
+        (13, 49, 2, False),
+    ],
+)
 def test_linear_bf16_is_an_fp32_accumulated_matmul(ops, m, n, k, bias):
     g = torch.Generator().manual_seed(4)
     x = torch.randn(m, k, generator=g).bfloat16()
@@ -160,7 +219,9 @@ def test_linear_bf16_is_an_fp32_accumulated_matmul(ops, m, n, k, bias):
     b = torch.randn(n, generator=g).bfloat16() if bias else None
     expected = x.float() @ w.float().T + (b.float() if bias else 0)
     # Exact products, fp32 sums in another order: within a bf16 rounding of the fp32 result.
-    torch.testing.assert_close(ops.linear_bf16(x, ops.pack_linear_bf16(w), n, b).float(), expected, atol=1e-2, rtol=8e-3)
+    torch.testing.assert_close(
+        ops.linear_bf16(x, ops.pack_linear_bf16(w), n, b).float(), expected, atol=1e-2, rtol=8e-3
+    )
 
 
 @pytest.mark.parametrize("m,k", [(40, 576), (200, 1536)])
@@ -210,6 +271,7 @@ def test_packed_linear_switches_layouts_without_loss(ops):
 
 # ---- the whole model: fused kernels vs the plain torch path -----------------------------------------
 
+
 def test_fused_forward_matches_the_torch_path(runtime_fp32, runtime_bf16):
     """fp32: the same numbers up to summation order (measured max |logit diff| 3e-5). bf16: rounding
     happens in different places (RoPE and norms once in fp32, not per torch op; the bf16 linear and
@@ -220,8 +282,10 @@ def test_fused_forward_matches_the_torch_path(runtime_fp32, runtime_bf16):
     assert (ref - mixed_batch_logits(runtime_fp32, False)).abs().max().item() < 1e-4
     fused, plain = mixed_batch_logits(runtime_bf16, True), mixed_batch_logits(runtime_bf16, False)
     err_fused, err_plain = (fused - ref).abs(), (plain - ref).abs()
-    print(f"bf16 |logit - fp32| mean/max: fused {err_fused.mean():.3g}/{err_fused.max():.3g}, "
-          f"torch path {err_plain.mean():.3g}/{err_plain.max():.3g}")
+    print(
+        f"bf16 |logit - fp32| mean/max: fused {err_fused.mean():.3g}/{err_fused.max():.3g}, "
+        f"torch path {err_plain.mean():.3g}/{err_plain.max():.3g}"
+    )
     # Measured mean/max: fused 0.15/0.65, torch path 0.11/0.60; per row either path may be closer.
     assert err_fused.mean() <= 1.6 * err_plain.mean() and err_fused.max() <= 1.6 * err_plain.max()
 
@@ -229,7 +293,9 @@ def test_fused_forward_matches_the_torch_path(runtime_fp32, runtime_bf16):
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("heads,kv_heads,d", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_prefill_attention_is_causal_over_cached_context(ops, dtype, heads, kv_heads, d, block_size):
+def test_prefill_attention_is_causal_over_cached_context(
+    ops, dtype, heads, kv_heads, d, block_size
+):
     """Three prefill chunks in one call: a fresh prompt (longer than one query tile), a chunk that
     continues 37 cached tokens (not block aligned) and a one-token chunk; blocks scattered."""
     g = torch.Generator().manual_seed(6)
@@ -240,16 +306,40 @@ def test_prefill_attention_is_causal_over_cached_context(ops, dtype, heads, kv_h
     tables, block_tables = scattered_tables(seq_lens, num_blocks, block_size, g)
     starts = torch.tensor([0, 70, 90, 91])
     q = torch.randn(91, heads * d, generator=g).to(dtype)
-    out = ops.prefill_attention(q, k_cache, v_cache, block_tables, starts, torch.tensor(seq_lens), heads, 1 / math.sqrt(d))
+    out = ops.prefill_attention(
+        q, k_cache, v_cache, block_tables, starts, torch.tensor(seq_lens), heads, 1 / math.sqrt(d)
+    )
     for s, (n, ql) in enumerate(zip(seq_lens, q_lens)):
         ids = torch.tensor(tables[s])
-        keys = k_cache[ids].reshape(-1, kv_heads, d)[:n].float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
-        values = v_cache[ids].reshape(-1, kv_heads, d)[:n].float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
-        qs = q[starts[s]: starts[s + 1]].float().view(ql, heads, d).transpose(0, 1)
-        mask = torch.arange(n)[None, :] <= torch.arange(n - ql, n)[:, None]  # query at n-ql+i sees keys 0..n-ql+i
-        expected = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask).transpose(0, 1).reshape(ql, -1)
-        torch.testing.assert_close(out[starts[s]: starts[s + 1]].float(), expected,
-                                   atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-2)
+        keys = (
+            k_cache[ids]
+            .reshape(-1, kv_heads, d)[:n]
+            .float()
+            .transpose(0, 1)
+            .repeat_interleave(heads // kv_heads, 0)
+        )
+        values = (
+            v_cache[ids]
+            .reshape(-1, kv_heads, d)[:n]
+            .float()
+            .transpose(0, 1)
+            .repeat_interleave(heads // kv_heads, 0)
+        )
+        qs = q[starts[s] : starts[s + 1]].float().view(ql, heads, d).transpose(0, 1)
+        mask = (
+            torch.arange(n)[None, :] <= torch.arange(n - ql, n)[:, None]
+        )  # query at n-ql+i sees keys 0..n-ql+i
+        expected = (
+            F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask)
+            .transpose(0, 1)
+            .reshape(ql, -1)
+        )
+        torch.testing.assert_close(
+            out[starts[s] : starts[s + 1]].float(),
+            expected,
+            atol=1e-5 if dtype == torch.float32 else 1e-2,
+            rtol=1e-2,
+        )
 
 
 def test_kernels_can_be_switched_off(monkeypatch):

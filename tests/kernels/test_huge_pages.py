@@ -11,7 +11,9 @@ import torch
 from helpers.levels import best_ops
 from shared.engine import huge_pages
 
-linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux-only")
+linux = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux-only"
+)
 
 
 @linux
@@ -26,8 +28,11 @@ def test_zeros_advises_whole_pages_of_a_large_tensor():
 
 def test_relocate_copies_into_one_aligned_buffer():
     g = torch.Generator().manual_seed(0)
-    tensors = [torch.randn(3, 5, generator=g), torch.randint(-128, 127, (7, 9), generator=g, dtype=torch.int8),
-               torch.randn(4, 48, generator=g).bfloat16()]
+    tensors = [
+        torch.randn(3, 5, generator=g),
+        torch.randint(-128, 127, (7, 9), generator=g, dtype=torch.int8),
+        torch.randn(4, 48, generator=g).bfloat16(),
+    ]
     moved = huge_pages.relocate(tensors)
     for a, b in zip(tensors, moved):
         assert b.dtype == a.dtype and b.shape == a.shape and torch.equal(a, b)
@@ -46,10 +51,17 @@ def test_model_weights_live_in_one_buffer_and_are_counted_once(runtime_bf16):
     from shared.engine.models.packed_linear import PackedLinear
 
     best_ops()
-    packed = [m.packed for m in runtime_bf16.modules() if isinstance(m, PackedLinear) and m.ops is not None]
+    packed = [
+        m.packed
+        for m in runtime_bf16.modules()
+        if isinstance(m, PackedLinear) and m.ops is not None
+    ]
     storages = {t.untyped_storage().data_ptr() for t in packed}
     assert len(storages) == 1
     arena = packed[0].untyped_storage().nbytes()
     assert arena >= sum(t.numel() * t.element_size() for t in packed)
-    params = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in runtime_bf16.parameters()}
+    params = {
+        p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+        for p in runtime_bf16.parameters()
+    }
     assert runtime_bf16.weight_bytes() == sum(params.values()) + arena

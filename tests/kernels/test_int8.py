@@ -19,7 +19,6 @@ from shared.engine.models.int8_linear import (
 from shared.engine.models.teacher_forcing import perplexity
 
 
-
 def test_quantize_rows_is_symmetric_per_row_round_half_even():
     x = torch.tensor([[0.5, -1.0, 0.25, 127.0], [0.0, 0.0, 0.0, 0.0], [-2.0, 1.0, 0.0, 0.0]])
     q, scale = quantize_rows(x)
@@ -43,10 +42,18 @@ def _inputs(m, n, k, dtype, bias, smooth, seed=7):
 # Rows: decode sizes, tile remainders (passes of at most 8), more than one 48-row chunk; columns: a
 # part-filled last panel of 48, fewer than one panel.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,n,k,bias,smooth", [(1, 960, 576, False, True), (3, 577, 1536, True, False),
-                                               (2, 5, 40, False, False), (7, 96, 100, True, True),
-                                               (32, 131, 576, True, True), (101, 70, 64, False, True),
-                                               (250, 100, 1540, False, True)])
+@pytest.mark.parametrize(
+    "m,n,k,bias,smooth",
+    [
+        (1, 960, 576, False, True),
+        (3, 577, 1536, True, False),
+        (2, 5, 40, False, False),
+        (7, 96, 100, True, True),
+        (32, 131, 576, True, True),
+        (101, 70, 64, False, True),
+        (250, 100, 1540, False, True),
+    ],
+)
 def test_linear_int8_matches_its_reference(ops, dtype, m, n, k, bias, smooth):
     """The same quantized inputs and exact integer sums; only the fp32 epilogue may differ (fused
     multiply-add): fp32 outputs within 1e-6 relative, bf16 outputs within one bf16 rounding."""
@@ -55,9 +62,11 @@ def test_linear_int8_matches_its_reference(ops, dtype, m, n, k, bias, smooth):
     expected = int8_linear_reference(x, q, scale, s, b)
     assert ours.dtype == dtype and ours.shape == (m, n)
     if dtype == torch.float32:
-        torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
+        torch.testing.assert_close(
+            ours, expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item()
+        )
     else:
-        torch.testing.assert_close(ours.float(), expected.float(), rtol=2 ** -8, atol=1e-6)
+        torch.testing.assert_close(ours.float(), expected.float(), rtol=2**-8, atol=1e-6)
     if m > 2:
         assert torch.equal(ours[1], b if bias else torch.zeros(n, dtype=dtype))
 
@@ -70,7 +79,14 @@ def test_linear_int8_rejects_mismatched_inputs(ops):
     with pytest.raises(RuntimeError, match="x has 32 features, the weight 64"):
         ops.linear_int8(torch.ones(2, 32), packed, scale, colsum, None, None)
     with pytest.raises(RuntimeError, match="must come from pack_linear_int8 for 200 out_features"):
-        ops.linear_int8(torch.ones(2, 64), packed, torch.ones(200), torch.ones(200, dtype=torch.int32), None, None)
+        ops.linear_int8(
+            torch.ones(2, 64),
+            packed,
+            torch.ones(200),
+            torch.ones(200, dtype=torch.int32),
+            None,
+            None,
+        )
     with pytest.raises(RuntimeError, match="smooth must be fp32"):
         ops.linear_int8(torch.ones(2, 64), packed, scale, colsum, torch.ones(32), None)
 
@@ -106,7 +122,7 @@ def test_int8_linear_switches_between_kernel_and_reference(ops):
     ours = layer(x)
     layer.use_cpu_kernels(None)
     assert layer.ops is None and torch.equal(layer.row_major(), q)
-    torch.testing.assert_close(layer(x).float(), ours.float(), rtol=2 ** -8, atol=1e-6)
+    torch.testing.assert_close(layer(x).float(), ours.float(), rtol=2**-8, atol=1e-6)
     layer.use_cpu_kernels(ops)
     assert torch.equal(layer(x), ours)
 
@@ -119,8 +135,17 @@ def test_quantize_model_int8_on_an_fp32_model(ops):
     from shared.engine.models.llama import LlamaModel
     from shared.engine.models.runtime import ModelRuntime
 
-    config = ModelConfig(architecture="llama", vocab_size=64, hidden_size=64, intermediate_size=128,
-                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=128)
+    config = ModelConfig(
+        architecture="llama",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     backend = CpuBackend.of(ops)
     model = ModelRuntime(LlamaModel(config), backend).eval()
@@ -137,14 +162,17 @@ def test_quantize_model_int8_on_an_fp32_model(ops):
 
 # ---- SmolLM2 quantized ------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def runtime_int8(smollm2_path, smollm2_tokenizer):
     best_ops()
     from shared.engine.models.runtime import load_runtime
 
     model = load_runtime(smollm2_path, dtype="bfloat16", progress=False)
-    assert (quantize_model_int8(model, smollm2_tokenizer.encode(calibration_text()), model.backend)
-            == 4 * model.config.num_layers)
+    assert (
+        quantize_model_int8(model, smollm2_tokenizer.encode(calibration_text()), model.backend)
+        == 4 * model.config.num_layers
+    )
     return model
 
 
@@ -159,7 +187,9 @@ def eval_ids(smollm2_tokenizer) -> list[int]:
 def _teacher_forced(model, ids, ref_logits) -> tuple[float, float]:
     """(top-1 agreement with the reference logits, perplexity of the text) over every position."""
     logits = all_position_logits(model, ids)
-    return (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item(), perplexity(logits, ids)
+    return (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item(), perplexity(
+        logits, ids
+    )
 
 
 def test_int8_model_stays_close_to_fp32(runtime_fp32, runtime_bf16, runtime_int8, eval_ids):
@@ -170,8 +200,10 @@ def test_int8_model_stays_close_to_fp32(runtime_fp32, runtime_bf16, runtime_int8
     _, ppl_fp32 = _teacher_forced(runtime_fp32, eval_ids, ref)
     agree_bf16, ppl_bf16 = _teacher_forced(runtime_bf16, eval_ids, ref)
     agree_int8, ppl_int8 = _teacher_forced(runtime_int8, eval_ids, ref)
-    print(f"perplexity fp32 {ppl_fp32:.3f}, bf16 {ppl_bf16:.3f}, int8 {ppl_int8:.3f}; top-1 agreement with "
-          f"fp32: bf16 {agree_bf16:.3f}, int8 {agree_int8:.3f}")
+    print(
+        f"perplexity fp32 {ppl_fp32:.3f}, bf16 {ppl_bf16:.3f}, int8 {ppl_int8:.3f}; top-1 agreement with "
+        f"fp32: bf16 {agree_bf16:.3f}, int8 {agree_int8:.3f}"
+    )
     assert agree_int8 >= 0.90
     assert ppl_int8 <= 1.04 * ppl_fp32
 
@@ -186,18 +218,27 @@ def test_int8_engine_is_batch_invariant_and_holds_less_memory(smollm2_path):
     from shared.engine.llm import LLM
     from shared.wire.sampling_params import SamplingParams
 
-    llm = LLM(EngineConfig(model=smollm2_path, quantization="int8", memory_budget="512MiB"), progress=False)
+    llm = LLM(
+        EngineConfig(model=smollm2_path, quantization="int8", memory_budget="512MiB"),
+        progress=False,
+    )
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-               "List three colours:"]
+    prompts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time, in a small village,",
+        "List three colours:",
+    ]
     together = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
     alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
     assert together == alone
 
     layers = [m for m in llm.engine.model.modules() if isinstance(m, Int8Linear)]
     assert len(layers) == 4 * llm.engine.model_config.num_layers
-    saved = sum(-(-m.out_features // 48) * 48 * m.in_features - 8 * m.out_features - 4 * m.in_features
-                for m in layers)  # biases (none in SmolLM2) are the same in both
+    saved = sum(
+        -(-m.out_features // 48) * 48 * m.in_features - 8 * m.out_features - 4 * m.in_features
+        for m in layers
+    )  # biases (none in SmolLM2) are the same in both
     bf16 = LLM(EngineConfig(model=smollm2_path, memory_budget="512MiB"), progress=False)
     assert llm.engine.model.weight_bytes() == bf16.engine.model.weight_bytes() - saved
     assert llm.engine.stats().num_total_blocks > bf16.engine.stats().num_total_blocks

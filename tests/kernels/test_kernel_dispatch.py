@@ -45,7 +45,9 @@ def test_the_cap_stops_at_its_level_and_rejects_unknown_names(x86, monkeypatch):
     monkeypatch.setenv(isa.ISA_ENV, "avx512_bf16")
     assert names(isa.supported_levels(AVX2_ONLY)) == ["avx2"]  # a cap never adds what the CPU lacks
     monkeypatch.setenv(isa.ISA_ENV, "sse2")
-    with pytest.raises(ValueError, match="unknown CPU ISA level 'sse2': expected one of avx2, avx512, avx512_bf16"):
+    with pytest.raises(
+        ValueError, match="unknown CPU ISA level 'sse2': expected one of avx2, avx512, avx512_bf16"
+    ):
         isa.supported_levels(ZEN4)
 
 
@@ -54,7 +56,10 @@ def test_an_arm_cpu_runs_the_torch_path_and_says_why(monkeypatch):
     kernels.cpu.cpu_ops.cache_clear()
     try:
         assert isa.supported_levels() == [] and kernels.cpu.cpu_ops() is None
-        assert kernels.cpu.unavailable_reason() == "no kernel level runs on this CPU: this CPU is aarch64, not x86-64"
+        assert (
+            kernels.cpu.unavailable_reason()
+            == "no kernel level runs on this CPU: this CPU is aarch64, not x86-64"
+        )
     finally:
         kernels.cpu.cpu_ops.cache_clear()
 
@@ -64,7 +69,9 @@ def test_a_level_the_cpu_lacks_is_refused_before_any_compile(x86, monkeypatch):
     kernels.cpu.ops_at.cache_clear()
     monkeypatch.setattr(build, "load", lambda level: pytest.fail(f"compiled {level.name}"))
     try:
-        with pytest.raises(ValueError, match="cannot run the avx512_bf16 kernels: it lacks avx512f, avx512bw"):
+        with pytest.raises(
+            ValueError, match="cannot run the avx512_bf16 kernels: it lacks avx512f, avx512bw"
+        ):
             kernels.cpu.ops_at("avx512_bf16")
         assert isa.why_not(isa.level("avx512")).startswith("the CPU lacks avx512f")
     finally:
@@ -83,13 +90,18 @@ def test_a_failed_build_is_remembered_not_retried(tmp_path, monkeypatch):
     level = UNLOADED
     directory = build.build_dir(level)
     directory.mkdir(parents=True)
-    (directory / "build.failed").write_text("ops.cpp:1:1: error: something the compiler said\nninja: stopped\n")
+    (directory / "build.failed").write_text(
+        "ops.cpp:1:1: error: something the compiler said\nninja: stopped\n"
+    )
     from torch.utils import cpp_extension
 
     monkeypatch.setattr(cpp_extension, "load", lambda **kw: pytest.fail("compiled again"))
     t0 = time.perf_counter()
-    with pytest.raises(build.KernelBuildError, match=r"test_only kernels failed to build earlier: ops.cpp:1:1: error: "
-                                                     r"something the compiler said \(the compiler's output: .*build.failed"):
+    with pytest.raises(
+        build.KernelBuildError,
+        match=r"test_only kernels failed to build earlier: ops.cpp:1:1: error: "
+        r"something the compiler said \(the compiler's output: .*build.failed",
+    ):
         build.load(level)
     assert time.perf_counter() - t0 < 0.5
 
@@ -99,7 +111,9 @@ def test_a_compile_error_is_reported_and_recorded(tmp_path, monkeypatch):
     from torch.utils import cpp_extension
 
     def fails(**kw):
-        raise RuntimeError("Error building extension 'x': [1/2] c++ ...\nnorm.cpp:3:4: error: 'vf' was not declared\n")
+        raise RuntimeError(
+            "Error building extension 'x': [1/2] c++ ...\nnorm.cpp:3:4: error: 'vf' was not declared\n"
+        )
 
     monkeypatch.setattr(cpp_extension, "load", fails)
     level = UNLOADED
@@ -135,26 +149,46 @@ def test_a_library_being_linked_is_waited_for_within_a_bound(tmp_path, monkeypat
     directory.mkdir(parents=True)
     (directory / "lock").touch()
     os.utime(directory / "lock", (1_000, 1_000))
-    (directory / f"{directory.name}.so").write_bytes(b"")  # newer than the lock: still being written
-    with pytest.raises(build.KernelBuildError, match="a kernel build has held .*lock for 0 s; if no build is running"):
+    (directory / f"{directory.name}.so").write_bytes(
+        b""
+    )  # newer than the lock: still being written
+    with pytest.raises(
+        build.KernelBuildError,
+        match="a kernel build has held .*lock for 0 s; if no build is running",
+    ):
         build.load(UNLOADED)
 
 
 def test_no_compiler_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
     monkeypatch.setenv("CXX", "no-such-compiler")
-    with pytest.raises(build.KernelBuildError, match="no C.. compiler .'no-such-compiler' is not on PATH.: install g.."):
+    with pytest.raises(
+        build.KernelBuildError,
+        match="no C.. compiler .'no-such-compiler' is not on PATH.: install g..",
+    ):
         build.load(UNLOADED)
 
 
-@pytest.mark.skipif(not isa.supported_levels(), reason=f"no kernel level here: {isa.why_not(isa.LEVELS[0])}")
+@pytest.mark.skipif(
+    not isa.supported_levels(), reason=f"no kernel level here: {isa.why_not(isa.LEVELS[0])}"
+)
 def test_diagnostics_name_each_ops_path_at_the_capped_level():
     env = {**os.environ, isa.ISA_ENV: "avx2"}
-    out = subprocess.run([sys.executable, "-m", "kernels.cpu"], capture_output=True, text=True, env=env, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "kernels.cpu"], capture_output=True, text=True, env=env, timeout=600
+    )
     assert out.returncode == 0, out.stderr
     assert "LLMSERVE_CPU_ISA=avx2: levels above it are not used" in out.stdout
     assert "ops at the avx2 level (torch.ops.llmserve_cpu_avx2):" in out.stdout
-    for op in ("rms_norm", "rope_and_cache", "silu_mul", "argmax_rows", "decode_attention", "prefill_attention",
-               "linear_bf16", "linear_int8"):
+    for op in (
+        "rms_norm",
+        "rope_and_cache",
+        "silu_mul",
+        "argmax_rows",
+        "decode_attention",
+        "prefill_attention",
+        "linear_bf16",
+        "linear_int8",
+    ):
         assert f"\n  {op}" in out.stdout, op
     assert "AVX512" not in out.stdout.split("ops at the avx2 level")[1].split("oneDNN")[0]

@@ -27,20 +27,30 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 import httpx
-import pytest
 
+from services.cli.servers import free_port
 from shared.wire import subjects
 from shared.wire.bus import Bus
+from shared.wire.messages import (
+    ABORT_REQUEST,
+    GENERATE_REQUEST,
+    SCHEDULER_STATUS,
+    STREAM_MESSAGE,
+    TOKENIZER_STATUS,
+    AbortRequest,
+    ExecutorStatus,
+    GenerateRequest,
+    SchedulerStatus,
+    StreamError,
+    StreamOutput,
+    TokenizerStatus,
+)
 from shared.wire.outputs import CompletionDelta, RequestOutput, TokenLogprobs
-from shared.wire.messages import (ABORT_REQUEST, GENERATE_REQUEST, SCHEDULER_STATUS, STREAM_MESSAGE, TOKENIZER_STATUS,
-                             AbortRequest, ExecutorStatus, GenerateRequest, SchedulerStatus,
-                             StreamError, StreamOutput, TokenizerStatus)
-from services.cli.servers import free_port
 
 FAKE_MODEL = "fake-model"
 NUM_PROMPT_TOKENS = 7
@@ -66,7 +76,9 @@ class FakeBackend:
         self.num_executors = 1
         self._aborted: dict[str, asyncio.Event] = {}
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="fake-backend")
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, daemon=True, name="fake-backend"
+        )
         self._bus: Bus | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._tokenizer_subs: list[Any] = []  # TOKENIZER_GENERATE and _STATUS while "listening"
@@ -99,14 +111,18 @@ class FakeBackend:
                 if request_id is None or a.request_id == request_id:
                     return a
             time.sleep(0.02)
-        raise AssertionError(f"no AbortRequest for {request_id or 'any request'} within {timeout}s; "
-                             f"got {self.aborts}")
+        raise AssertionError(
+            f"no AbortRequest for {request_id or 'any request'} within {timeout}s; "
+            f"got {self.aborts}"
+        )
 
     def request_for(self, keyword: str, timeout: float = 5.0) -> GenerateRequest:
         """The latest request whose prompt contains ``keyword``, waiting up to ``timeout`` seconds for
         one to arrive (a client may give up before the gateway has published its request)."""
+
         def found() -> list[GenerateRequest]:
             return [r for r in list(self.requests.values()) if keyword in _prompt_text(r)]
+
         deadline = time.monotonic() + timeout
         while not found():
             assert time.monotonic() < deadline, f"no request with {keyword!r} reached the backend"
@@ -125,8 +141,15 @@ class FakeBackend:
         assert self._bus is not None
         if listening and not self._tokenizer_subs:
             self._tokenizer_subs = [
-                await self._bus.subscribe(subjects.TOKENIZER_GENERATE, self._on_generate, queue=subjects.QUEUE_TOKENIZER),
-                await self._bus.subscribe(subjects.TOKENIZER_STATUS, self._on_tokenizer_status, queue=subjects.QUEUE_TOKENIZER)]
+                await self._bus.subscribe(
+                    subjects.TOKENIZER_GENERATE, self._on_generate, queue=subjects.QUEUE_TOKENIZER
+                ),
+                await self._bus.subscribe(
+                    subjects.TOKENIZER_STATUS,
+                    self._on_tokenizer_status,
+                    queue=subjects.QUEUE_TOKENIZER,
+                ),
+            ]
         elif not listening:
             for sub in self._tokenizer_subs:
                 await sub.unsubscribe()
@@ -140,15 +163,29 @@ class FakeBackend:
             await self._bus.close()
 
     async def _on_status(self, msg: Any) -> None:
-        executors = [ExecutorStatus(executor_id=f"fake-{i}", model=FAKE_MODEL, num_free_blocks=10,
-                                    num_total_blocks=10, num_running=0, num_waiting=0,
-                                    num_in_flight=0, last_heartbeat_age_s=0.1)
-                     for i in range(self.num_executors)]
-        await msg.respond(SCHEDULER_STATUS.encode(SchedulerStatus(executors=executors, num_queued=0,
-                                                                  max_queue_len=8)))
+        executors = [
+            ExecutorStatus(
+                executor_id=f"fake-{i}",
+                model=FAKE_MODEL,
+                num_free_blocks=10,
+                num_total_blocks=10,
+                num_running=0,
+                num_waiting=0,
+                num_in_flight=0,
+                last_heartbeat_age_s=0.1,
+            )
+            for i in range(self.num_executors)
+        ]
+        await msg.respond(
+            SCHEDULER_STATUS.encode(
+                SchedulerStatus(executors=executors, num_queued=0, max_queue_len=8)
+            )
+        )
 
     async def _on_tokenizer_status(self, msg: Any) -> None:
-        await msg.respond(TOKENIZER_STATUS.encode(TokenizerStatus(max_model_len=2048, block_size=16)))
+        await msg.respond(
+            TOKENIZER_STATUS.encode(TokenizerStatus(max_model_len=2048, block_size=16))
+        )
 
     async def _on_abort(self, msg: Any) -> None:
         abort = ABORT_REQUEST.decode(msg.data)
@@ -168,29 +205,63 @@ class FakeBackend:
         assert self._bus is not None
         await self._bus.publish(subjects.stream(rid), STREAM_MESSAGE.encode(message))
 
-    async def _output(self, req: GenerateRequest, deltas: list[CompletionDelta], finished: bool) -> None:
-        out = RequestOutput(request_id=req.request_id, deltas=deltas, num_prompt_tokens=NUM_PROMPT_TOKENS,
-                            num_cached_tokens=0, finished=finished)
+    async def _output(
+        self, req: GenerateRequest, deltas: list[CompletionDelta], finished: bool
+    ) -> None:
+        out = RequestOutput(
+            request_id=req.request_id,
+            deltas=deltas,
+            num_prompt_tokens=NUM_PROMPT_TOKENS,
+            num_cached_tokens=0,
+            finished=finished,
+        )
         await self._send(req.request_id, StreamOutput(executor_id="fake-0", output=out))
 
     def _delta(self, req: GenerateRequest, choice: int, step: int, last: bool) -> CompletionDelta:
         tid = token_id(choice, step)
         n_top = req.params.logprobs
-        logprobs = None if n_top is None else [
-            TokenLogprobs(token_id=tid, logprob=-0.25, rank=1, top=[(tid, -0.25), (5, -2.0)][:n_top])]
-        return CompletionDelta(index=choice, token_ids=[tid], text=token_text(choice, step),
-                               logprobs=logprobs,
-                               finish_reason=("length" if choice == 0 else "stop") if last else None)
+        logprobs = (
+            None
+            if n_top is None
+            else [
+                TokenLogprobs(
+                    token_id=tid, logprob=-0.25, rank=1, top=[(tid, -0.25), (5, -2.0)][:n_top]
+                )
+            ]
+        )
+        return CompletionDelta(
+            index=choice,
+            token_ids=[tid],
+            text=token_text(choice, step),
+            logprobs=logprobs,
+            finish_reason=("length" if choice == 0 else "stop") if last else None,
+        )
 
     async def _play(self, req: GenerateRequest) -> None:
         text = _prompt_text(req)
         rid = req.request_id
         if "error429" in text:
-            await self._send(rid, StreamError(request_id=rid, status=429, message="queue is full",
-                                              type="rate_limit_error", retry_after_s=1.5))
+            await self._send(
+                rid,
+                StreamError(
+                    request_id=rid,
+                    status=429,
+                    message="queue is full",
+                    type="rate_limit_error",
+                    retry_after_s=1.5,
+                ),
+            )
         elif "error400" in text:
-            await self._send(rid, StreamError(request_id=rid, status=400, type="invalid_request_error",
-                                              message="prompt is too long", param="prompt"))
+            await self._send(
+                rid,
+                StreamError(
+                    request_id=rid,
+                    status=400,
+                    type="invalid_request_error",
+                    message="prompt is too long",
+                    param="prompt",
+                ),
+            )
         elif "fail_after_first" in text:
             await self._output(req, [self._delta(req, 0, 0, False)], False)
             await asyncio.sleep(0.05)
@@ -213,8 +284,11 @@ class FakeBackend:
         n, max_tokens = req.params.n, req.params.max_tokens or 16
         lengths = [max_tokens - i for i in range(n)]
         for step in range(max_tokens):
-            deltas = [self._delta(req, i, step, step == lengths[i] - 1)
-                      for i in range(n) if step < lengths[i]]
+            deltas = [
+                self._delta(req, i, step, step == lengths[i] - 1)
+                for i in range(n)
+                if step < lengths[i]
+            ]
             last_step = step == max_tokens - 1
             if step % 2 == 0:
                 await self._output(req, deltas, last_step)
@@ -237,12 +311,27 @@ class GatewayProcess:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        argv = [sys.executable, "-m", "services.gateway", "--nats-url", nats_url,
-                "--port", str(self.port), "--log-level", "warning", *args]
+        argv = [
+            sys.executable,
+            "-m",
+            "services.gateway",
+            "--nats-url",
+            nats_url,
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+            *args,
+        ]
         if api_key:
             argv += ["--api-key", api_key]
-        self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         self._wait_ready()
 
     def _wait_ready(self, timeout: float = 30.0) -> None:
@@ -283,7 +372,7 @@ def sse_events(raw: str) -> list[str]:
     events = raw[:-2].split("\n\n")
     for e in events:
         assert e.startswith("data: ") and "\n" not in e, e
-    return [e[len("data: "):] for e in events]
+    return [e[len("data: ") :] for e in events]
 
 
 def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> None:

@@ -15,15 +15,24 @@ from services.executor.service import ExecutorService, ExecutorServiceConfig
 from services.executor.worker import Abort, Aborted, Add, EngineWorker, Failed, Outputs, Rejected
 from shared.wire import messages, subjects
 from shared.wire.block_hash import hash_prompt_blocks
-from shared.wire.kv_events import BlockStored, KVEventBatch, decode_kv_event_batch
 from shared.wire.bus import Bus
-from shared.wire.messages import (AbortRequest, CompletionDelta, EngineStats, ExecuteRequest, RequestOutput,
-                             SamplingParams, StreamError, StreamOutput)
+from shared.wire.kv_events import BlockStored, KVEventBatch, decode_kv_event_batch
+from shared.wire.messages import (
+    AbortRequest,
+    CompletionDelta,
+    EngineStats,
+    ExecuteRequest,
+    RequestOutput,
+    SamplingParams,
+    StreamError,
+    StreamOutput,
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 # -- the engine thread, with a fake engine ------------------------------------------------------------
+
 
 class FakeEngine:
     """Each request yields one token per step, ``max_tokens`` of them; prompt [0] is rejected,
@@ -47,9 +56,22 @@ class FakeEngine:
                 raise RuntimeError("kernel exploded")
             state[1] += 1
             done = state[1] == state[0]
-            outs.append(RequestOutput(request_id=rid, num_prompt_tokens=1, num_cached_tokens=0, finished=done,
-                                      deltas=[CompletionDelta(index=0, token_ids=[state[1]], text=str(state[1]),
-                                                              finish_reason="length" if done else None)]))
+            outs.append(
+                RequestOutput(
+                    request_id=rid,
+                    num_prompt_tokens=1,
+                    num_cached_tokens=0,
+                    finished=done,
+                    deltas=[
+                        CompletionDelta(
+                            index=0,
+                            token_ids=[state[1]],
+                            text=str(state[1]),
+                            finish_reason="length" if done else None,
+                        )
+                    ],
+                )
+            )
             if done:
                 del self.requests[rid]
         return outs
@@ -65,10 +87,21 @@ class FakeEngine:
         return bool(self.requests)
 
     def stats(self):
-        return EngineStats(num_running=len(self.requests), num_waiting=0, num_total_blocks=10, num_free_blocks=10,
-                           kv_cache_usage=0.0, prefix_cache_queries_tokens=0, prefix_cache_hits_tokens=0,
-                           num_preemptions=0, num_prompt_tokens=0, num_computed_tokens=0,
-                           num_generated_tokens=0, num_steps=0, last_step_num_tokens=0)
+        return EngineStats(
+            num_running=len(self.requests),
+            num_waiting=0,
+            num_total_blocks=10,
+            num_free_blocks=10,
+            kv_cache_usage=0.0,
+            prefix_cache_queries_tokens=0,
+            prefix_cache_hits_tokens=0,
+            num_preemptions=0,
+            num_prompt_tokens=0,
+            num_computed_tokens=0,
+            num_generated_tokens=0,
+            num_steps=0,
+            last_step_num_tokens=0,
+        )
 
 
 def run_worker(commands, until):
@@ -84,30 +117,50 @@ def run_worker(commands, until):
         events.append(got.get(timeout=5))
     worker.stop(5)
     assert not worker.alive
-    assert engine.thread_ids == {worker._thread.ident}          # only the engine thread touched it
+    assert engine.thread_ids == {worker._thread.ident}  # only the engine thread touched it
     return events
 
 
 def ex(rid: str, prompt: list[int], max_tokens: int = 3) -> Add:
-    return Add(ExecuteRequest(request_id=rid, model="m", prompt_token_ids=prompt, block_hashes=[],
-                              params=SamplingParams(max_tokens=max_tokens)))
+    return Add(
+        ExecuteRequest(
+            request_id=rid,
+            model="m",
+            prompt_token_ids=prompt,
+            block_hashes=[],
+            params=SamplingParams(max_tokens=max_tokens),
+        )
+    )
 
 
 def finished(events, rid):
-    return any(isinstance(e, Outputs) and any(o.request_id == rid and o.finished for o in e.outputs) for e in events)
+    return any(
+        isinstance(e, Outputs) and any(o.request_id == rid and o.finished for o in e.outputs)
+        for e in events
+    )
 
 
 def test_worker_steps_until_done_and_rejects_bad_requests():
-    events = run_worker([ex("a", [5]), ex("bad", [0])],
-                        lambda evs: finished(evs, "a") and any(isinstance(e, Rejected) for e in evs))
+    events = run_worker(
+        [ex("a", [5]), ex("bad", [0])],
+        lambda evs: finished(evs, "a") and any(isinstance(e, Rejected) for e in evs),
+    )
     assert Rejected("bad", "prompt is empty") in events
-    tokens = [d.token_ids[0] for e in events if isinstance(e, Outputs) for o in e.outputs for d in o.deltas]
+    tokens = [
+        d.token_ids[0]
+        for e in events
+        if isinstance(e, Outputs)
+        for o in e.outputs
+        for d in o.deltas
+    ]
     assert tokens == [1, 2, 3]
 
 
 def test_worker_abort_and_failed_step():
-    events = run_worker([ex("a", [5], max_tokens=10**6), Abort("a"), Abort("unknown")],
-                        lambda evs: sum(isinstance(e, Aborted) for e in evs) == 2)
+    events = run_worker(
+        [ex("a", [5], max_tokens=10**6), Abort("a"), Abort("unknown")],
+        lambda evs: sum(isinstance(e, Aborted) for e in evs) == 2,
+    )
     assert Aborted("a", True) in events and Aborted("unknown", False) in events
     events = run_worker([ex("x", [666])], lambda evs: any(isinstance(e, Failed) for e in evs))
     failure = next(e for e in events if isinstance(e, Failed))
@@ -116,10 +169,15 @@ def test_worker_abort_and_failed_step():
 
 # -- the service over NATS, with the real engine ------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def engine():
     from shared.engine.engine import Engine, EngineConfig
-    return Engine(EngineConfig(dtype="float32", num_kv_blocks=64, max_num_seqs=4, num_threads=1), progress=False)
+
+    return Engine(
+        EngineConfig(dtype="float32", num_kv_blocks=64, max_num_seqs=4, num_threads=1),
+        progress=False,
+    )
 
 
 def direct_greedy(engine, prompt_ids: list[int], params: SamplingParams) -> list[int]:
@@ -157,20 +215,38 @@ class Client:
         await self.bus.subscribe(subjects.EXECUTOR_STATS_ALL, on_heartbeat)
         await self.bus.flush()
 
-    async def run(self, executor_id: str, rid: str, prompt: list[int], params: SamplingParams,
-                  abort_after: int | None = None, block_hashes: list[int] | None = None) -> list:
+    async def run(
+        self,
+        executor_id: str,
+        rid: str,
+        prompt: list[int],
+        params: SamplingParams,
+        abort_after: int | None = None,
+        block_hashes: list[int] | None = None,
+    ) -> list:
         out = []
         if block_hashes is None:
             block_hashes = hash_prompt_blocks(prompt, 16)  # as the tokenizer sends them
         async with await self.bus.subscribe_iter(subjects.stream(rid)) as sub:
-            await self.bus.publish(subjects.executor_decode(executor_id), messages.EXECUTE_REQUEST.encode(
-                ExecuteRequest(request_id=rid, model="m", prompt_token_ids=prompt, block_hashes=block_hashes,
-                               params=params)))
+            await self.bus.publish(
+                subjects.executor_decode(executor_id),
+                messages.EXECUTE_REQUEST.encode(
+                    ExecuteRequest(
+                        request_id=rid,
+                        model="m",
+                        prompt_token_ids=prompt,
+                        block_hashes=block_hashes,
+                        params=params,
+                    )
+                ),
+            )
             while True:
                 msg = messages.STREAM_MESSAGE.decode((await sub.next(60)).data)
                 out.append(msg)
                 if abort_after is not None and len(out) == abort_after:
-                    await self.bus.publish(subjects.ABORT, messages.ABORT_REQUEST.encode(AbortRequest(request_id=rid)))
+                    await self.bus.publish(
+                        subjects.ABORT, messages.ABORT_REQUEST.encode(AbortRequest(request_id=rid))
+                    )
                 if isinstance(msg, StreamError) or msg.output.finished:
                     return out
 
@@ -190,9 +266,19 @@ def test_service_over_nats_matches_engine(nats_url, engine):
 
     async def main() -> None:
         service_bus = await Bus.connect(nats_url, "executor-test")
-        service = ExecutorService(service_bus, EngineWorker(engine, num_threads=1), ExecutorServiceConfig(
-            executor_id="ex-test", model_name=engine.model_name, max_model_len=engine.max_model_len,
-            block_size=16, max_num_seqs=4, heartbeat_interval_s=0.1, drain_timeout_s=0.5))
+        service = ExecutorService(
+            service_bus,
+            EngineWorker(engine, num_threads=1),
+            ExecutorServiceConfig(
+                executor_id="ex-test",
+                model_name=engine.model_name,
+                max_model_len=engine.max_model_len,
+                block_size=16,
+                max_num_seqs=4,
+                heartbeat_interval_s=0.1,
+                drain_timeout_s=0.5,
+            ),
+        )
         client = Client(await Bus.connect(nats_url, "client-test"))
         await client.start()
         await service.start()
@@ -203,21 +289,29 @@ def test_service_over_nats_matches_engine(nats_url, engine):
             assert all(isinstance(o, StreamOutput) and o.executor_id == "ex-test" for o in outs)
             assert [t for o in outs for t in o.output.deltas[0].token_ids] == expected
             assert len(outs) > 1 and outs[-1].output.deltas[0].finish_reason == "length"
-            assert "".join(o.output.deltas[0].text for o in outs) == engine.tokenizer.decode(expected)
+            assert "".join(o.output.deltas[0].text for o in outs) == engine.tokenizer.decode(
+                expected
+            )
             await wait_for(lambda: (rid, "finished") in client.progress)
             assert [s for r, s in client.progress if r == rid] == ["started", "finished"]
             # Its KV events: consecutive batches, the prompt's full blocks stored under its hashes.
             await wait_for(lambda: bool(client.kv_batches))
             seqs = [b.seq for b in client.kv_batches]
             assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
-            stored = [h for b in client.kv_batches for e in b.events if isinstance(e, BlockStored)
-                      for h in e.block_hashes]
-            assert stored[:len(prompt) // 16] == hash_prompt_blocks(prompt, 16)
+            stored = [
+                h
+                for b in client.kv_batches
+                for e in b.events
+                if isinstance(e, BlockStored)
+                for h in e.block_hashes
+            ]
+            assert stored[: len(prompt) // 16] == hash_prompt_blocks(prompt, 16)
 
             # Two at once: both complete with the same greedy tokens (batched together).
             r1, r2 = uuid.uuid4().hex, uuid.uuid4().hex
-            a, b = await asyncio.gather(client.run("ex-test", r1, prompt, GREEDY),
-                                        client.run("ex-test", r2, prompt, GREEDY))
+            a, b = await asyncio.gather(
+                client.run("ex-test", r1, prompt, GREEDY), client.run("ex-test", r2, prompt, GREEDY)
+            )
             for outs in (a, b):
                 assert [t for o in outs for t in o.output.deltas[0].token_ids] == expected
 
@@ -233,8 +327,13 @@ def test_service_over_nats_matches_engine(nats_url, engine):
             long_prompt = prompt * 8
             assert len(long_prompt) // 16 >= 2
             bad_hashes = uuid.uuid4().hex
-            outs = await client.run("ex-test", bad_hashes, long_prompt, GREEDY,
-                                    block_hashes=hash_prompt_blocks(long_prompt, 16)[:-1])
+            outs = await client.run(
+                "ex-test",
+                bad_hashes,
+                long_prompt,
+                GREEDY,
+                block_hashes=hash_prompt_blocks(long_prompt, 16)[:-1],
+            )
             assert isinstance(outs[-1], StreamError) and outs[-1].status == 400
             assert "block_hashes has" in outs[-1].message and "blocks of 16" in outs[-1].message
 
@@ -247,10 +346,17 @@ def test_service_over_nats_matches_engine(nats_url, engine):
             await wait_for(lambda: (ab, "finished") in client.progress)
 
             # Heartbeats: one epoch, the engine's numbers (nothing running once the abort is applied).
-            await wait_for(lambda: len(client.heartbeats) >= 3 and client.heartbeats[-1].stats.num_running == 0)
+            await wait_for(
+                lambda: len(client.heartbeats) >= 3 and client.heartbeats[-1].stats.num_running == 0
+            )
             hb = client.heartbeats[-1]
             assert {h.epoch for h in client.heartbeats} == {service.epoch}
-            assert (hb.executor_id, hb.role, hb.max_num_seqs, hb.draining) == ("ex-test", "both", 4, False)
+            assert (hb.executor_id, hb.role, hb.max_num_seqs, hb.draining) == (
+                "ex-test",
+                "both",
+                4,
+                False,
+            )
             assert hb.stats.num_total_blocks == 63 and hb.stats.num_free_blocks == 63
 
             # Drain: an in-flight request that cannot finish in drain_timeout gets a 503 error event;

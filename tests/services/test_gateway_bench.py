@@ -16,9 +16,24 @@ def test_bench_serving_against_the_gateway(nats_server, tmp_path, capsys):
     try:
         out = tmp_path / "serving.json"
         for extra in (["--concurrency", "4"], ["--request-rate", "50", "--endpoint", "chat"]):
-            rc = bench_serving.main(["--base-url", gw.base_url, "--api-key", "bench-key", "--num-prompts", "12",
-                                     "--input-len", "16", "--output-len", "5", "--out", str(out),
-                                     "--save-requests", *extra])
+            rc = bench_serving.main(
+                [
+                    "--base-url",
+                    gw.base_url,
+                    "--api-key",
+                    "bench-key",
+                    "--num-prompts",
+                    "12",
+                    "--input-len",
+                    "16",
+                    "--output-len",
+                    "5",
+                    "--out",
+                    str(out),
+                    "--save-requests",
+                    *extra,
+                ]
+            )
             assert rc == 0
             s = json.loads(out.read_text())
             assert s["model"] == FAKE_MODEL and s["num_completed"] == 12 and s["num_failed"] == 0

@@ -11,8 +11,14 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from gateway_harness import (FAKE_MODEL, NUM_PROMPT_TOKENS, FakeBackend, GatewayProcess, expected_text,
-                             sse_events, token_id)
+from gateway_harness import (
+    FAKE_MODEL,
+    NUM_PROMPT_TOKENS,
+    GatewayProcess,
+    expected_text,
+    sse_events,
+    token_id,
+)
 
 API_KEY = "test-key"
 REQUEST_TIMEOUT_S = 3.0
@@ -20,7 +26,9 @@ REQUEST_TIMEOUT_S = 3.0
 
 @pytest.fixture(scope="module")
 def gateway(nats_server, backend) -> Iterator[GatewayProcess]:
-    gw = GatewayProcess(nats_server.url, "--request-timeout", str(REQUEST_TIMEOUT_S), api_key=API_KEY)
+    gw = GatewayProcess(
+        nats_server.url, "--request-timeout", str(REQUEST_TIMEOUT_S), api_key=API_KEY
+    )
     yield gw
     gw.stop()
 
@@ -65,16 +73,21 @@ def test_non_streaming_completion(client, backend):
     assert body["object"] == "text_completion" and body["model"] == FAKE_MODEL
     assert [c["text"] for c in body["choices"]] == [expected_text(0, 5), expected_text(1, 5)]
     assert [c["finish_reason"] for c in body["choices"]] == ["length", "stop"]
-    assert body["usage"] == {"prompt_tokens": NUM_PROMPT_TOKENS, "completion_tokens": 9,
-                             "total_tokens": NUM_PROMPT_TOKENS + 9,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
+    assert body["usage"] == {
+        "prompt_tokens": NUM_PROMPT_TOKENS,
+        "completion_tokens": 9,
+        "total_tokens": NUM_PROMPT_TOKENS + 9,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     sent = backend.requests[body["id"]]
     assert sent.prompt == "hello" and sent.params.n == 2 and sent.params.stop == ["zz"]
     assert sent.params.seed == 3 and sent.deadline is not None
 
 
 def test_streaming_completion_sse_framing_and_include_usage(client):
-    r = client.post("/v1/completions", json=completion(stream=True, stream_options={"include_usage": True}))
+    r = client.post(
+        "/v1/completions", json=completion(stream=True, stream_options={"include_usage": True})
+    )
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = sse_events(r.text)
     assert events[-1] == "[DONE]"
@@ -109,20 +122,32 @@ def test_chat_stream_n2_interleaved(client):
             finishes[choice["index"]].append(choice["finish_reason"])
     assert texts == {0: expected_text(0, 6), 1: expected_text(1, 6)}
     assert finishes == {0: ["length"], 1: ["stop"]}
-    assert {c["choices"][0]["index"] for c in chunks[2:4]} == {0, 1}  # interleaved, not one then the other
+    assert {c["choices"][0]["index"] for c in chunks[2:4]} == {
+        0,
+        1,
+    }  # interleaved, not one then the other
 
 
 def test_chat_non_streaming_with_logprobs(client):
-    r = client.post("/v1/chat/completions",
-                    json=chat(max_completion_tokens=3, logprobs=True, top_logprobs=2, user="u1"))
+    r = client.post(
+        "/v1/chat/completions",
+        json=chat(max_completion_tokens=3, logprobs=True, top_logprobs=2, user="u1"),
+    )
     body = r.json()
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
     choice = body["choices"][0]
-    assert choice["message"] == {"role": "assistant", "content": expected_text(0, 3), "refusal": None}
+    assert choice["message"] == {
+        "role": "assistant",
+        "content": expected_text(0, 3),
+        "refusal": None,
+    }
     content = choice["logprobs"]["content"]
     assert [e["token"] for e in content] == [f"token_id:{token_id(0, s)}" for s in range(3)]
-    assert content[0]["top_logprobs"][1] == {"token": "token_id:5", "logprob": -2.0,
-                                             "bytes": list(b"token_id:5")}
+    assert content[0]["top_logprobs"][1] == {
+        "token": "token_id:5",
+        "logprob": -2.0,
+        "bytes": list(b"token_id:5"),
+    }
 
 
 def test_completion_token_prompt_and_logprobs(client, backend):
@@ -152,15 +177,21 @@ def test_models_health_metrics(client, gateway, backend):
         # A request fails at once instead of waiting out its timeout.
         t0 = time.monotonic()
         r = client.post("/v1/completions", json=completion())
-        assert r.status_code == 503 and r.json()["error"]["message"] == "No tokenizer is running.", r.text
+        assert (
+            r.status_code == 503 and r.json()["error"]["message"] == "No tokenizer is running."
+        ), r.text
         assert time.monotonic() - t0 < 5
     finally:
         backend.set_tokenizer_listening(True)
     assert httpx.get(gateway.base_url + "/health").status_code == 200
     text = httpx.get(gateway.base_url + "/metrics").text
-    for name in ("llmserve:time_to_first_token_seconds_bucket", "llmserve:e2e_request_latency_seconds_count",
-                 "llmserve:inter_token_latency_seconds_count", "llmserve:generation_tokens_total",
-                 'llmserve:gateway_requests_total{endpoint="completions",status="200"}'):
+    for name in (
+        "llmserve:time_to_first_token_seconds_bucket",
+        "llmserve:e2e_request_latency_seconds_count",
+        "llmserve:inter_token_latency_seconds_count",
+        "llmserve:generation_tokens_total",
+        'llmserve:gateway_requests_total{endpoint="completions",status="200"}',
+    ):
         assert name in text, name
 
 
@@ -175,7 +206,9 @@ def test_backend_429_has_retry_after(client):
 
 
 def test_backend_400_passes_through(client):
-    err = assert_openai_error(client.post("/v1/chat/completions", json=chat("error400")), 400, "prompt")
+    err = assert_openai_error(
+        client.post("/v1/chat/completions", json=chat("error400")), 400, "prompt"
+    )
     assert err["message"] == "prompt is too long"
 
 
@@ -196,25 +229,40 @@ def test_undecodable_stream_message_is_500(client):
 def test_auth(gateway):
     body = completion()
     assert_openai_error(httpx.post(gateway.base_url + "/v1/completions", json=body), 401)
-    r = httpx.post(gateway.base_url + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
+    r = httpx.post(
+        gateway.base_url + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"}
+    )
     assert assert_openai_error(r, 401)["code"] == "invalid_api_key"
     assert_openai_error(httpx.get(gateway.base_url + "/v1/models"), 401)
 
 
-@pytest.mark.parametrize("path, body, status, param", [
-    ("/v1/completions", b"{not json", 400, None),
-    ("/v1/completions", json.dumps({"prompt": "x"}).encode(), 400, "model"),
-    ("/v1/completions", json.dumps(completion(model="gpt-5")).encode(), 404, "model"),
-    ("/v1/completions", json.dumps(completion(max_tokens=0)).encode(), 400, "max_tokens"),
-    ("/v1/completions", json.dumps(completion(max_tokens="abc")).encode(), 400, "max_tokens"),
-    ("/v1/completions", json.dumps(completion(max_tokens=1.5)).encode(), 400, "max_tokens"),
-    ("/v1/completions", json.dumps(completion(temperature=-1)).encode(), 400, "temperature"),
-    ("/v1/completions", json.dumps(completion(top_p=2)).encode(), 400, "top_p"),
-    ("/v1/completions", json.dumps(completion(n=0)).encode(), 400, "n"),
-    ("/v1/completions", json.dumps(completion(prompt=["a", "b"])).encode(), 400, "prompt"),
-    ("/v1/chat/completions", json.dumps(chat(max_completion_tokens=-1)).encode(), 400, "max_completion_tokens"),
-    ("/v1/chat/completions", json.dumps({"model": FAKE_MODEL, "messages": []}).encode(), 400, "messages"),
-])
+@pytest.mark.parametrize(
+    "path, body, status, param",
+    [
+        ("/v1/completions", b"{not json", 400, None),
+        ("/v1/completions", json.dumps({"prompt": "x"}).encode(), 400, "model"),
+        ("/v1/completions", json.dumps(completion(model="gpt-5")).encode(), 404, "model"),
+        ("/v1/completions", json.dumps(completion(max_tokens=0)).encode(), 400, "max_tokens"),
+        ("/v1/completions", json.dumps(completion(max_tokens="abc")).encode(), 400, "max_tokens"),
+        ("/v1/completions", json.dumps(completion(max_tokens=1.5)).encode(), 400, "max_tokens"),
+        ("/v1/completions", json.dumps(completion(temperature=-1)).encode(), 400, "temperature"),
+        ("/v1/completions", json.dumps(completion(top_p=2)).encode(), 400, "top_p"),
+        ("/v1/completions", json.dumps(completion(n=0)).encode(), 400, "n"),
+        ("/v1/completions", json.dumps(completion(prompt=["a", "b"])).encode(), 400, "prompt"),
+        (
+            "/v1/chat/completions",
+            json.dumps(chat(max_completion_tokens=-1)).encode(),
+            400,
+            "max_completion_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            json.dumps({"model": FAKE_MODEL, "messages": []}).encode(),
+            400,
+            "messages",
+        ),
+    ],
+)
 def test_validation_errors(client, path, body, status, param):
     r = client.post(path, content=body, headers={"Content-Type": "application/json"})
     err = assert_openai_error(r, status, param)
@@ -232,28 +280,39 @@ def test_unknown_route_is_an_openai_error(client):
 
 def test_streaming_client_disconnect_publishes_abort(gateway, backend):
     with httpx.Client(base_url=gateway.base_url, headers=gateway.headers(), timeout=10) as c:
-        with c.stream("POST", "/v1/completions", json=completion(prompt="slow stream", max_tokens=None,
-                                                                  stream=True)) as r:
+        with c.stream(
+            "POST",
+            "/v1/completions",
+            json=completion(prompt="slow stream", max_tokens=None, stream=True),
+        ) as r:
             assert r.status_code == 200
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
             rid = r.headers["x-request-id"]
         # leaving the block closes the connection mid-stream
-    abort = backend.wait_abort(rid, timeout=REQUEST_TIMEOUT_S - 1)  # before the gateway's own timeout
+    abort = backend.wait_abort(
+        rid, timeout=REQUEST_TIMEOUT_S - 1
+    )  # before the gateway's own timeout
     assert abort.reason == "client disconnected"
 
 
 def test_non_streaming_client_disconnect_publishes_abort(gateway, backend):
     def give_up() -> None:
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(gateway.base_url + "/v1/completions", json=completion(prompt="hang nonstream"),
-                       headers=gateway.headers(), timeout=httpx.Timeout(10, read=0.5))
+            httpx.post(
+                gateway.base_url + "/v1/completions",
+                json=completion(prompt="hang nonstream"),
+                headers=gateway.headers(),
+                timeout=httpx.Timeout(10, read=0.5),
+            )
 
     t = threading.Thread(target=give_up)
     t.start()
     t.join()
     rid = backend.request_for("hang nonstream").request_id
-    abort = backend.wait_abort(rid, timeout=REQUEST_TIMEOUT_S - 1)  # before the gateway's own timeout
+    abort = backend.wait_abort(
+        rid, timeout=REQUEST_TIMEOUT_S - 1
+    )  # before the gateway's own timeout
     assert abort.reason == "client disconnected"
 
 
@@ -266,7 +325,9 @@ def test_timeout_before_first_token_is_504_and_aborts(client, backend):
 
 
 def test_timeout_mid_stream_ends_with_error_event(client, backend):
-    r = client.post("/v1/completions", json=completion(prompt="slow timeout", max_tokens=None, stream=True))
+    r = client.post(
+        "/v1/completions", json=completion(prompt="slow timeout", max_tokens=None, stream=True)
+    )
     events = sse_events(r.text)
     assert events[-1] == "[DONE]" and len(events) > 3
     assert json.loads(events[-2])["error"]["code"] == "request_timeout"

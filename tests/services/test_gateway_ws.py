@@ -38,15 +38,31 @@ def until_done(ws: ClientConnection) -> list[dict]:
 
 
 def test_completion_then_chat_on_one_socket(ws):
-    ws.send(json.dumps({"model": FAKE_MODEL, "prompt": "hello", "max_tokens": 3,
-                        "stream_options": {"include_usage": True}}))
+    ws.send(
+        json.dumps(
+            {
+                "model": FAKE_MODEL,
+                "prompt": "hello",
+                "max_tokens": 3,
+                "stream_options": {"include_usage": True},
+            }
+        )
+    )
     chunks = until_done(ws)
     assert all(c["object"] == "text_completion" for c in chunks)
     assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == expected_text(0, 3)
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
 
-    ws.send(json.dumps({"model": FAKE_MODEL, "messages": [{"role": "user", "content": "hi"}],
-                        "max_tokens": 2, "n": 2}))
+    ws.send(
+        json.dumps(
+            {
+                "model": FAKE_MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+                "n": 2,
+            }
+        )
+    )
     chunks = until_done(ws)
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     text = {0: "", 1: ""}
@@ -56,8 +72,12 @@ def test_completion_then_chat_on_one_socket(ws):
 
 
 def test_errors_are_objects_then_done_and_the_socket_stays_usable(ws):
-    for bad in ("{nope", json.dumps({"model": "other", "prompt": "x"}),
-                json.dumps({"model": FAKE_MODEL, "prompt": "error429"}), "[1, 2]"):
+    for bad in (
+        "{nope",
+        json.dumps({"model": "other", "prompt": "x"}),
+        json.dumps({"model": FAKE_MODEL, "prompt": "error429"}),
+        "[1, 2]",
+    ):
         ws.send(bad)
         [item] = until_done(ws)
         assert set(item["error"]) == {"message", "type", "param", "code"}

@@ -12,13 +12,32 @@ from services.scheduler.router import RouterConfig
 from services.scheduler.service import SchedulerConfig, SchedulerService
 from shared.wire import messages, subjects
 from shared.wire.bus import Bus
-from shared.wire.messages import (AbortRequest, EngineStats, ExecuteRequest, ExecutorHeartbeat, RequestProgress,
-                             SamplingParams, StreamError, TokenizedRequest)
+from shared.wire.messages import (
+    AbortRequest,
+    EngineStats,
+    ExecuteRequest,
+    ExecutorHeartbeat,
+    RequestProgress,
+    SamplingParams,
+    StreamError,
+    TokenizedRequest,
+)
 
-STATS = EngineStats(num_running=0, num_waiting=0, num_total_blocks=100, num_free_blocks=100,
-                    kv_cache_usage=0.0, prefix_cache_queries_tokens=0, prefix_cache_hits_tokens=0,
-                    num_preemptions=0, num_prompt_tokens=0, num_computed_tokens=0,
-                    num_generated_tokens=0, num_steps=0, last_step_num_tokens=0)
+STATS = EngineStats(
+    num_running=0,
+    num_waiting=0,
+    num_total_blocks=100,
+    num_free_blocks=100,
+    kv_cache_usage=0.0,
+    prefix_cache_queries_tokens=0,
+    prefix_cache_hits_tokens=0,
+    num_preemptions=0,
+    num_prompt_tokens=0,
+    num_computed_tokens=0,
+    num_generated_tokens=0,
+    num_steps=0,
+    last_step_num_tokens=0,
+)
 
 
 class FakeExecutor:
@@ -37,10 +56,20 @@ class FakeExecutor:
 
     async def _beat_loop(self) -> None:
         while True:
-            hb = ExecutorHeartbeat(executor_id=self.executor_id, epoch="e", role="both", model="m",
-                                   max_model_len=2048, block_size=16, stats=STATS, sent_at=0.0,
-                                   max_num_seqs=self.max_num_seqs)
-            await self.bus.publish(subjects.executor_stats(self.executor_id), messages.EXECUTOR_HEARTBEAT.encode(hb))
+            hb = ExecutorHeartbeat(
+                executor_id=self.executor_id,
+                epoch="e",
+                role="both",
+                model="m",
+                max_model_len=2048,
+                block_size=16,
+                stats=STATS,
+                sent_at=0.0,
+                max_num_seqs=self.max_num_seqs,
+            )
+            await self.bus.publish(
+                subjects.executor_stats(self.executor_id), messages.EXECUTOR_HEARTBEAT.encode(hb)
+            )
             await asyncio.sleep(0.1)
 
     def go_silent(self) -> None:
@@ -48,8 +77,12 @@ class FakeExecutor:
         self._beat.cancel()
 
     async def progress(self, rid: str, state: str) -> None:
-        await self.bus.publish(subjects.SCHEDULER_PROGRESS, messages.REQUEST_PROGRESS.encode(
-            RequestProgress(request_id=rid, executor_id=self.executor_id, state=state)))
+        await self.bus.publish(
+            subjects.SCHEDULER_PROGRESS,
+            messages.REQUEST_PROGRESS.encode(
+                RequestProgress(request_id=rid, executor_id=self.executor_id, state=state)
+            ),
+        )
 
 
 class Harness:
@@ -58,13 +91,21 @@ class Harness:
     def __init__(self, nats_url: str, **router_kw) -> None:
         self.nats_url = nats_url
         # Heartbeats every 0.1 s; the timeout leaves room for a loaded machine to stall the loop.
-        self.router_kw = {"max_queue_len": 1, "heartbeat_timeout_s": 2.0, "no_executor_timeout_s": 30.0,
-                          **router_kw}
+        self.router_kw = {
+            "max_queue_len": 1,
+            "heartbeat_timeout_s": 2.0,
+            "no_executor_timeout_s": 30.0,
+            **router_kw,
+        }
 
     async def __aenter__(self) -> Harness:
         self.sched_bus = await Bus.connect(self.nats_url, "scheduler-test")
-        self.scheduler = SchedulerService(self.sched_bus, SchedulerConfig(
-            nats_url=self.nats_url, router=RouterConfig(**self.router_kw), tick_interval_s=0.05))
+        self.scheduler = SchedulerService(
+            self.sched_bus,
+            SchedulerConfig(
+                nats_url=self.nats_url, router=RouterConfig(**self.router_kw), tick_interval_s=0.05
+            ),
+        )
         await self.scheduler.start()
         self.client = await Bus.connect(self.nats_url, "client-test")
         self.errors: dict[str, StreamError] = {}
@@ -96,16 +137,26 @@ class Harness:
         raise AssertionError(f"scheduler never saw {n} executors")
 
     async def status(self) -> messages.SchedulerStatus:
-        data = await self.client.request(subjects.SCHEDULER_STATUS, messages.SCHEDULER_STATUS_REQUEST.encode(
-            messages.SchedulerStatusRequest()), timeout=2)
+        data = await self.client.request(
+            subjects.SCHEDULER_STATUS,
+            messages.SCHEDULER_STATUS_REQUEST.encode(messages.SchedulerStatusRequest()),
+            timeout=2,
+        )
         return messages.SCHEDULER_STATUS.decode(data)
 
     async def submit(self, rid: str | None = None) -> str:
         rid = rid or uuid.uuid4().hex
-        req = TokenizedRequest(request_id=rid, model="m", prompt_token_ids=[1, 2, 3], block_hashes=[],
-                               params=SamplingParams(max_tokens=4))
+        req = TokenizedRequest(
+            request_id=rid,
+            model="m",
+            prompt_token_ids=[1, 2, 3],
+            block_hashes=[],
+            params=SamplingParams(max_tokens=4),
+        )
         # As the tokenizer submits: a request the scheduler acks once it has routed it.
-        ack = await self.client.request(subjects.SCHEDULER_SUBMIT, messages.TOKENIZED_REQUEST.encode(req), timeout=2)
+        ack = await self.client.request(
+            subjects.SCHEDULER_SUBMIT, messages.TOKENIZED_REQUEST.encode(req), timeout=2
+        )
         assert ack == b""
         return rid
 
@@ -117,7 +168,7 @@ class Harness:
             assert remaining > 0, f"no StreamError for {rid}"
             try:
                 await asyncio.wait_for(self.error_event.wait(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         return self.errors[rid]
 
@@ -141,9 +192,11 @@ def test_spread_queue_429_and_drain_on_finish(nats_url):
             await h.wait_executors(2)
             rids = [await h.submit() for _ in range(4)]
             got = [await recv(a), await recv(a), await recv(b), await recv(b)]
-            assert sorted(r.request_id for r in got) == sorted(rids)        # 2 + 2: load counted at routing
-            queued = await h.submit()                                      # both full: waits
-            rejected = await h.submit()                                    # queue (1) full: 429
+            assert sorted(r.request_id for r in got) == sorted(
+                rids
+            )  # 2 + 2: load counted at routing
+            queued = await h.submit()  # both full: waits
+            rejected = await h.submit()  # queue (1) full: 429
             err = await h.error_for(rejected)
             assert (err.status, err.type, err.retry_after_s) == (429, "rate_limit_error", 1.0)
             assert (await h.status()).num_queued == 1
@@ -199,7 +252,9 @@ def test_abort_removes_a_queued_request(nats_url):
                 if (await h.status()).num_queued == 1:
                     break
                 await asyncio.sleep(0.02)
-            await h.client.publish(subjects.ABORT, messages.ABORT_REQUEST.encode(AbortRequest(request_id=waiting)))
+            await h.client.publish(
+                subjects.ABORT, messages.ABORT_REQUEST.encode(AbortRequest(request_id=waiting))
+            )
             for _ in range(50):
                 if (await h.status()).num_queued == 0:
                     break
@@ -207,6 +262,6 @@ def test_abort_removes_a_queued_request(nats_url):
             assert (await h.status()).num_queued == 0
             await a.progress(first, "finished")
             await asyncio.sleep(0.2)
-            assert a.received.empty()                                     # the aborted one never runs
+            assert a.received.empty()  # the aborted one never runs
 
     asyncio.run(main())

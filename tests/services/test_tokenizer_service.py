@@ -13,7 +13,12 @@ import uuid
 
 import pytest
 
-from services.tokenizer.prompts import PromptError, PromptLimits, model_context_len, tokenize_request
+from services.tokenizer.prompts import (
+    PromptError,
+    PromptLimits,
+    model_context_len,
+    tokenize_request,
+)
 from services.tokenizer.service import TokenizerService
 from shared.wire import messages, subjects
 from shared.wire.block_hash import hash_prompt_blocks
@@ -30,8 +35,11 @@ def gen(**kw) -> GenerateRequest:
 
 # -- pure logic ----------------------------------------------------------------------------------
 
+
 def test_chat_is_rendered_with_the_template(smollm2_tokenizer):
-    req = gen(messages=[ChatMessage(role="user", content="What is 2+2?")], priority=3, deadline=99.0)
+    req = gen(
+        messages=[ChatMessage(role="user", content="What is 2+2?")], priority=3, deadline=99.0
+    )
     out = tokenize_request(req, smollm2_tokenizer, LIMITS)
     text = smollm2_tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])
     assert out.prompt_token_ids == smollm2_tokenizer.encode(text, add_special_tokens=False)
@@ -43,18 +51,28 @@ def test_text_and_ids(smollm2_tokenizer):
     out = tokenize_request(gen(prompt="Hello there"), smollm2_tokenizer, LIMITS)
     assert out.prompt_token_ids == smollm2_tokenizer.encode("Hello there")
     ids = [1, 2, 3, 4, 5]
-    assert tokenize_request(gen(prompt_token_ids=ids), smollm2_tokenizer, LIMITS).prompt_token_ids == ids
+    assert (
+        tokenize_request(gen(prompt_token_ids=ids), smollm2_tokenizer, LIMITS).prompt_token_ids
+        == ids
+    )
 
 
-@pytest.mark.parametrize("kw, match, param", [
-    (dict(prompt=""), "must not be empty", "prompt"),
-    (dict(messages=[]), "must not be empty", "messages"),
-    (dict(), "exactly one of", "prompt"),
-    (dict(prompt="a", prompt_token_ids=[1]), "exactly one of", "prompt"),
-    (dict(prompt_token_ids=[10**9]), r"must be in \[0, ", "prompt"),
-    (dict(prompt="word " * 100), "maximum context length is 64 tokens", "prompt"),
-    (dict(prompt="word " * 30, params=SamplingParams(max_tokens=40)), "maximum context length", "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "kw, match, param",
+    [
+        (dict(prompt=""), "must not be empty", "prompt"),
+        (dict(messages=[]), "must not be empty", "messages"),
+        (dict(), "exactly one of", "prompt"),
+        (dict(prompt="a", prompt_token_ids=[1]), "exactly one of", "prompt"),
+        (dict(prompt_token_ids=[10**9]), r"must be in \[0, ", "prompt"),
+        (dict(prompt="word " * 100), "maximum context length is 64 tokens", "prompt"),
+        (
+            dict(prompt="word " * 30, params=SamplingParams(max_tokens=40)),
+            "maximum context length",
+            "max_tokens",
+        ),
+    ],
+)
 def test_rejections(smollm2_tokenizer, kw, match, param):
     with pytest.raises(PromptError, match=match) as e:
         tokenize_request(gen(**kw), smollm2_tokenizer, LIMITS)
@@ -65,7 +83,9 @@ def test_too_long_message_names_both_numbers(smollm2_tokenizer):
     prompt = "word " * 30
     num_prompt = len(smollm2_tokenizer.encode(prompt))
     with pytest.raises(PromptError) as e:
-        tokenize_request(gen(prompt=prompt, params=SamplingParams(max_tokens=40)), smollm2_tokenizer, LIMITS)
+        tokenize_request(
+            gen(prompt=prompt, params=SamplingParams(max_tokens=40)), smollm2_tokenizer, LIMITS
+        )
     text = str(e.value)
     assert "maximum context length is 64 tokens" in text and "40 for the completion" in text
     assert f"requested {num_prompt + 40} tokens ({num_prompt} in the prompt" in text
@@ -74,9 +94,19 @@ def test_too_long_message_names_both_numbers(smollm2_tokenizer):
 def test_prompt_filling_the_context_without_max_tokens_is_rejected(smollm2_tokenizer):
     ids = list(range(1, 65))
     with pytest.raises(PromptError, match="maximum context length"):
-        tokenize_request(gen(prompt_token_ids=ids, params=SamplingParams(max_tokens=None)), smollm2_tokenizer, LIMITS)
-    assert tokenize_request(gen(prompt_token_ids=ids[:-1], params=SamplingParams(max_tokens=None)),
-                            smollm2_tokenizer, LIMITS).prompt_token_ids == ids[:-1]
+        tokenize_request(
+            gen(prompt_token_ids=ids, params=SamplingParams(max_tokens=None)),
+            smollm2_tokenizer,
+            LIMITS,
+        )
+    assert (
+        tokenize_request(
+            gen(prompt_token_ids=ids[:-1], params=SamplingParams(max_tokens=None)),
+            smollm2_tokenizer,
+            LIMITS,
+        ).prompt_token_ids
+        == ids[:-1]
+    )
 
 
 def test_model_context_len_from_metadata(smollm2_path):
@@ -85,17 +115,25 @@ def test_model_context_len_from_metadata(smollm2_path):
 
 # -- over NATS -----------------------------------------------------------------------------------
 
+
 async def _roundtrip(bus: Bus, req: GenerateRequest) -> tuple[str, object]:
     """Send like the gateway (stream subscribed first, then a request the tokenizer acks) and return
     where the answer went."""
-    async with await bus.subscribe_iter(subjects.stream(req.request_id)) as stream, \
-            await bus.subscribe_iter(subjects.SCHEDULER_SUBMIT) as submit:
-        ack = await bus.request(subjects.TOKENIZER_GENERATE, messages.GENERATE_REQUEST.encode(req), timeout=5,
-                                headers={"traceparent": "00-abc-def-01"})
+    async with (
+        await bus.subscribe_iter(subjects.stream(req.request_id)) as stream,
+        await bus.subscribe_iter(subjects.SCHEDULER_SUBMIT) as submit,
+    ):
+        ack = await bus.request(
+            subjects.TOKENIZER_GENERATE,
+            messages.GENERATE_REQUEST.encode(req),
+            timeout=5,
+            headers={"traceparent": "00-abc-def-01"},
+        )
         assert ack == b""
-        done, pending = await asyncio.wait([asyncio.ensure_future(stream.next(5)),
-                                            asyncio.ensure_future(submit.next(5))],
-                                           return_when=asyncio.FIRST_COMPLETED)
+        done, pending = await asyncio.wait(
+            [asyncio.ensure_future(stream.next(5)), asyncio.ensure_future(submit.next(5))],
+            return_when=asyncio.FIRST_COMPLETED,
+        )
         for t in pending:
             t.cancel()
         msg = done.pop().result()
@@ -112,30 +150,48 @@ def test_service_over_nats(nats_url, smollm2_tokenizer):
         await TokenizerService(service_bus, smollm2_tokenizer, LIMITS).start()
         client = await Bus.connect(nats_url, "gateway-test")
         try:
-            where, out = await _roundtrip(client, gen(messages=[ChatMessage(role="user", content="Hi")]))
+            where, out = await _roundtrip(
+                client, gen(messages=[ChatMessage(role="user", content="Hi")])
+            )
             assert where == "submit" and out.prompt_token_ids[:1] == [1]
             where, out = await _roundtrip(client, gen(prompt="Hello"))
             assert where == "submit" and out.prompt_token_ids == smollm2_tokenizer.encode("Hello")
             req = gen(prompt="word " * 100)
             where, out = await _roundtrip(client, req)
             assert where == "stream" and isinstance(out, StreamError)
-            assert (out.request_id, out.status, out.type) == (req.request_id, 400, "invalid_request_error")
+            assert (out.request_id, out.status, out.type) == (
+                req.request_id,
+                400,
+                "invalid_request_error",
+            )
             assert "maximum context length is 64" in out.message
             # A malformed message is dropped without killing the subscription.
             await client.publish(subjects.TOKENIZER_GENERATE, b"\x00garbage")
             where, _ = await _roundtrip(client, gen(prompt="still alive"))
             assert where == "submit"
             # The status the gateway's /health asks for.
-            status = messages.TOKENIZER_STATUS.decode(await client.request(
-                subjects.TOKENIZER_STATUS, messages.TOKENIZER_STATUS_REQUEST.encode(messages.TokenizerStatusRequest()),
-                timeout=5))
-            assert (status.max_model_len, status.block_size) == (LIMITS.max_model_len, LIMITS.block_size)
+            status = messages.TOKENIZER_STATUS.decode(
+                await client.request(
+                    subjects.TOKENIZER_STATUS,
+                    messages.TOKENIZER_STATUS_REQUEST.encode(messages.TokenizerStatusRequest()),
+                    timeout=5,
+                )
+            )
+            assert (status.max_model_len, status.block_size) == (
+                LIMITS.max_model_len,
+                LIMITS.block_size,
+            )
             # No scheduler listening: the request ends at once with a 503 on its stream.
             req = gen(prompt="nobody routes this")
             async with await client.subscribe_iter(subjects.stream(req.request_id)) as stream:
-                await client.request(subjects.TOKENIZER_GENERATE, messages.GENERATE_REQUEST.encode(req), timeout=5)
+                await client.request(
+                    subjects.TOKENIZER_GENERATE, messages.GENERATE_REQUEST.encode(req), timeout=5
+                )
                 out = messages.STREAM_MESSAGE.decode((await stream.next(2)).data)
-            assert isinstance(out, StreamError) and (out.status, out.message) == (503, "No scheduler is running.")
+            assert isinstance(out, StreamError) and (out.status, out.message) == (
+                503,
+                "No scheduler is running.",
+            )
         finally:
             await client.close()
             await service_bus.close()
@@ -168,11 +224,19 @@ def test_a_slow_scheduler_ack_does_not_hold_back_the_next_requests(nats_url, smo
 
         try:
             reqs = [gen(prompt=f"request {i}") for i in range(count)]
-            async with await scheduler.subscribe_iter(subjects.SCHEDULER_SUBMIT) as submit, \
-                    await client.subscribe_iter(subjects.STREAM_ALL) as streams:
+            async with (
+                await scheduler.subscribe_iter(subjects.SCHEDULER_SUBMIT) as submit,
+                await client.subscribe_iter(subjects.STREAM_ALL) as streams,
+            ):
                 acks = []
-                for req in reqs:  # as the gateway sends them: each acked by the tokenizer on receipt
-                    await client.request(subjects.TOKENIZER_GENERATE, messages.GENERATE_REQUEST.encode(req), timeout=5)
+                for (
+                    req
+                ) in reqs:  # as the gateway sends them: each acked by the tokenizer on receipt
+                    await client.request(
+                        subjects.TOKENIZER_GENERATE,
+                        messages.GENERATE_REQUEST.encode(req),
+                        timeout=5,
+                    )
                 for _ in reqs:
                     msg = await submit.next(5)
                     arrived.append(loop.time())
@@ -194,15 +258,23 @@ def test_a_slow_scheduler_ack_does_not_hold_back_the_next_requests(nats_url, smo
 
 def test_process_serves_and_drains_on_sigterm(nats_url):
     env = {**os.environ, "NATS_URL": nats_url}
-    proc = subprocess.Popen([sys.executable, "-m", "services.tokenizer", "--max-model-len", "32"],
-                            env=env, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.tokenizer", "--max-model-len", "32"],
+        env=env,
+        stderr=subprocess.PIPE,
+    )
     try:
+
         async def main() -> None:
             async with await Bus.connect(nats_url, "gateway-test") as client:
                 req = gen(prompt="word " * 40)
-                for _ in range(100):   # until the process has subscribed
-                    async with await client.subscribe_iter(subjects.stream(req.request_id)) as stream:
-                        await client.publish(subjects.TOKENIZER_GENERATE, messages.GENERATE_REQUEST.encode(req))
+                for _ in range(100):  # until the process has subscribed
+                    async with await client.subscribe_iter(
+                        subjects.stream(req.request_id)
+                    ) as stream:
+                        await client.publish(
+                            subjects.TOKENIZER_GENERATE, messages.GENERATE_REQUEST.encode(req)
+                        )
                         try:
                             out = messages.STREAM_MESSAGE.decode((await stream.next(0.2)).data)
                             break
@@ -210,7 +282,9 @@ def test_process_serves_and_drains_on_sigterm(nats_url):
                             continue
                 else:
                     raise AssertionError("the tokenizer process never answered")
-                assert isinstance(out, StreamError) and "maximum context length is 32" in out.message
+                assert (
+                    isinstance(out, StreamError) and "maximum context length is 32" in out.message
+                )
 
         asyncio.run(main())
         proc.send_signal(signal.SIGTERM)

@@ -7,8 +7,16 @@ import pytest
 from loadtests.ceiling import ceiling_seconds, run_flops
 from shared.engine.models.config import ModelConfig
 
-TINY = ModelConfig(architecture="llama", vocab_size=10, hidden_size=4, intermediate_size=8, num_layers=3,
-                   num_heads=2, num_kv_heads=1, head_dim=2)
+TINY = ModelConfig(
+    architecture="llama",
+    vocab_size=10,
+    hidden_size=4,
+    intermediate_size=8,
+    num_layers=3,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=2,
+)
 
 
 def test_run_flops_counts_fed_tokens_sampled_tokens_and_causal_keys():

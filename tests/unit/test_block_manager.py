@@ -2,8 +2,8 @@ import random
 
 import pytest
 
-from shared.wire.block_hash import hash_block, hash_prompt_blocks
 from shared.engine.block_manager import BlockManager
+from shared.wire.block_hash import hash_block, hash_prompt_blocks
 from shared.wire.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -46,7 +46,11 @@ def test_fresh_allocation_order() -> None:
     assert bm.allocate("a", toks(13), 1) == 0
     assert bm.block_table("a") == [1, 2, 3, 6]
     assert bm.num_reserved_tokens("a") == 13
-    assert bm.num_blocks_needed(0) == 0 and bm.num_blocks_needed(4) == 1 and bm.num_blocks_needed(5) == 2
+    assert (
+        bm.num_blocks_needed(0) == 0
+        and bm.num_blocks_needed(4) == 1
+        and bm.num_blocks_needed(5) == 2
+    )
 
 
 def test_prefix_hit_reuses_same_block_ids() -> None:
@@ -320,12 +324,17 @@ def test_events_and_sequence_numbers() -> None:
     h1, h2 = hash_prompt_blocks(prompt, BS)
     b1 = bm.take_events()
     assert b1 == KVEventBatch(
-        seq=1, events=[BlockStored(block_hashes=[h1], parent_block_hash=None, token_ids=toks(4), block_size=BS)]
+        seq=1,
+        events=[
+            BlockStored(block_hashes=[h1], parent_block_hash=None, token_ids=toks(4), block_size=BS)
+        ],
     )
     bm.commit("a", prompt, 10)
     b2 = bm.take_events()
     assert b2 is not None and b2.seq == 2
-    assert b2.events == [BlockStored(block_hashes=[h2], parent_block_hash=h1, token_ids=toks(4, 4), block_size=BS)]
+    assert b2.events == [
+        BlockStored(block_hashes=[h2], parent_block_hash=h1, token_ids=toks(4, 4), block_size=BS)
+    ]
     assert bm.take_events() is None
 
     bm.free("a")
@@ -426,7 +435,9 @@ class _Sim:
         self.index: set[int] = set()
         self.last_event_seq = 0
         self.next_id = 0
-        self.system_prompts = [[rng.randrange(1000) for _ in range(rng.randrange(1, 20))] for _ in range(3)]
+        self.system_prompts = [
+            [rng.randrange(1000) for _ in range(rng.randrange(1, 20))] for _ in range(3)
+        ]
         self.hits = 0
 
     def slot(self, seq_id: int, pos: int) -> tuple[int, int]:

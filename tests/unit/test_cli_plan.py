@@ -20,9 +20,26 @@ def test_plan_table(capsys):
 
 
 def test_plan_json(capsys):
-    argv = ["plan", "--model", "Llama-3-8B", "--memory", "24GB", "--context", "8192", "--dtype", "bfloat16",
-            "--kv-dtype", "fp8", "--block-size", "32", "--max-num-batched-tokens", "512", "--max-num-seqs", "64",
-            "--json"]
+    argv = [
+        "plan",
+        "--model",
+        "Llama-3-8B",
+        "--memory",
+        "24GB",
+        "--context",
+        "8192",
+        "--dtype",
+        "bfloat16",
+        "--kv-dtype",
+        "fp8",
+        "--block-size",
+        "32",
+        "--max-num-batched-tokens",
+        "512",
+        "--max-num-seqs",
+        "64",
+        "--json",
+    ]
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["memory_budget_bytes"] == 24_000_000_000
@@ -50,28 +67,62 @@ def test_plan_with_int8_decoder_linears(capsys):
 
 def test_plan_with_the_int8_kv_cache(capsys):
     """int8 rows carry a 4-byte scale each: Llama-3-8B's 2 x 32 layers x 8 KV heads x (128 + 4) bytes."""
-    argv = ["plan", "--model", "llama-3-8b", "--memory", "24GiB", "--context", "8192", "--dtype", "bfloat16", "--json"]
+    argv = [
+        "plan",
+        "--model",
+        "llama-3-8b",
+        "--memory",
+        "24GiB",
+        "--context",
+        "8192",
+        "--dtype",
+        "bfloat16",
+        "--json",
+    ]
     assert main(argv) == 0
     plain = json.loads(capsys.readouterr().out)
     assert main([*argv, "--kv-dtype", "int8"]) == 0
     int8 = json.loads(capsys.readouterr().out)
-    assert int8["kv_dtype"] == "int8" and int8["kv_bytes_per_token"] == 67584 and plain["kv_bytes_per_token"] == 131072
+    assert (
+        int8["kv_dtype"] == "int8"
+        and int8["kv_bytes_per_token"] == 67584
+        and plain["kv_bytes_per_token"] == 131072
+    )
     remainder = plain["memory_budget_bytes"] - plain["weight_bytes"] - plain["activation_bytes"]
-    assert int8["num_kv_blocks"] == remainder // (16 * 67584) and plain["num_kv_blocks"] == remainder // (16 * 131072)
+    assert int8["num_kv_blocks"] == remainder // (16 * 67584) and plain[
+        "num_kv_blocks"
+    ] == remainder // (16 * 131072)
 
 
 def test_kv_dtype_auto_follows_dtype(capsys):
-    assert main(["plan", "--model", "llama-3-70b", "--memory", "640GiB", "--dtype", "bfloat16", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "llama-3-70b",
+                "--memory",
+                "640GiB",
+                "--dtype",
+                "bfloat16",
+                "--json",
+            ]
+        )
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     assert data["kv_dtype"] == "bfloat16" and data["kv_bytes_per_token"] == 327680
     assert data["context_len"] == 8192
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["plan", "--model", "llama-3-70b", "--memory", "80GiB"], "below the minimum"),
-    (["plan", "--model", "llama-2-7b", "--memory", "lots"], "cannot parse memory size"),
-    (["plan", "--model", "llama-2-7b", "--memory", "80GiB", "--block-size", "0"], "block_size"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["plan", "--model", "llama-3-70b", "--memory", "80GiB"], "below the minimum"),
+        (["plan", "--model", "llama-2-7b", "--memory", "lots"], "cannot parse memory size"),
+        (["plan", "--model", "llama-2-7b", "--memory", "80GiB", "--block-size", "0"], "block_size"),
+    ],
+)
 def test_plan_user_errors(capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -87,7 +138,11 @@ def test_missing_model_path_subprocess(tmp_path):
     missing = tmp_path / "no-such-model.gguf"
     proc = subprocess.run(
         [sys.executable, "-m", "services.cli", "plan", "--model", str(missing), "--memory", "1GiB"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stdout == ""
     assert proc.stderr.startswith("error: ") and str(missing) in proc.stderr
@@ -99,9 +154,13 @@ def test_plan_default_model_without_torch():
         default_model_path()
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
-    code = ("import sys; from services.cli import main; rc = main(['plan', '--memory', '2GiB', "
-            "'--context', '2048', '--dtype', 'float32']); assert 'torch' not in sys.modules; sys.exit(rc)")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    code = (
+        "import sys; from services.cli import main; rc = main(['plan', '--memory', '2GiB', "
+        "'--context', '2048', '--dtype', 'float32']); assert 'torch' not in sys.modules; sys.exit(rc)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert "45 KiB" in proc.stdout  # 2 x 30 layers x 3 kv heads x 64 x 4 bytes = 46080
     assert "134,515,008 params" in proc.stdout

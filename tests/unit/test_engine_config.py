@@ -25,19 +25,39 @@ from shared.engine.config import ENGINE_SETTINGS, WEIGHT_DTYPES, EngineConfig, s
 ROOT = Path(__file__).resolve().parents[2]
 
 # The environment variables the commands read before the settings were declared once: unchanged.
-KNOWN_ENV = {"model": "LLMSERVE_MODEL", "dtype": "LLMSERVE_DTYPE", "device": "LLMSERVE_DEVICE",
-             "block_size": "LLMSERVE_BLOCK_SIZE", "memory_budget": "LLMSERVE_MEMORY_BUDGET",
-             "num_kv_blocks": "LLMSERVE_NUM_KV_BLOCKS", "max_num_seqs": "LLMSERVE_MAX_NUM_SEQS",
-             "max_num_batched_tokens": "LLMSERVE_MAX_NUM_BATCHED_TOKENS",
-             "max_model_len": "LLMSERVE_MAX_MODEL_LEN", "num_threads": "LLMSERVE_NUM_THREADS",
-             "quantization": "LLMSERVE_QUANTIZATION", "kv_cache_dtype": "LLMSERVE_KV_CACHE_DTYPE"}
+KNOWN_ENV = {
+    "model": "LLMSERVE_MODEL",
+    "dtype": "LLMSERVE_DTYPE",
+    "device": "LLMSERVE_DEVICE",
+    "block_size": "LLMSERVE_BLOCK_SIZE",
+    "memory_budget": "LLMSERVE_MEMORY_BUDGET",
+    "num_kv_blocks": "LLMSERVE_NUM_KV_BLOCKS",
+    "max_num_seqs": "LLMSERVE_MAX_NUM_SEQS",
+    "max_num_batched_tokens": "LLMSERVE_MAX_NUM_BATCHED_TOKENS",
+    "max_model_len": "LLMSERVE_MAX_MODEL_LEN",
+    "num_threads": "LLMSERVE_NUM_THREADS",
+    "quantization": "LLMSERVE_QUANTIZATION",
+    "kv_cache_dtype": "LLMSERVE_KV_CACHE_DTYPE",
+}
 
 EXAMPLES = [
     EngineConfig(),
     SERVED_ENGINE_DEFAULTS,
-    EngineConfig(model="/models/x.gguf", dtype="float32", device="cpu", block_size=32, memory_budget="512MiB",
-                 num_kv_blocks=9, max_num_batched_tokens=64, max_num_seqs=3, max_model_len=100, num_threads=2,
-                 seed=7, quantization="int8", kv_cache_dtype="int8"),
+    EngineConfig(
+        model="/models/x.gguf",
+        dtype="float32",
+        device="cpu",
+        block_size=32,
+        memory_budget="512MiB",
+        num_kv_blocks=9,
+        max_num_batched_tokens=64,
+        max_num_seqs=3,
+        max_model_len=100,
+        num_threads=2,
+        seed=7,
+        quantization="int8",
+        kv_cache_dtype="int8",
+    ),
 ]
 
 
@@ -64,10 +84,15 @@ def test_env_names_are_the_ones_commands_read_before():
 
 @pytest.mark.parametrize("command", ["up", "generate", "executor"])
 def test_every_setting_is_on_every_engine_command_line_with_help(command):
-    parser = {"up": lambda: command_parser(up), "generate": lambda: command_parser(generate),
-              "executor": executor_parser}[command]()
+    parser = {
+        "up": lambda: command_parser(up),
+        "generate": lambda: command_parser(generate),
+        "executor": executor_parser,
+    }[command]()
     flags = engine_flags(parser)
-    expected = {s.flag for s in settings(exclude=generate.ENGINE_EXCLUDED if command == "generate" else ())}
+    expected = {
+        s.flag for s in settings(exclude=generate.ENGINE_EXCLUDED if command == "generate" else ())
+    }
     assert set(flags) == expected
     for s in settings():
         if s.flag in flags:
@@ -104,7 +129,9 @@ def test_up_reads_the_engine_settings_from_flags_and_environment(monkeypatch):
     monkeypatch.setenv("LLMSERVE_DTYPE", "float32")
     args = command_parser(up).parse_args(["--max-num-seqs", "3", "--num-kv-blocks", "40"])
     engine = EngineConfig.from_args(args, EngineConfig.from_env(env_value, SERVED_ENGINE_DEFAULTS))
-    assert engine == replace(SERVED_ENGINE_DEFAULTS, dtype="float32", max_num_seqs=3, num_kv_blocks=40)
+    assert engine == replace(
+        SERVED_ENGINE_DEFAULTS, dtype="float32", max_num_seqs=3, num_kv_blocks=40
+    )
 
 
 def test_the_launcher_gives_each_executor_the_whole_engine_config():
@@ -114,10 +141,12 @@ def test_the_launcher_gives_each_executor_the_whole_engine_config():
     assert executor.executor_id == "executor-1"
     assert executor.engine == replace(engine, num_threads=executor.engine.num_threads)
     assert executor.engine.num_threads >= 1  # the cores divided among the executors
-    assert EngineConfig.from_argv(tokenizer_args(StackConfig(engine=replace(engine, model="m.gguf")))) == \
-        EngineConfig(model="m.gguf")
-    assert {a for a in tokenizer_args(config) if a.startswith("--")} == \
-        {s.flag for s in settings(TOKENIZER_ENGINE_SETTINGS) if getattr(engine, s.name) is not None}
+    assert EngineConfig.from_argv(
+        tokenizer_args(StackConfig(engine=replace(engine, model="m.gguf")))
+    ) == EngineConfig(model="m.gguf")
+    assert {a for a in tokenizer_args(config) if a.startswith("--")} == {
+        s.flag for s in settings(TOKENIZER_ENGINE_SETTINGS) if getattr(engine, s.name) is not None
+    }
 
 
 def test_stack_config_of_splits_engine_and_stack_keywords():
@@ -133,20 +162,27 @@ def test_engine_config_is_validated_without_torch():
         EngineConfig(num_threads=0)
     with pytest.raises(ValueError, match="not engine settings: nope"):
         settings(include=("nope",))
-    code = ("import sys; from shared.engine.config import EngineConfig; from services.cli.main import build_parser; "
-            "build_parser(); EngineConfig(dtype='float32'); "
-            "print([m for m in sys.modules if m.split('.')[0] in ('torch', 'kernels')])")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    code = (
+        "import sys; from shared.engine.config import EngineConfig; from services.cli.main import build_parser; "
+        "build_parser(); EngineConfig(dtype='float32'); "
+        "print([m for m in sys.modules if m.split('.')[0] in ('torch', 'kernels')])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 
 
 def test_weight_dtypes_are_the_loaders():
     from shared.engine.models.loader import DTYPES
+
     assert set(DTYPES) == set(WEIGHT_DTYPES)
 
 
-@pytest.mark.parametrize("text,value", [("1", True), ("Yes", True), ("on", True), ("0", False), ("OFF", False)])
+@pytest.mark.parametrize(
+    "text,value", [("1", True), ("Yes", True), ("on", True), ("0", False), ("OFF", False)]
+)
 def test_env_value_reads_booleans(monkeypatch, text, value):
     monkeypatch.setenv("LLMSERVE_TEST_FLAG", text)
     assert env_value("LLMSERVE_TEST_FLAG", bool) is value
@@ -155,7 +191,9 @@ def test_env_value_reads_booleans(monkeypatch, text, value):
 def test_env_value_names_a_bad_variable(monkeypatch):
     assert env_value("LLMSERVE_TEST_UNSET", int) is None
     monkeypatch.setenv("LLMSERVE_TEST_FLAG", "maybe")
-    with pytest.raises(SystemExit, match="LLMSERVE_TEST_FLAG must be one of 1/true/yes/on/0/false/no/off"):
+    with pytest.raises(
+        SystemExit, match="LLMSERVE_TEST_FLAG must be one of 1/true/yes/on/0/false/no/off"
+    ):
         env_value("LLMSERVE_TEST_FLAG", bool)
 
 
@@ -164,7 +202,10 @@ def test_prefix_caching_can_be_turned_off_on_every_command_line(monkeypatch):
     read from its variable, and in the argv the launcher gives the executors."""
     for parser in (command_parser(up), command_parser(generate), executor_parser()):
         flags = engine_flags(parser)
-        assert "--enable-prefix-caching" in flags and "LLMSERVE_ENABLE_PREFIX_CACHING" in flags["--enable-prefix-caching"]
+        assert (
+            "--enable-prefix-caching" in flags
+            and "LLMSERVE_ENABLE_PREFIX_CACHING" in flags["--enable-prefix-caching"]
+        )
     args = command_parser(generate).parse_args(["hi", "--no-enable-prefix-caching"])
     assert EngineConfig.from_args(args).enable_prefix_caching is False
     assert parse_executor_config([]).engine.enable_prefix_caching is True

@@ -55,7 +55,9 @@ def test_package_imports_follow_the_rules(package):
 
 def test_the_rule_check_sees_a_violation(tmp_path, monkeypatch):
     (tmp_path / "shared" / "wire").mkdir(parents=True)
-    (tmp_path / "shared" / "wire" / "bad.py").write_text("def f():\n    from shared.engine.engine import LLMEngine\n")
+    (tmp_path / "shared" / "wire" / "bad.py").write_text(
+        "def f():\n    from shared.engine.engine import LLMEngine\n"
+    )
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert violations("shared/wire", FORBIDDEN["shared/wire"]) == [
         "shared/wire/bad.py imports shared.engine.engine",
@@ -66,9 +68,15 @@ def test_the_rule_check_sees_a_violation(tmp_path, monkeypatch):
 @pytest.mark.parametrize("package", TORCH_FREE_SERVICES)
 def test_service_runs_without_torch(package):
     # Every module of the service but __main__ (which would start it), in a fresh interpreter.
-    modules = sorted(p.stem for p in (ROOT / package.replace(".", "/")).glob("*.py") if p.stem != "__main__")
-    code = (f"import sys; from {package} import {', '.join(modules)}; "
-            "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'kernels'))))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    modules = sorted(
+        p.stem for p in (ROOT / package.replace(".", "/")).glob("*.py") if p.stem != "__main__"
+    )
+    code = (
+        f"import sys; from {package} import {', '.join(modules)}; "
+        "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'kernels'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == ""

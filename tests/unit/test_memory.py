@@ -5,51 +5,98 @@ from dataclasses import replace
 
 import pytest
 
-from shared.engine.memory import (
-    DTYPE_BYTES, InsufficientMemoryError, activation_bytes, format_bytes, format_ledger,
-    kv_bytes_per_token, parse_bytes, plan_memory, weight_bytes)
-from shared.engine.models.config import UnsupportedModelError
 from shared.engine.default_model import default_model_path
+from shared.engine.memory import (
+    DTYPE_BYTES,
+    InsufficientMemoryError,
+    activation_bytes,
+    format_bytes,
+    format_ledger,
+    kv_bytes_per_token,
+    parse_bytes,
+    plan_memory,
+    weight_bytes,
+)
+from shared.engine.models.config import UnsupportedModelError
 from shared.engine.models.known_configs import KNOWN_CONFIGS, resolve_config, resolve_model
 
 GiB, MiB = 2**30, 2**20
 LLAMA2_7B = KNOWN_CONFIGS["llama-2-7b"]
-SHAPE_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                "num_heads", "num_kv_heads", "head_dim", "rope_theta", "max_position_embeddings",
-                "tie_word_embeddings", "qkv_bias")
+SHAPE_FIELDS = (
+    "architecture",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "rope_theta",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "qkv_bias",
+)
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("80GiB", 80 * GiB), ("512MiB", 512 * MiB), ("1.5GB", 1_500_000_000), ("1024", 1024),
-    ("1.5KiB", 1536), (" 2 gib ", 2 * GiB), ("24G", 24_000_000_000), ("8Gi", 8 * GiB),
-    ("1.1GB", 1_100_000_000), ("100B", 100), ("0.5", 0), (".5KB", 500), (4096, 4096),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("80GiB", 80 * GiB),
+        ("512MiB", 512 * MiB),
+        ("1.5GB", 1_500_000_000),
+        ("1024", 1024),
+        ("1.5KiB", 1536),
+        (" 2 gib ", 2 * GiB),
+        ("24G", 24_000_000_000),
+        ("8Gi", 8 * GiB),
+        ("1.1GB", 1_100_000_000),
+        ("100B", 100),
+        ("0.5", 0),
+        (".5KB", 500),
+        (4096, 4096),
+    ],
+)
 def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "abc", "-1GiB", "1.2.3GB", "12XB", "GiB", "nan", "inf", "1e9", -5])
+@pytest.mark.parametrize(
+    "text", ["", "abc", "-1GiB", "1.2.3GB", "12XB", "GiB", "nan", "inf", "1e9", -5]
+)
 def test_parse_bytes_rejects_junk(text):
     with pytest.raises(ValueError):
         parse_bytes(text)
 
 
-@pytest.mark.parametrize("num_bytes, text", [
-    (0, "0 B"), (1023, "1023 B"), (1536, "1.5 KiB"), (524288, "512 KiB"), (80 * GiB, "80 GiB"),
-    (int(13.48 * GiB), "13.48 GiB"),
-])
+@pytest.mark.parametrize(
+    "num_bytes, text",
+    [
+        (0, "0 B"),
+        (1023, "1023 B"),
+        (1536, "1.5 KiB"),
+        (524288, "512 KiB"),
+        (80 * GiB, "80 GiB"),
+        (int(13.48 * GiB), "13.48 GiB"),
+    ],
+)
 def test_format_bytes(num_bytes, text):
     assert format_bytes(num_bytes) == text
 
 
 def test_kv_bytes_per_token_published_models():
     assert kv_bytes_per_token(LLAMA2_7B, "float16") == 524288  # 2 * 32 * 32 * 128 * 2 = 512 KiB
-    assert kv_bytes_per_token(KNOWN_CONFIGS["llama-3-8b"], "bfloat16") == 131072  # 2 * 32 * 8 * 128 * 2
-    assert kv_bytes_per_token(KNOWN_CONFIGS["llama-3-70b"], "bfloat16") == 327680  # 2 * 80 * 8 * 128 * 2
+    assert (
+        kv_bytes_per_token(KNOWN_CONFIGS["llama-3-8b"], "bfloat16") == 131072
+    )  # 2 * 32 * 8 * 128 * 2
+    assert (
+        kv_bytes_per_token(KNOWN_CONFIGS["llama-3-70b"], "bfloat16") == 327680
+    )  # 2 * 80 * 8 * 128 * 2
     assert kv_bytes_per_token(KNOWN_CONFIGS["smollm2-135m"], "float32") == 2 * 30 * 3 * 64 * 4
     assert kv_bytes_per_token(KNOWN_CONFIGS["llama-3-8b"], "fp8") == 65536
     # The engine's int8 cache: each (token, KV head) row carries a 4-byte scale.
-    assert kv_bytes_per_token(KNOWN_CONFIGS["llama-3-8b"], "int8") == 67584  # 2 * 32 * 8 * (128 + 4)
+    assert (
+        kv_bytes_per_token(KNOWN_CONFIGS["llama-3-8b"], "int8") == 67584
+    )  # 2 * 32 * 8 * (128 + 4)
 
 
 def test_num_params_from_published_shapes():
@@ -77,11 +124,15 @@ def test_int8_weight_and_activation_bytes_by_hand():
     linear = 32 * (12288 * 4096 + 4096 * 4096 + 22016 * 4096 + 4096 * 11008)
     extras = 32 * (8 * (12288 + 4096 + 22016 + 4096) + 4 * (4096 + 4096 + 4096 + 11008))
     assert (linear, extras) == (6476005376, 13860864)
-    assert weight_bytes(LLAMA2_7B, "float16", quantization="int8") == 2 * (6738415616 - linear) + linear + extras
+    assert (
+        weight_bytes(LLAMA2_7B, "float16", quantization="int8")
+        == 2 * (6738415616 - linear) + linear + extras
+    )
     # Activations: the bf16/fp16 buffers as before, plus each token's quantized input (at most the
     # intermediate size, 11,008 bytes) and its fp32 scale.
-    assert (activation_bytes(LLAMA2_7B, 2048, 256, "float16", "int8")
-            == activation_bytes(LLAMA2_7B, 2048, 256, "float16") + 2048 * (11008 + 4))
+    assert activation_bytes(LLAMA2_7B, 2048, 256, "float16", "int8") == activation_bytes(
+        LLAMA2_7B, 2048, 256, "float16"
+    ) + 2048 * (11008 + 4)
     with pytest.raises(ValueError, match="unknown quantization"):
         weight_bytes(LLAMA2_7B, "float16", quantization="int4")
 
@@ -101,8 +152,13 @@ def test_activation_bytes_by_hand():
 def test_plan_memory_block_arithmetic_by_hand():
     weights, activations, per_block = 2 * 6738415616, 301465600, 16 * 524288
     budget = weights + activations + 100 * per_block + 12345
-    ledger = plan_memory(LLAMA2_7B, memory_budget_bytes=budget, weight_dtype="float16",
-                         kv_dtype="float16", context_len=500)
+    ledger = plan_memory(
+        LLAMA2_7B,
+        memory_budget_bytes=budget,
+        weight_dtype="float16",
+        kv_dtype="float16",
+        context_len=500,
+    )
     assert ledger.weight_bytes == weights and ledger.activation_bytes == activations
     assert ledger.kv_bytes_per_block == per_block == 8 * MiB
     assert ledger.num_kv_blocks == 100  # the pool, padding block 0 included
@@ -114,7 +170,9 @@ def test_plan_memory_block_arithmetic_by_hand():
 
 
 def test_plan_memory_defaults_context_to_model_max():
-    ledger = plan_memory(LLAMA2_7B, memory_budget_bytes=80 * GiB, weight_dtype="float16", kv_dtype="float16")
+    ledger = plan_memory(
+        LLAMA2_7B, memory_budget_bytes=80 * GiB, weight_dtype="float16", kv_dtype="float16"
+    )
     assert ledger.context_len == 4096
     assert ledger.max_concurrent_requests == ledger.num_usable_kv_blocks // 256
     assert 0 <= ledger.headroom_bytes < ledger.kv_bytes_per_block
@@ -122,32 +180,61 @@ def test_plan_memory_defaults_context_to_model_max():
 
 def test_insufficient_memory_boundary():
     minimum = 2 * 6738415616 + 301465600 + 2 * 8 * MiB
-    ledger = plan_memory(LLAMA2_7B, memory_budget_bytes=minimum, weight_dtype="float16", kv_dtype="float16")
-    assert ledger.num_kv_blocks == 2 and ledger.num_kv_tokens == 16 and ledger.max_concurrent_requests == 0
+    ledger = plan_memory(
+        LLAMA2_7B, memory_budget_bytes=minimum, weight_dtype="float16", kv_dtype="float16"
+    )
+    assert (
+        ledger.num_kv_blocks == 2
+        and ledger.num_kv_tokens == 16
+        and ledger.max_concurrent_requests == 0
+    )
     with pytest.raises(InsufficientMemoryError, match=f"below the minimum .*{minimum} B") as info:
-        plan_memory(LLAMA2_7B, memory_budget_bytes=minimum - 1, weight_dtype="float16", kv_dtype="float16")
+        plan_memory(
+            LLAMA2_7B, memory_budget_bytes=minimum - 1, weight_dtype="float16", kv_dtype="float16"
+        )
     assert isinstance(info.value, ValueError)
     assert "weights 12.55 GiB" in str(info.value)
 
 
 def test_plan_memory_rejects_bad_arguments():
     kwargs = dict(memory_budget_bytes=80 * GiB, weight_dtype="float16", kv_dtype="float16")
-    for bad in (dict(block_size=0), dict(context_len=0), dict(max_num_seqs=0), dict(kv_dtype="int4")):
+    for bad in (
+        dict(block_size=0),
+        dict(context_len=0),
+        dict(max_num_seqs=0),
+        dict(kv_dtype="int4"),
+    ):
         with pytest.raises(ValueError):
             plan_memory(LLAMA2_7B, **{**kwargs, **bad})
 
 
 def test_format_ledger_table():
-    ledger = plan_memory(LLAMA2_7B, memory_budget_bytes=80 * GiB, weight_dtype="float16",
-                         kv_dtype="float16", context_len=2048)
+    ledger = plan_memory(
+        LLAMA2_7B,
+        memory_budget_bytes=80 * GiB,
+        weight_dtype="float16",
+        kv_dtype="float16",
+        context_len=2048,
+    )
     text = format_ledger(ledger, LLAMA2_7B)
-    for label in ("weights", "activations", "kv per token", "kv per block", "kv blocks", "kv tokens",
-                  "concurrent requests", "budget", "headroom"):
+    for label in (
+        "weights",
+        "activations",
+        "kv per token",
+        "kv per block",
+        "kv blocks",
+        "kv tokens",
+        "concurrent requests",
+        "budget",
+        "headroom",
+    ):
         assert label in text
     assert "512 KiB" in text and "8 MiB" in text and f"{ledger.num_kv_blocks:,}" in text
     width = len("concurrent requests") + 2  # the longest label and two spaces
     for line in text.splitlines():
-        assert line[width - 2:width] == "  " and line[width] != " ", line  # one aligned value column
+        assert line[width - 2 : width] == "  " and line[width] != " ", (
+            line
+        )  # one aligned value column
 
 
 def test_dtype_table():
@@ -155,13 +242,23 @@ def test_dtype_table():
 
 
 def test_known_configs_and_aliases():
-    assert set(KNOWN_CONFIGS) == {"llama-2-7b", "llama-2-13b", "llama-3-8b", "llama-3-70b", "mistral-7b",
-                                  "smollm2-135m"}
+    assert set(KNOWN_CONFIGS) == {
+        "llama-2-7b",
+        "llama-2-13b",
+        "llama-3-8b",
+        "llama-3-70b",
+        "mistral-7b",
+        "smollm2-135m",
+    }
     assert resolve_config("LLaMA-3-8B") is KNOWN_CONFIGS["llama-3-8b"]
     assert resolve_config("meta-llama/Meta-Llama-3-8B") is KNOWN_CONFIGS["llama-3-8b"]
     assert resolve_model("llama-2-7b").num_params is None
     mistral = KNOWN_CONFIGS["mistral-7b"]
-    assert (mistral.rope_theta, mistral.max_position_embeddings, mistral.num_kv_heads) == (1e6, 32768, 8)
+    assert (mistral.rope_theta, mistral.max_position_embeddings, mistral.num_kv_heads) == (
+        1e6,
+        32768,
+        8,
+    )
 
 
 def test_resolve_missing_path_names_it(tmp_path):
@@ -181,20 +278,39 @@ def test_resolve_missing_path_names_it(tmp_path):
 
 
 def _write_safetensors(path, shapes):
-    header = {name: {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]} for name, shape in shapes.items()}
+    header = {
+        name: {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}
+        for name, shape in shapes.items()
+    }
     header["__metadata__"] = {"format": "pt"}
     raw = json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(raw)) + raw)
 
 
 def test_resolve_hf_directory_counts_tensors(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_position_embeddings": 256, "tie_word_embeddings": True}))
-    _write_safetensors(tmp_path / "model.safetensors", {
-        "model.embed_tokens.weight": [100, 64], "model.norm.weight": [64],
-        "model.layers.0.self_attn.rotary_emb.inv_freq": [8]})
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "vocab_size": 100,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 256,
+                "tie_word_embeddings": True,
+            }
+        )
+    )
+    _write_safetensors(
+        tmp_path / "model.safetensors",
+        {
+            "model.embed_tokens.weight": [100, 64],
+            "model.norm.weight": [64],
+            "model.layers.0.self_attn.rotary_emb.inv_freq": [8],
+        },
+    )
     model = resolve_model(str(tmp_path))
     assert model.config.num_kv_heads == 2 and model.config.head_dim == 16
     assert model.config.name == tmp_path.name

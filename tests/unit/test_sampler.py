@@ -4,7 +4,12 @@ import pytest
 import torch
 
 from shared.engine.sampler import (
-    SamplingBatch, apply_min_p, apply_penalties, apply_top_k_top_p, make_generator, pad_token_ids,
+    SamplingBatch,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    make_generator,
+    pad_token_ids,
     sample,
 )
 from shared.wire.sampling_params import SamplingParams
@@ -19,8 +24,9 @@ def device(request) -> str:
 
 def build(params, device, vocab, prompts=None, outputs=None, gens=None) -> SamplingBatch:
     n = len(params)
-    return SamplingBatch.build(params, prompts or [[]] * n, outputs or [[]] * n,
-                               gens or [None] * n, vocab, device)
+    return SamplingBatch.build(
+        params, prompts or [[]] * n, outputs or [[]] * n, gens or [None] * n, vocab, device
+    )
 
 
 def logits_for(probs: list[float], device) -> torch.Tensor:
@@ -34,21 +40,29 @@ def test_greedy_is_argmax_and_builds_no_tensors(device):
     out = sample(logits, batch)
     assert out.sampled_token_ids == logits.argmax(-1).tolist()
     assert out.logprobs == [None] * 6
-    assert sample(logits.bfloat16(), batch).sampled_token_ids == logits.bfloat16().argmax(-1).tolist()
+    assert (
+        sample(logits.bfloat16(), batch).sampled_token_ids == logits.bfloat16().argmax(-1).tolist()
+    )
 
 
 def test_greedy_rows_in_a_mixed_batch_are_argmax(device):
     torch.manual_seed(0)
     logits = torch.randn(4, 50, device=device)
-    params = [SamplingParams(temperature=0.0), SamplingParams(), SamplingParams(temperature=0.0),
-              SamplingParams(top_k=3)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(),
+        SamplingParams(temperature=0.0),
+        SamplingParams(top_k=3),
+    ]
     out = sample(logits, build(params, device, 50)).sampled_token_ids
     argmax = logits.argmax(-1).tolist()
     assert out[0] == argmax[0] and out[2] == argmax[2]
 
 
-@pytest.mark.parametrize("params", [SamplingParams(top_k=1), SamplingParams(top_p=1e-6),
-                                    SamplingParams(top_k=1, temperature=5.0)])
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(top_k=1), SamplingParams(top_p=1e-6), SamplingParams(top_k=1, temperature=5.0)],
+)
 def test_top_k_1_and_tiny_top_p_equal_greedy(params, device):
     torch.manual_seed(1)
     logits = torch.randn(16, 200, device=device)
@@ -126,16 +140,19 @@ def test_penalties_against_hand_computed_logits(device):
     f = lambda *v: torch.tensor(v, device=device)  # noqa: E731
     out = apply_penalties(logits, prompt, output, f(2.0, 1.0), f(0.5, 0.0), f(0.25, 0.0))
     # row 0: seen {0,1,2,3}: 2/2, -1*2, 0.5/2 - 2*0.25 - 0.5, -0.5*2 - 0.25 - 0.5; 4, 5 untouched.
-    expected = torch.tensor([[1.0, -2.0, -0.75, -1.75, 3.0, 1.0],
-                             [2.0, -1.0, 0.5, -0.5, 3.0, 1.0]], device=device)
+    expected = torch.tensor(
+        [[1.0, -2.0, -0.75, -1.75, 3.0, 1.0], [2.0, -1.0, 0.5, -0.5, 3.0, 1.0]], device=device
+    )
     assert torch.allclose(out, expected)
 
 
 def test_penalties_change_greedy_choice_through_the_batch(device):
     logits = torch.tensor([[3.0, 2.5, 2.0, 0.0]] * 3, device=device)
-    params = [SamplingParams(temperature=0.0, repetition_penalty=2.0),
-              SamplingParams(temperature=0.0, frequency_penalty=2.0),
-              SamplingParams(temperature=0.0)]
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=2.0),
+        SamplingParams(temperature=0.0, frequency_penalty=2.0),
+        SamplingParams(temperature=0.0),
+    ]
     batch = build(params, device, 4, prompts=[[0], [0], [0]], outputs=[[1], [0], [0]])
     # only rows with a repetition penalty carry prompt ids; rows with no penalty carry nothing
     assert batch.penalties.prompt_token_ids.tolist() == [[0], [4], [4]]
@@ -143,9 +160,16 @@ def test_penalties_change_greedy_choice_through_the_batch(device):
     assert sample(logits, batch).sampled_token_ids == [2, 1, 0]
 
 
-def seeded_run(device, target: SamplingParams, vocab: int, steps: int, row: int,
-               others: list[SamplingParams], other_seeds: list[int | None],
-               global_seed: int) -> list[int]:
+def seeded_run(
+    device,
+    target: SamplingParams,
+    vocab: int,
+    steps: int,
+    row: int,
+    others: list[SamplingParams],
+    other_seeds: list[int | None],
+    global_seed: int,
+) -> list[int]:
     """Tokens of one seeded request placed at `row` among `others`, over `steps` decode steps."""
     params = others[:row] + [target] + others[row:]
     seeds = other_seeds[:row] + [1234] + other_seeds[row:]
@@ -162,13 +186,19 @@ def seeded_run(device, target: SamplingParams, vocab: int, steps: int, row: int,
     return tokens
 
 
-@pytest.mark.parametrize("target", [SamplingParams(seed=1234),
-                                    SamplingParams(seed=1234, temperature=0.9, top_k=40, top_p=0.95)])
+@pytest.mark.parametrize(
+    "target",
+    [SamplingParams(seed=1234), SamplingParams(seed=1234, temperature=0.9, top_k=40, top_p=0.95)],
+)
 def test_seeded_request_is_independent_of_batch_and_row(target, device):
     vocab, steps = 64, 12
     alone = seeded_run(device, target, vocab, steps, 0, [], [], global_seed=0)
-    others = [SamplingParams(), SamplingParams(seed=7), SamplingParams(temperature=0.0),
-              SamplingParams(top_p=0.5, min_p=0.1, repetition_penalty=1.3)]
+    others = [
+        SamplingParams(),
+        SamplingParams(seed=7),
+        SamplingParams(temperature=0.0),
+        SamplingParams(top_p=0.5, min_p=0.1, repetition_penalty=1.3),
+    ]
     row0 = seeded_run(device, target, vocab, steps, 0, others, [None, 7, None, None], global_seed=1)
     row3 = seeded_run(device, target, vocab, steps, 3, others, [None, 7, 3, 11], global_seed=2)
     assert alone == row0 == row3
@@ -188,10 +218,12 @@ def test_unseeded_rows_follow_the_global_rng(device):
 def test_logprobs_come_from_raw_logits(device):
     torch.manual_seed(4)
     logits = torch.randn(4, 40, device=device)
-    params = [SamplingParams(logprobs=5, temperature=0.5, repetition_penalty=1.5),
-              SamplingParams(logprobs=0, temperature=0.0),
-              SamplingParams(),
-              SamplingParams(logprobs=20, top_k=10, presence_penalty=1.0)]
+    params = [
+        SamplingParams(logprobs=5, temperature=0.5, repetition_penalty=1.5),
+        SamplingParams(logprobs=0, temperature=0.0),
+        SamplingParams(),
+        SamplingParams(logprobs=20, top_k=10, presence_penalty=1.0),
+    ]
     batch = build(params, device, 40, prompts=[[1, 2, 3]] * 4, outputs=[[4, 5]] * 4)
     out = sample(logits, batch)
     raw = torch.log_softmax(logits.float(), -1).cpu()

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 from shared.engine.block_manager import BlockManager
-from shared.wire.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import Request, Sequence, SequenceStatus
+from shared.wire.sampling_params import SamplingParams
 
 
-def make_seq(rid: str, prompt_len: int, *, priority: int = 0, order: int = 0, first_token: int = 0) -> Sequence:
+def make_seq(
+    rid: str, prompt_len: int, *, priority: int = 0, order: int = 0, first_token: int = 0
+) -> Sequence:
     ids = [first_token + i for i in range(prompt_len)]
-    req = Request(request_id=rid, prompt_token_ids=ids, params=SamplingParams(), priority=priority,
-                  arrival_order=order, max_tokens=100)
+    req = Request(
+        request_id=rid,
+        prompt_token_ids=ids,
+        params=SamplingParams(),
+        priority=priority,
+        arrival_order=order,
+        max_tokens=100,
+    )
     seq = Sequence(request=req, index=0, token_ids=list(ids))
     req.sequences.append(seq)
     return seq
@@ -37,8 +45,12 @@ def test_long_prompt_is_chunked_and_never_starves_running_decodes():
     sched.add(long)
     steps = [run_step(sched) for _ in range(4)]
     # The decode gets its token every step; the prompt takes what remains of the budget.
-    assert steps == [{"short": 1, "long": 15}, {"short": 1, "long": 15}, {"short": 1, "long": 15},
-                     {"short": 1, "long": 5}]
+    assert steps == [
+        {"short": 1, "long": 15},
+        {"short": 1, "long": 15},
+        {"short": 1, "long": 15},
+        {"short": 1, "long": 5},
+    ]
     assert long.num_computed_tokens == 50 and len(long.token_ids) == 51
     assert run_step(sched) == {"short": 1, "long": 1}
 
@@ -61,8 +73,14 @@ def test_waiting_queue_is_priority_then_fcfs():
 
 def test_out_of_blocks_preempts_the_lowest_priority_latest_sequence():
     # 6 usable blocks of 4 tokens; three 8-token prompts take all of them.
-    sched = Scheduler(BlockManager(7, 4, enable_prefix_caching=False), max_num_batched_tokens=64, max_num_seqs=8)
-    a, b, c = make_seq("a", 8, order=0), make_seq("b", 8, order=1, first_token=20), make_seq("c", 8, order=2, first_token=40)
+    sched = Scheduler(
+        BlockManager(7, 4, enable_prefix_caching=False), max_num_batched_tokens=64, max_num_seqs=8
+    )
+    a, b, c = (
+        make_seq("a", 8, order=0),
+        make_seq("b", 8, order=1, first_token=20),
+        make_seq("c", 8, order=2, first_token=40),
+    )
     for s in (a, b, c):
         sched.add(s)
     assert run_step(sched) == {"a": 8, "b": 8, "c": 8}
@@ -75,13 +93,15 @@ def test_out_of_blocks_preempts_the_lowest_priority_latest_sequence():
 
 
 def test_preempted_sequence_resumes_when_blocks_return():
-    sched = Scheduler(BlockManager(7, 4, enable_prefix_caching=False), max_num_batched_tokens=64, max_num_seqs=8)
+    sched = Scheduler(
+        BlockManager(7, 4, enable_prefix_caching=False), max_num_batched_tokens=64, max_num_seqs=8
+    )
     a, c = make_seq("a", 8), make_seq("c", 16, order=1, first_token=40)
     sched.add(a)
     sched.add(c)
-    run_step(sched)          # a: 2 blocks, c: 4 blocks — the pool is full
-    run_step(sched)          # a needs a third block: c is preempted
+    run_step(sched)  # a: 2 blocks, c: 4 blocks — the pool is full
+    run_step(sched)  # a needs a third block: c is preempted
     assert c.status is SequenceStatus.WAITING
-    sched.remove(a)          # a finishes
+    sched.remove(a)  # a finishes
     assert run_step(sched) == {"c": 17}  # recompute prompt + its one output token
     assert c.num_computed_tokens == 17

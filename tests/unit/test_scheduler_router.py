@@ -7,24 +7,66 @@ from __future__ import annotations
 import pytest
 
 from services.scheduler.router import Dispatch, Fail, Router, RouterConfig
-from shared.wire.messages import EngineStats, ExecutorHeartbeat, RequestProgress, SamplingParams, TokenizedRequest
+from shared.wire.messages import (
+    EngineStats,
+    ExecutorHeartbeat,
+    RequestProgress,
+    SamplingParams,
+    TokenizedRequest,
+)
 
 
-def hb(executor_id: str, *, epoch: str = "e1", free: int = 100, max_num_seqs: int = 2,
-       draining: bool = False, role: str = "both", model: str = "m") -> ExecutorHeartbeat:
-    stats = EngineStats(num_running=0, num_waiting=0, num_total_blocks=100, num_free_blocks=free,
-                        kv_cache_usage=0.0, prefix_cache_queries_tokens=0, prefix_cache_hits_tokens=0,
-                        num_preemptions=0, num_prompt_tokens=0, num_computed_tokens=0,
-                        num_generated_tokens=0, num_steps=0, last_step_num_tokens=0)
-    return ExecutorHeartbeat(executor_id=executor_id, epoch=epoch, role=role, model=model, max_model_len=2048,
-                             block_size=16, stats=stats, sent_at=0.0, max_num_seqs=max_num_seqs,
-                             draining=draining)
+def hb(
+    executor_id: str,
+    *,
+    epoch: str = "e1",
+    free: int = 100,
+    max_num_seqs: int = 2,
+    draining: bool = False,
+    role: str = "both",
+    model: str = "m",
+) -> ExecutorHeartbeat:
+    stats = EngineStats(
+        num_running=0,
+        num_waiting=0,
+        num_total_blocks=100,
+        num_free_blocks=free,
+        kv_cache_usage=0.0,
+        prefix_cache_queries_tokens=0,
+        prefix_cache_hits_tokens=0,
+        num_preemptions=0,
+        num_prompt_tokens=0,
+        num_computed_tokens=0,
+        num_generated_tokens=0,
+        num_steps=0,
+        last_step_num_tokens=0,
+    )
+    return ExecutorHeartbeat(
+        executor_id=executor_id,
+        epoch=epoch,
+        role=role,
+        model=model,
+        max_model_len=2048,
+        block_size=16,
+        stats=stats,
+        sent_at=0.0,
+        max_num_seqs=max_num_seqs,
+        draining=draining,
+    )
 
 
-def req(rid: str, *, priority: int = 0, n: int = 1, deadline: float | None = None,
-        model: str = "m") -> TokenizedRequest:
-    return TokenizedRequest(request_id=rid, model=model, prompt_token_ids=[1, 2, 3], block_hashes=[7],
-                            params=SamplingParams(n=n, max_tokens=4), priority=priority, deadline=deadline)
+def req(
+    rid: str, *, priority: int = 0, n: int = 1, deadline: float | None = None, model: str = "m"
+) -> TokenizedRequest:
+    return TokenizedRequest(
+        request_id=rid,
+        model=model,
+        prompt_token_ids=[1, 2, 3],
+        block_hashes=[7],
+        params=SamplingParams(n=n, max_tokens=4),
+        priority=priority,
+        deadline=deadline,
+    )
 
 
 def progress(rid: str, executor_id: str, state: str) -> RequestProgress:
@@ -32,8 +74,12 @@ def progress(rid: str, executor_id: str, state: str) -> RequestProgress:
 
 
 def make(now: float = 0.0, **kw) -> Router:
-    return Router(RouterConfig(**{"max_queue_len": 2, "heartbeat_timeout_s": 2.0,
-                                  "no_executor_timeout_s": 5.0, **kw}), now)
+    return Router(
+        RouterConfig(
+            **{"max_queue_len": 2, "heartbeat_timeout_s": 2.0, "no_executor_timeout_s": 5.0, **kw}
+        ),
+        now,
+    )
 
 
 def dispatched(actions) -> list[tuple[str, str]]:
@@ -48,8 +94,8 @@ def test_least_loaded_then_most_free_blocks():
     r = make()
     r.on_heartbeat(hb("a", free=10), 0)
     r.on_heartbeat(hb("b", free=50), 0)
-    assert dispatched(r.submit(req("1"), 0, 0)) == [("b", "1")]   # tie on load: more free blocks
-    assert dispatched(r.submit(req("2"), 0, 0)) == [("a", "2")]   # b has one in flight now
+    assert dispatched(r.submit(req("1"), 0, 0)) == [("b", "1")]  # tie on load: more free blocks
+    assert dispatched(r.submit(req("2"), 0, 0)) == [("a", "2")]  # b has one in flight now
     assert dispatched(r.submit(req("3"), 0, 0)) == [("b", "3")]
     # Load is counted from routing, before any heartbeat reflects it.
     assert {e.executor_id: e.num_in_flight for e in r.status(0).executors} == {"a": 1, "b": 2}
@@ -75,7 +121,7 @@ def test_routes_only_to_executors_serving_the_model():
     # a stops reporting: queued "m" requests get 503 after the grace period, "other" keeps serving.
     assert r.submit(req("7"), 1, 1) == []
     r.on_heartbeat(hb("b", model="other"), 4)
-    r.tick(4, 4)                     # a is gone (silent > 2 s); its started-or-not requests fail over
+    r.tick(4, 4)  # a is gone (silent > 2 s); its started-or-not requests fail over
     r.on_heartbeat(hb("b", model="other"), 9)
     assert ("7", 503) in failed(r.tick(9.5, 9.5))
     assert dispatched(r.on_progress(progress("2", "b", "finished"), 9.5)) == []
@@ -87,7 +133,7 @@ def test_cap_queue_bound_429_and_drain_on_finish():
     r.on_heartbeat(hb("a", max_num_seqs=2), 0)
     assert dispatched(r.submit(req("1"), 0, 0)) == [("a", "1")]
     assert dispatched(r.submit(req("2"), 0, 0)) == [("a", "2")]
-    assert r.submit(req("3"), 0, 0) == [] and r.submit(req("4"), 0, 0) == []   # queued (max 2)
+    assert r.submit(req("3"), 0, 0) == [] and r.submit(req("4"), 0, 0) == []  # queued (max 2)
     out = r.submit(req("5"), 0, 0)
     assert failed(out) == [("5", 429)]
     assert out[0].error.retry_after_s == 1.0 and "max_queue_len=2" in out[0].error.message
@@ -104,7 +150,10 @@ def test_priority_orders_the_queue_and_n_weighs():
     assert dispatched(r.submit(req("big", n=4), 0, 0)) == [("a", "big")]
     r.submit(req("low", priority=5), 0, 0)
     r.submit(req("high", priority=-1), 0, 0)
-    assert dispatched(r.on_progress(progress("big", "a", "finished"), 0)) == [("a", "high"), ("a", "low")]
+    assert dispatched(r.on_progress(progress("big", "a", "finished"), 0)) == [
+        ("a", "high"),
+        ("a", "low"),
+    ]
 
 
 def test_idle_executor_takes_a_request_heavier_than_its_cap():
@@ -115,7 +164,7 @@ def test_idle_executor_takes_a_request_heavier_than_its_cap():
 
 def test_no_executor_queues_during_grace_then_503():
     r = make(now=0.0)
-    assert r.submit(req("1"), 1.0, 0) == []                  # executors may still be loading
+    assert r.submit(req("1"), 1.0, 0) == []  # executors may still be loading
     assert failed(r.tick(4.0, 0)) == []
     assert failed(r.tick(5.5, 0)) == [("1", 503)]
     out = r.submit(req("2"), 6.0, 0)
@@ -138,7 +187,7 @@ def test_dead_executor_reroutes_unstarted_and_fails_started():
     r.submit(req("routed"), 0, 0)
     r.on_progress(progress("started", "a", "started"), 0)
     r.on_heartbeat(hb("b", max_num_seqs=8), 2.5)
-    out = r.tick(2.5, 0)                                      # a silent for 2.5 s > 2 s
+    out = r.tick(2.5, 0)  # a silent for 2.5 s > 2 s
     assert failed(out) == [("started", 502)]
     assert "executor a" in out[0].error.message
     assert dispatched(out) == [("b", "routed")]
@@ -155,8 +204,8 @@ def test_reroute_gives_up_after_max_attempts():
     r.on_heartbeat(hb("a"), 0)
     r.submit(req("1"), 0, 0)
     r.on_heartbeat(hb("b"), 2.5)
-    assert dispatched(r.tick(2.5, 0)) == [("b", "1")]        # attempt 1
-    assert failed(r.tick(5.0, 0)) == [("1", 503)]           # b silent too: attempts exhausted
+    assert dispatched(r.tick(2.5, 0)) == [("b", "1")]  # attempt 1
+    assert failed(r.tick(5.0, 0)) == [("1", 503)]  # b silent too: attempts exhausted
 
 
 def test_restarted_executor_new_epoch_loses_its_requests():
@@ -167,7 +216,7 @@ def test_restarted_executor_new_epoch_loses_its_requests():
     r.on_progress(progress("1", "a", "started"), 0)
     out = r.on_heartbeat(hb("a", epoch="e2"), 1.0)
     assert failed(out) == [("1", 502)]
-    assert dispatched(out) == [("a", "2")]                   # re-routed to the restarted process
+    assert dispatched(out) == [("a", "2")]  # re-routed to the restarted process
     assert r.status(1.0).executors[0].num_in_flight == 1
 
 
@@ -189,7 +238,7 @@ def test_abort_drops_queued_and_keeps_aborted_in_flight_from_failover():
     assert dispatched(r.on_progress(progress("1", "a", "finished"), 0)) == [("a", "3")]
     r.abort("3", 0)
     r.on_heartbeat(hb("b"), 2.5)
-    assert r.tick(2.5, 0) == []                              # aborted: neither re-routed nor failed
+    assert r.tick(2.5, 0) == []  # aborted: neither re-routed nor failed
 
 
 def test_deadlines_and_duplicate_submit():
@@ -199,7 +248,7 @@ def test_deadlines_and_duplicate_submit():
     assert failed(r.tick(1.0, wall_time=21.0)) == [("q", 504)]
     r.on_heartbeat(hb("a"), 1.0)
     assert dispatched(r.submit(req("x"), 1.0, 0)) == [("a", "x")]
-    assert r.submit(req("x"), 1.0, 0) == []                  # redelivered: not routed twice
+    assert r.submit(req("x"), 1.0, 0) == []  # redelivered: not routed twice
 
 
 def test_config_validation():

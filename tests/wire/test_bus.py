@@ -7,15 +7,18 @@ import asyncio
 
 import pytest
 
-from shared.wire.bus import Bus, BusError, BusNoResponders, BusTimeout
 from services.cli.servers import start_nats
+from shared.wire.bus import Bus, BusError, BusNoResponders, BusTimeout
 
 SUBJECT = "test.bus.a"
 
 
 def test_publish_subscribe_in_order(nats_url):
     async def main() -> None:
-        async with await Bus.connect(nats_url, "sub") as sub_bus, await Bus.connect(nats_url, "pub") as pub_bus:
+        async with (
+            await Bus.connect(nats_url, "sub") as sub_bus,
+            await Bus.connect(nats_url, "pub") as pub_bus,
+        ):
             got: list[bytes] = []
             done = asyncio.Event()
 
@@ -27,7 +30,9 @@ def test_publish_subscribe_in_order(nats_url):
             await sub_bus.subscribe(SUBJECT + ".order", handler)
             await sub_bus.flush()
             for i in range(100):
-                await pub_bus.publish(SUBJECT + ".order", str(i).encode(), headers={"traceparent": "x"})
+                await pub_bus.publish(
+                    SUBJECT + ".order", str(i).encode(), headers={"traceparent": "x"}
+                )
             await asyncio.wait_for(done.wait(), 5)
             assert got == [str(i).encode() for i in range(100)]
 
@@ -46,6 +51,7 @@ def test_queue_group_delivers_each_message_once(nats_url):
                 counts[i] += 1
                 if sum(counts) == 60:
                     total.set()
+
             return handler
 
         for i, b in enumerate(buses):
@@ -65,7 +71,11 @@ def test_queue_group_delivers_each_message_once(nats_url):
 
 def test_request_reply_timeout_and_no_responders(nats_url):
     async def main() -> None:
-        async with await Bus.connect(nats_url, "srv") as srv, await Bus.connect(nats_url, "cli") as cli:
+        async with (
+            await Bus.connect(nats_url, "srv") as srv,
+            await Bus.connect(nats_url, "cli") as cli,
+        ):
+
             async def echo(msg) -> None:
                 await msg.respond(b"re:" + msg.data)
 
@@ -88,13 +98,17 @@ def test_flush_pings_only_after_earlier_subscriptions_are_on_the_wire(nats_url):
     """flush() promises that the server has seen every SUB sent before it. nats-py queues SUB for
     its flusher task but writes flush()'s PING straight to the socket, so without care the PING
     overtakes the SUBs and another connection's request can still find no responders."""
+
     async def main() -> None:
         async with await Bus.connect(nats_url, "srv") as srv:
             transport = srv._nc._transport
             wire: list[bytes] = []
             write, writelines = transport.write, transport.writelines
             transport.write = lambda data: (wire.append(bytes(data)), write(data))[1]
-            transport.writelines = lambda datas: (wire.extend(bytes(d) for d in datas), writelines(datas))[1]
+            transport.writelines = lambda datas: (
+                wire.extend(bytes(d) for d in datas),
+                writelines(datas),
+            )[1]
 
             async def handler(msg) -> None:
                 pass
@@ -103,8 +117,11 @@ def test_flush_pings_only_after_earlier_subscriptions_are_on_the_wire(nats_url):
             await srv.subscribe(SUBJECT + ".wire.b", handler)
             await srv.flush()
             sent = b"".join(wire)
-            assert sent.index(b"SUB test.bus.a.wire.a ") < sent.index(b"SUB test.bus.a.wire.b ") \
+            assert (
+                sent.index(b"SUB test.bus.a.wire.a ")
+                < sent.index(b"SUB test.bus.a.wire.b ")
                 < sent.index(b"PING\r\n")
+            )
 
     asyncio.run(main())
 
@@ -158,7 +175,9 @@ def test_max_payload_is_raised_and_enforced():
         async with await Bus.connect(server.url, "b") as bus:
             assert bus.max_payload == 2 * 1024 * 1024
             async with await bus.subscribe_iter(SUBJECT + ".big") as sub:
-                await bus.publish(SUBJECT + ".big", b"x" * (1024 * 1024 + 5))  # over nats' 1 MiB default
+                await bus.publish(
+                    SUBJECT + ".big", b"x" * (1024 * 1024 + 5)
+                )  # over nats' 1 MiB default
                 assert len((await sub.next(5)).data) == 1024 * 1024 + 5
             with pytest.raises(BusError, match="max_payload"):
                 await bus.publish(SUBJECT + ".big", b"x" * (3 * 1024 * 1024))

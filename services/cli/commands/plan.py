@@ -15,21 +15,40 @@ KV_DTYPES = ("auto", "float16", "bfloat16", "float32", "int8", "fp8")
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
-        "plan", help="show how a memory budget splits into weights, activations and KV cache",
-        description="Show how a memory budget splits into weights, activations and KV cache blocks.")
-    parser.add_argument("--model", default=None,
-                        help="known model name (e.g. llama-3-8b), .gguf file or Hugging Face directory; "
-                             "default: the bundled SmolLM2-135M-Instruct GGUF")
+        "plan",
+        help="show how a memory budget splits into weights, activations and KV cache",
+        description="Show how a memory budget splits into weights, activations and KV cache blocks.",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="known model name (e.g. llama-3-8b), .gguf file or Hugging Face directory; "
+        "default: the bundled SmolLM2-135M-Instruct GGUF",
+    )
     parser.add_argument("--memory", required=True, help="memory budget, e.g. 80GiB, 24GB, 512MiB")
-    parser.add_argument("--context", type=int, default=None,
-                        help="context length per request (default: the model's maximum)")
-    parser.add_argument("--dtype", choices=WEIGHT_DTYPES, default="float16", help="weight and activation dtype")
-    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
-                        help="KV cache dtype (auto: --dtype; int8: the engine's int8 cache, a 4-byte scale "
-                             "per token and KV head included)")
-    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help=QUANTIZATION_HELP)
+    parser.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="context length per request (default: the model's maximum)",
+    )
+    parser.add_argument(
+        "--dtype", choices=WEIGHT_DTYPES, default="float16", help="weight and activation dtype"
+    )
+    parser.add_argument(
+        "--kv-dtype",
+        choices=KV_DTYPES,
+        default="auto",
+        help="KV cache dtype (auto: --dtype; int8: the engine's int8 cache, a 4-byte scale "
+        "per token and KV head included)",
+    )
+    parser.add_argument(
+        "--quantization", choices=QUANTIZATIONS, default=None, help=QUANTIZATION_HELP
+    )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="token budget of one step"
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one step")
     parser.add_argument("--json", action="store_true", help="print the ledger as JSON")
     parser.set_defaults(func=run)

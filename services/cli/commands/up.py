@@ -17,25 +17,55 @@ from shared.engine.config import EngineConfig, add_engine_arguments
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "up", help="start the whole stack locally (NATS, Redis, every service) and serve HTTP",
+        "up",
+        help="start the whole stack locally (NATS, Redis, every service) and serve HTTP",
         description="Start nats-server and redis-server on free loopback ports (or use $NATS_URL / "
-                    "$REDIS_URL), then the executor, scheduler, tokenizer and gateway services, each "
-                    "as its own process. Ctrl-C drains and stops everything.")
-    p.add_argument("--model-name", default=None, help="name clients send as 'model' (default: the model's)")
+        "$REDIS_URL), then the executor, scheduler, tokenizer and gateway services, each "
+        "as its own process. Ctrl-C drains and stops everything.",
+    )
+    p.add_argument(
+        "--model-name", default=None, help="name clients send as 'model' (default: the model's)"
+    )
     p.add_argument("--host", default="127.0.0.1", help="HTTP host of the gateway")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port of the gateway (0: a free port)")
-    p.add_argument("--executors", type=int, default=1, help="executor processes (each loads the model)")
+    p.add_argument(
+        "--port", type=int, default=8000, help="HTTP port of the gateway (0: a free port)"
+    )
+    p.add_argument(
+        "--executors", type=int, default=1, help="executor processes (each loads the model)"
+    )
     p.add_argument("--tokenizers", type=int, default=1, help="tokenizer processes")
-    p.add_argument("--max-queue-len", type=int, default=256, help="waiting requests beyond this get 429")
-    p.add_argument("--api-key", default=env_str("LLMSERVE_API_KEY", None),
-                   help="require 'Authorization: Bearer <key>' (env LLMSERVE_API_KEY)")
-    p.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is aborted")
-    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the stack to be ready")
-    p.add_argument("--drain-timeout", type=float, default=5.0, help="seconds in-flight requests get on shutdown")
+    p.add_argument(
+        "--max-queue-len", type=int, default=256, help="waiting requests beyond this get 429"
+    )
+    p.add_argument(
+        "--api-key",
+        default=env_str("LLMSERVE_API_KEY", None),
+        help="require 'Authorization: Bearer <key>' (env LLMSERVE_API_KEY)",
+    )
+    p.add_argument(
+        "--request-timeout", type=float, default=None, help="seconds before a request is aborted"
+    )
+    p.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for the stack to be ready",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=5.0,
+        help="seconds in-flight requests get on shutdown",
+    )
     p.add_argument("--log-dir", default=None, help="write each service's log to <dir>/<name>.log")
     # Every executor's engine; num_threads None is resolved per executor by the launcher.
-    add_engine_arguments(p, SERVED_ENGINE_DEFAULTS, help={
-        "num_threads": "torch threads per executor (default: the cores divided among the executors)"})
+    add_engine_arguments(
+        p,
+        SERVED_ENGINE_DEFAULTS,
+        help={
+            "num_threads": "torch threads per executor (default: the cores divided among the executors)"
+        },
+    )
     p.set_defaults(func=run)
     return p
 
@@ -46,9 +76,11 @@ def _note(msg: str) -> None:
 
 def _curl_example(base_url: str, model: str, api_key: str | None) -> str:
     auth = f" \\\n    -H 'Authorization: Bearer {api_key}'" if api_key else ""
-    return (f"curl -N {base_url}/v1/chat/completions \\\n    -H 'Content-Type: application/json'{auth} \\\n"
-            f"    -d '{{\"model\": \"{model}\", \"stream\": true, \"max_tokens\": 32, "
-            f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'")
+    return (
+        f"curl -N {base_url}/v1/chat/completions \\\n    -H 'Content-Type: application/json'{auth} \\\n"
+        f'    -d \'{{"model": "{model}", "stream": true, "max_tokens": 32, '
+        f'"messages": [{{"role": "user", "content": "Hello!"}}]}}\''
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,12 +89,21 @@ def run(args: argparse.Namespace) -> int:
 
     engine = EngineConfig.from_args(args, EngineConfig.from_env(env_value, SERVED_ENGINE_DEFAULTS))
     config = StackConfig(
-        engine=engine, model_name=args.model_name, host=args.host, port=args.port,
-        num_executors=args.executors, num_tokenizers=args.tokenizers, max_queue_len=args.max_queue_len,
+        engine=engine,
+        model_name=args.model_name,
+        host=args.host,
+        port=args.port,
+        num_executors=args.executors,
+        num_tokenizers=args.tokenizers,
+        max_queue_len=args.max_queue_len,
         api_key=args.api_key,
-        request_timeout_s=args.request_timeout, nats_url=env_str("NATS_URL", None),
-        redis_url=env_str("REDIS_URL", None), log_dir=args.log_dir,
-        ready_timeout_s=args.ready_timeout, drain_timeout_s=args.drain_timeout)
+        request_timeout_s=args.request_timeout,
+        nats_url=env_str("NATS_URL", None),
+        redis_url=env_str("REDIS_URL", None),
+        log_dir=args.log_dir,
+        ready_timeout_s=args.ready_timeout,
+        drain_timeout_s=args.drain_timeout,
+    )
     if args.log_dir:
         os.makedirs(args.log_dir, exist_ok=True)
 
@@ -71,17 +112,23 @@ def run(args: argparse.Namespace) -> int:
     # nohup, some CI runners) inherits SIGINT as ignored, and Python then leaves it ignored.
     def on_stop_signal(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
+
     signal.signal(signal.SIGTERM, on_stop_signal)
     signal.signal(signal.SIGINT, on_stop_signal)
 
-    _note(f"starting {args.executors} executor(s) with {engine.model or 'the default model'}; "
-          f"the model loads in each executor (progress below)")
+    _note(
+        f"starting {args.executors} executor(s) with {engine.model or 'the default model'}; "
+        f"the model loads in each executor (progress below)"
+    )
     stack = None
     try:
         stack = launch(config, progress=_note)
         model = served_model_name(config)
-        print(f"\nllmserve is ready at {stack.base_url}  (Ctrl-C to stop)\n\n"
-              f"{_curl_example(stack.base_url, model, args.api_key)}\n", flush=True)
+        print(
+            f"\nllmserve is ready at {stack.base_url}  (Ctrl-C to stop)\n\n"
+            f"{_curl_example(stack.base_url, model, args.api_key)}\n",
+            flush=True,
+        )
         while True:
             time.sleep(0.5)
             stack.supervise(_note)

@@ -1,4 +1,4 @@
-from shared.engine.attention.metadata import AttentionMetadata
 from shared.engine.attention.backend import AttentionBackend, TorchAttentionBackend
+from shared.engine.attention.metadata import AttentionMetadata
 
-__all__ = ["AttentionMetadata", "AttentionBackend", "TorchAttentionBackend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "TorchAttentionBackend"]

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from shared.engine.attention.metadata import AttentionMetadata
 from shared.engine.kv_cache import dequantize_kv, quantize_kv
 
-
 # Query rows per score matrix in prefill: bounds its memory at ~(heads × 256 × context × 4 bytes).
 _QUERY_SLICE = 256
 
@@ -22,13 +21,13 @@ _QUERY_SLICE = 256
 class AttentionBackend(Protocol):
     def forward(
         self,
-        q: torch.Tensor,        # [num_tokens, num_heads * head_dim], RoPE applied
-        k: torch.Tensor,        # [num_tokens, num_kv_heads * head_dim], RoPE applied
-        v: torch.Tensor,        # [num_tokens, num_kv_heads * head_dim]
+        q: torch.Tensor,  # [num_tokens, num_heads * head_dim], RoPE applied
+        k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim], RoPE applied
+        v: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim (+ 4: int8, see kv_cache)]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:          # [num_tokens, num_heads * head_dim]
+    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         """Write k/v into their cache slots, then attend (see ``attend``)."""
         ...
 
@@ -51,8 +50,10 @@ class TorchAttentionBackend:
         self.group = num_heads // num_kv_heads
         self.scale = 1.0 / math.sqrt(head_dim)
         if ops is not None and not ops.attention_supports(num_heads, num_kv_heads, head_dim):
-            raise ValueError(f"the {ops.name} attention kernels do not cover {num_heads} heads, "
-                             f"{num_kv_heads} KV heads of {head_dim}")
+            raise ValueError(
+                f"the {ops.name} attention kernels do not cover {num_heads} heads, "
+                f"{num_kv_heads} KV heads of {head_dim}"
+            )
         self.ops = ops
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
@@ -73,9 +74,20 @@ class TorchAttentionBackend:
         if self.ops is not None and q.device.type == "cpu":
             # Every prefill chunk in one call, reading the cache in place (K/V were written first).
             prefill = self.ops.prefill_attention(
-                q[nd:].contiguous(), k_cache, v_cache, meta.block_tables[nd:], meta.prefill_query_start,
-                meta.prefill_seq_lens, self.num_heads, self.scale)
-            return torch.cat([self._decode(q[:nd], k_cache, v_cache, meta), prefill]) if nd else prefill
+                q[nd:].contiguous(),
+                k_cache,
+                v_cache,
+                meta.block_tables[nd:],
+                meta.prefill_query_start,
+                meta.prefill_seq_lens,
+                self.num_heads,
+                self.scale,
+            )
+            return (
+                torch.cat([self._decode(q[:nd], k_cache, v_cache, meta), prefill])
+                if nd
+                else prefill
+            )
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
@@ -94,14 +106,16 @@ class TorchAttentionBackend:
             out[start:end] = self._prefill(q[start:end], ki, vi, seq_len)
         return out
 
-    def _prefill(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_len: int) -> torch.Tensor:
+    def _prefill(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_len: int
+    ) -> torch.Tensor:
         """Causal attention of a chunk's queries (the last q_len positions of the sequence) over
         ``keys``/``values`` [kvh, seq_len, d]. Each KV head serves its group's query heads stacked
         as rows of one matmul, in fp32 (on CPU, bf16 SDPA is several times slower than this).
         Queries go in slices so the score matrix stays bounded for long contexts."""
         q_len = q.shape[0]
         kvh, d, g = self.num_kv_heads, self.head_dim, self.group
-        keys_t = keys.float().transpose(1, 2)     # [kvh, d, seq_len]
+        keys_t = keys.float().transpose(1, 2)  # [kvh, d, seq_len]
         values = values.float()
         out = torch.empty(q_len, kvh * g * d, dtype=q.dtype, device=q.device)
         key_pos = torch.arange(seq_len, device=q.device)
@@ -124,15 +138,26 @@ class TorchAttentionBackend:
         num_blocks = -(-seq_len // k_cache.shape[1])
         ids = block_table[:num_blocks]
         kvh = self.num_kv_heads
-        ki = _readable(k_cache[ids].view(-1, kvh, k_cache.shape[-1])[:seq_len], dtype).transpose(0, 1)
-        vi = _readable(v_cache[ids].view(-1, kvh, v_cache.shape[-1])[:seq_len], dtype).transpose(0, 1)
+        ki = _readable(k_cache[ids].view(-1, kvh, k_cache.shape[-1])[:seq_len], dtype).transpose(
+            0, 1
+        )
+        vi = _readable(v_cache[ids].view(-1, kvh, v_cache.shape[-1])[:seq_len], dtype).transpose(
+            0, 1
+        )
         return ki, vi
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         nd = q.shape[0]
         if self.ops is not None and q.device.type == "cpu":
-            return self.ops.decode_attention(q.contiguous(), k_cache, v_cache, meta.block_tables[:nd],
-                                                 meta.decode_seq_lens, self.num_heads, self.scale)
+            return self.ops.decode_attention(
+                q.contiguous(),
+                k_cache,
+                v_cache,
+                meta.block_tables[:nd],
+                meta.decode_seq_lens,
+                self.num_heads,
+                self.scale,
+            )
         return self._decode_gathered(q, k_cache, v_cache, meta)
 
     def _decode_gathered(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
@@ -144,12 +169,25 @@ class TorchAttentionBackend:
         kvh, d = self.num_kv_heads, self.head_dim
         max_len = meta.decode_mask.shape[-1]
         ids = meta.block_tables[:nd, : max_len // meta.block_size].reshape(-1)
-        keys = _readable(k_cache.index_select(0, ids), q.dtype).view(nd, max_len, kvh, d).transpose(1, 2)
-        values = _readable(v_cache.index_select(0, ids), q.dtype).view(nd, max_len, kvh, d).transpose(1, 2)
+        keys = (
+            _readable(k_cache.index_select(0, ids), q.dtype)
+            .view(nd, max_len, kvh, d)
+            .transpose(1, 2)
+        )
+        values = (
+            _readable(v_cache.index_select(0, ids), q.dtype)
+            .view(nd, max_len, kvh, d)
+            .transpose(1, 2)
+        )
         # The g query heads of a KV head go in as g query rows over that head's keys: plain SDPA,
         # no head expansion (SDPA's enable_gqa path was ~3.5x slower here at batch 32).
-        out = F.scaled_dot_product_attention(q.reshape(nd, kvh, self.group, d), keys, values,
-                                             attn_mask=meta.decode_mask, scale=self.scale)
+        out = F.scaled_dot_product_attention(
+            q.reshape(nd, kvh, self.group, d),
+            keys,
+            values,
+            attn_mask=meta.decode_mask,
+            scale=self.scale,
+        )
         return out.reshape(nd, self.num_heads * d)
 
 

@@ -25,18 +25,18 @@ import torch
 
 @dataclass
 class AttentionMetadata:
-    positions: torch.Tensor        # [num_tokens] int64, absolute position of each new token
-    slot_mapping: torch.Tensor     # [num_tokens] int64, cache slot each new token's K/V is written to
-    block_tables: torch.Tensor     # [num_seqs, max_blocks_per_seq] int64, padded with block 0
-    seq_lens: list[int]            # per sequence: tokens in the cache after this step (context + new)
-    query_lens: list[int]          # per sequence: new tokens in this step
-    query_start_loc: list[int]     # [num_seqs + 1] prefix sums of query_lens
-    num_decodes: int               # the first num_decodes sequences have query_len == 1
+    positions: torch.Tensor  # [num_tokens] int64, absolute position of each new token
+    slot_mapping: torch.Tensor  # [num_tokens] int64, cache slot each new token's K/V is written to
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int64, padded with block 0
+    seq_lens: list[int]  # per sequence: tokens in the cache after this step (context + new)
+    query_lens: list[int]  # per sequence: new tokens in this step
+    query_start_loc: list[int]  # [num_seqs + 1] prefix sums of query_lens
+    num_decodes: int  # the first num_decodes sequences have query_len == 1
     block_size: int
     decode_seq_lens: torch.Tensor  # [num_decodes] int64, seq_lens of the decodes as a tensor
-    prefill_seq_lens: torch.Tensor     # [num_seqs - num_decodes] int64, seq_lens of the prefill chunks
+    prefill_seq_lens: torch.Tensor  # [num_seqs - num_decodes] int64, seq_lens of the prefill chunks
     prefill_query_start: torch.Tensor  # [num_seqs - num_decodes + 1] int64, query_start_loc of the
-                                       # prefill chunks, shifted to start at 0
+    # prefill chunks, shifted to start at 0
     mask_dtype: torch.dtype = torch.float32
     # Built on first use by a backend that needs it, then shared by every layer of the step.
     _decode_mask: torch.Tensor | None = field(default=None, repr=False)
@@ -47,9 +47,13 @@ class AttentionMetadata:
         to whole blocks: every key at or past a sequence's length is -inf."""
         if self._decode_mask is None:
             lens = self.decode_seq_lens
-            max_len = -(-max(self.seq_lens[: self.num_decodes]) // self.block_size) * self.block_size
+            max_len = (
+                -(-max(self.seq_lens[: self.num_decodes]) // self.block_size) * self.block_size
+            )
             arange = torch.arange(max_len, device=lens.device)
-            mask = torch.zeros(self.num_decodes, 1, 1, max_len, dtype=self.mask_dtype, device=lens.device)
+            mask = torch.zeros(
+                self.num_decodes, 1, 1, max_len, dtype=self.mask_dtype, device=lens.device
+            )
             mask.masked_fill_((arange[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
             self._decode_mask = mask
         return self._decode_mask
@@ -78,9 +82,13 @@ def build_attention_metadata(
     sequences have one new token each and take the decode path; the rest are prefill chunks (one
     token too, possibly: see ``ScheduledChunk.decode_from``)."""
     if not (len(query_lens) == len(num_computed) == len(block_tables)):
-        raise ValueError("query_lens, num_computed and block_tables must have one entry per sequence")
+        raise ValueError(
+            "query_lens, num_computed and block_tables must have one entry per sequence"
+        )
     if not 0 <= num_decodes <= len(query_lens) or any(n != 1 for n in query_lens[:num_decodes]):
-        raise ValueError(f"num_decodes={num_decodes}: the first num_decodes sequences must have one new token each")
+        raise ValueError(
+            f"num_decodes={num_decodes}: the first num_decodes sequences must have one new token each"
+        )
     positions: list[int] = []
     slots: list[int] = []
     seq_lens: list[int] = []
@@ -90,16 +98,22 @@ def build_attention_metadata(
         if (end + block_size - 1) // block_size > len(table):
             raise ValueError(f"block table of {len(table)} blocks cannot hold {end} tokens")
         positions.extend(range(start, end))
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        slots.extend(
+            table[p // block_size] * block_size + p % block_size for p in range(start, end)
+        )
         seq_lens.append(end)
         starts.append(starts[-1] + q_len)
     max_blocks = max((len(t) for t in block_tables), default=0)
     padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
-    lens = torch.tensor(seq_lens, dtype=torch.int64, device=device)  # sliced below: both halves contiguous
+    lens = torch.tensor(
+        seq_lens, dtype=torch.int64, device=device
+    )  # sliced below: both halves contiguous
     return AttentionMetadata(
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_tables=torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(padded), max_blocks),
+        block_tables=torch.tensor(padded, dtype=torch.int64, device=device).reshape(
+            len(padded), max_blocks
+        ),
         seq_lens=seq_lens,
         query_lens=list(query_lens),
         query_start_loc=starts,
@@ -107,7 +121,10 @@ def build_attention_metadata(
         block_size=block_size,
         decode_seq_lens=lens[:num_decodes],
         prefill_seq_lens=lens[num_decodes:],
-        prefill_query_start=torch.tensor([s - starts[num_decodes] for s in starts[num_decodes:]],
-                                         dtype=torch.int64, device=device),
+        prefill_query_start=torch.tensor(
+            [s - starts[num_decodes] for s in starts[num_decodes:]],
+            dtype=torch.int64,
+            device=device,
+        ),
         mask_dtype=dtype,
     )

@@ -60,12 +60,22 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
 
@@ -88,7 +98,7 @@ class ModelConfig:
         return v * h + self.num_layers * per_layer + h + head
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
         archs = cfg.get("architectures") or []
         arch = _HF_ARCHITECTURES.get(archs[0]) if archs else cfg.get("model_type")
         if arch is None:
@@ -118,8 +128,14 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_gguf_fields(cls, fields: dict[str, Any], *, has_output_tensor: bool,
-                         has_qkv_bias: bool, rope_freq_factors: tuple[float, ...] | None) -> "ModelConfig":
+    def from_gguf_fields(
+        cls,
+        fields: dict[str, Any],
+        *,
+        has_output_tensor: bool,
+        has_qkv_bias: bool,
+        rope_freq_factors: tuple[float, ...] | None,
+    ) -> ModelConfig:
         """``fields`` maps GGUF metadata keys to plain Python values."""
         arch = fields.get("general.architecture", "?")
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -142,7 +158,9 @@ class ModelConfig:
         if rope_freq_factors is not None:
             scaling = RopeScaling(kind="freq_factors", freq_factors=rope_freq_factors)
         elif fields.get(f"{arch}.rope.scaling.type") == "linear":
-            scaling = RopeScaling(kind="linear", factor=float(fields[f"{arch}.rope.scaling.factor"]))
+            scaling = RopeScaling(
+                kind="linear", factor=float(fields[f"{arch}.rope.scaling.factor"])
+            )
         return cls(
             architecture=arch,
             vocab_size=int(vocab),
@@ -174,12 +192,16 @@ def _hf_rope_scaling(rope: dict[str, Any]) -> RopeScaling | None:
             factor=float(rope["factor"]),
             low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
             high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
+            original_max_position_embeddings=int(
+                rope.get("original_max_position_embeddings", 8192)
+            ),
         )
-    raise UnsupportedModelError(f"unsupported rope scaling type {kind!r}; supported: linear, llama3")
+    raise UnsupportedModelError(
+        f"unsupported rope scaling type {kind!r}; supported: linear, llama3"
+    )
 
 
-def rope_inv_freq(config: ModelConfig) -> "torch.Tensor":
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse frequencies of the rotary embedding (fp32, one per pair of dimensions), scaling applied.
 
     The base is computed exactly as Hugging Face does (int64 arange cast to fp32) so positions agree

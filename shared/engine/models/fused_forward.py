@@ -8,7 +8,8 @@ the kernels (tests/test_cpu_kernels.py holds them to that).
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -23,6 +24,7 @@ class FusedLayer(NamedTuple):
     """A decoder layer's norms and linears as the fused path calls them, looked up once so that the
     per-token loop makes no module calls or attribute lookups (a real share of a one-token forward
     on a small model). Linears take [rows, in_features] contiguous."""
+
     input_norm: torch.Tensor
     input_eps: float
     qkv: Callable[[torch.Tensor], torch.Tensor]
@@ -44,17 +46,30 @@ def _rows_linear(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 def fused_layers(model: LlamaModel) -> list[FusedLayer]:
     """The model's layers as ``fused_forward`` runs them. They hold the linears as they are now: look
     them up again after replacing a linear or adding or removing forward hooks on one."""
-    return [FusedLayer(
-        layer.input_layernorm.weight, layer.input_layernorm.eps,
-        _rows_linear(layer.self_attn.qkv_proj), _rows_linear(layer.self_attn.o_proj),
-        layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
-        _rows_linear(layer.mlp.gate_up_proj), _rows_linear(layer.mlp.down_proj),
-    ) for layer in model.layers]
+    return [
+        FusedLayer(
+            layer.input_layernorm.weight,
+            layer.input_layernorm.eps,
+            _rows_linear(layer.self_attn.qkv_proj),
+            _rows_linear(layer.self_attn.o_proj),
+            layer.post_attention_layernorm.weight,
+            layer.post_attention_layernorm.eps,
+            _rows_linear(layer.mlp.gate_up_proj),
+            _rows_linear(layer.mlp.down_proj),
+        )
+        for layer in model.layers
+    ]
 
 
-def fused_forward(model: LlamaModel, layers: list[FusedLayer], attention: AttentionBackend, ops: Any,
-                  input_ids: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                  meta: AttentionMetadata) -> torch.Tensor:
+def fused_forward(
+    model: LlamaModel,
+    layers: list[FusedLayer],
+    attention: AttentionBackend,
+    ops: Any,
+    input_ids: torch.Tensor,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    meta: AttentionMetadata,
+) -> torch.Tensor:
     """``model.forward`` on the kernels ``ops``, through ``layers`` (``fused_layers(model)``) and
     ``attention`` (whose ``attend`` reads the cache the RoPE-and-cache kernel wrote). The residual
     stream is kept apart, as the add+norm kernel wants it: a layer's input is ``residual + x``
@@ -74,10 +89,24 @@ def fused_forward(model: LlamaModel, layers: list[FusedLayer], attention: Attent
         else:
             h = rms_norm(x, layer.input_norm, layer.input_eps, residual)  # residual += x, in place
         qkv = layer.qkv(h)
-        ops.rope_and_cache(qkv, positions, cos_half, sin_half, k_cache, v_cache, slot_mapping,
-                           c.num_heads, c.num_kv_heads, c.head_dim)
+        ops.rope_and_cache(
+            qkv,
+            positions,
+            cos_half,
+            sin_half,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+        )
         q, k, v = qkv.split(qkv_sizes, dim=-1)
-        h = rms_norm(layer.o(attend(q, k, v, k_cache, v_cache, meta)), layer.post_norm, layer.post_eps,
-                     residual)
+        h = rms_norm(
+            layer.o(attend(q, k, v, k_cache, v_cache, meta)),
+            layer.post_norm,
+            layer.post_eps,
+            residual,
+        )
         x = layer.down(ops.silu_mul(layer.gate_up(h)))
     return rms_norm(x, model.norm.weight, model.norm.eps, residual)

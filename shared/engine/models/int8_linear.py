@@ -46,7 +46,9 @@ if TYPE_CHECKING:  # the runtime imports this module
 
 log = logging.getLogger(__name__)
 
-SMOOTHING_ALPHA = 0.5  # share of each input feature's range moved into the weight (0.3-0.8 tried: 0.4-0.6 alike)
+SMOOTHING_ALPHA = (
+    0.5  # share of each input feature's range moved into the weight (0.3-0.8 tried: 0.4-0.6 alike)
+)
 _CALIBRATION_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration.txt")
 
 
@@ -56,8 +58,13 @@ def int8_supported(ops) -> bool:
     return ops is not None
 
 
-def int8_linear_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, smooth: torch.Tensor | None,
-                          bias: torch.Tensor | None) -> torch.Tensor:
+def int8_linear_reference(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    smooth: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
     """``linear_int8`` in torch: x [rows, in] (bf16/fp32), q int8 [out, in] per-row scales ``scale``,
     ``smooth`` fp32 [in] multiplied into x before it is quantized. Integer sums are exact (fp64);
     the output rounds once, to x's dtype (the kernel fuses the last multiply-add, so the two can differ
@@ -77,12 +84,20 @@ class Int8Linear(nn.Module):
     reference: exact, slow). ``input_maxima``: max|x| per input feature from calibration (None: no
     smoothing)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops=None,
-                 input_maxima: torch.Tensor | None = None, alpha: float = SMOOTHING_ALPHA) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        ops=None,
+        input_maxima: torch.Tensor | None = None,
+        alpha: float = SMOOTHING_ALPHA,
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         if self.in_features % 4:
-            raise ValueError(f"int8 linears need in_features divisible by 4, got {self.in_features}")
+            raise ValueError(
+                f"int8 linears need in_features divisible by 4, got {self.in_features}"
+            )
         w = weight.detach().float()
         self.smooth: torch.Tensor | None = None  # 1 / s per input feature
         if input_maxima is not None:
@@ -93,7 +108,9 @@ class Int8Linear(nn.Module):
         self.colsum = q.sum(dim=1, dtype=torch.int32)  # the kernel's unsigned-input correction
         self.bias = None if bias is None else bias.detach().clone()
         self.ops = None
-        self.weight = q  # int8 [out, in] row-major (torch path) or packed (kernels); one copy either way
+        self.weight = (
+            q  # int8 [out, in] row-major (torch path) or packed (kernels); one copy either way
+        )
         self.use_cpu_kernels(ops)
 
     def use_cpu_kernels(self, ops) -> None:
@@ -110,23 +127,37 @@ class Int8Linear(nn.Module):
             return self.weight
         panels, quads, width = self.weight.shape  # int32 units: 4 consecutive input features each
         q = self.weight.view(torch.int8).view(panels, quads, width, 4)
-        return q.permute(0, 2, 1, 3).reshape(panels * width, 4 * quads)[: self.out_features].contiguous()
+        return (
+            q.permute(0, 2, 1, 3)
+            .reshape(panels * width, 4 * quads)[: self.out_features]
+            .contiguous()
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.rows(x.reshape(-1, self.in_features).contiguous()).view(*x.shape[:-1], self.out_features)
+        return self.rows(x.reshape(-1, self.in_features).contiguous()).view(
+            *x.shape[:-1], self.out_features
+        )
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """``forward`` for x [rows, in_features], contiguous: no reshaping on the way."""
         if self.ops is not None:
-            return self.ops.linear_int8(x, self.weight, self.scale, self.colsum, self.smooth, self.bias)
+            return self.ops.linear_int8(
+                x, self.weight, self.scale, self.colsum, self.smooth, self.bias
+            )
         return int8_linear_reference(x, self.weight, self.scale, self.smooth, self.bias)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this layer holds (for memory accounting)."""
-        return [t for t in (self.weight, self.scale, self.colsum, self.smooth, self.bias) if t is not None]
+        return [
+            t
+            for t in (self.weight, self.scale, self.colsum, self.smooth, self.bias)
+            if t is not None
+        ]
 
 
-def smoothing_factors(input_maxima: torch.Tensor, weight: torch.Tensor, alpha: float = SMOOTHING_ALPHA) -> torch.Tensor:
+def smoothing_factors(
+    input_maxima: torch.Tensor, weight: torch.Tensor, alpha: float = SMOOTHING_ALPHA
+) -> torch.Tensor:
     """SmoothQuant's per-input-feature factor ``max|x_j|^alpha / max|W[:, j]|^(1 - alpha)``; features
     never seen active (or with an all-zero weight column) keep 1."""
     w_max = weight.abs().amax(dim=0).float()
@@ -148,9 +179,11 @@ def input_maxima(runtime: ModelRuntime, token_ids: list[int]) -> dict[str, torch
     hooks = []
     for name, module in runtime.model.layers.named_modules():
         if isinstance(module, (PackedLinear, nn.Linear)):
+
             def record(_module, inputs, _output, name=name):
                 x = inputs[0].detach().float().reshape(-1, inputs[0].shape[-1]).abs().amax(dim=0)
                 maxima[name] = x if name not in maxima else torch.maximum(maxima[name], x)
+
             hooks.append(module.register_forward_hook(record))
     runtime.refresh()  # so that the fused CPU path calls the hooked modules
     try:
@@ -162,15 +195,21 @@ def input_maxima(runtime: ModelRuntime, token_ids: list[int]) -> dict[str, torch
     return maxima
 
 
-def quantize_model_int8(runtime: ModelRuntime, calibration_ids: list[int], backend: CpuBackend,
-                        alpha: float | None = SMOOTHING_ALPHA) -> int:
+def quantize_model_int8(
+    runtime: ModelRuntime,
+    calibration_ids: list[int],
+    backend: CpuBackend,
+    alpha: float | None = SMOOTHING_ALPHA,
+) -> int:
     """Replace every linear of the runtime's model's ``layers`` by an ``Int8Linear`` on ``backend``
     (the one the runtime runs on), smoothed with input maxima measured over ``calibration_ids`` (all
     measured first, on the unquantized model; ``alpha=None``: no smoothing, no calibration); returns
     how many. The output head and the embedding stay as they are."""
     if backend != runtime.backend:
-        raise ValueError(f"quantize_model_int8 was given the {backend} but the runtime runs on the "
-                         f"{runtime.backend}: int8 layers must run on the runtime's backend")
+        raise ValueError(
+            f"quantize_model_int8 was given the {backend} but the runtime runs on the "
+            f"{runtime.backend}: int8 layers must run on the runtime's backend"
+        )
     ops = backend.ops
     maxima = input_maxima(runtime, calibration_ids) if alpha is not None else {}
     count = 0
@@ -186,6 +225,11 @@ def quantize_model_int8(runtime: ModelRuntime, calibration_ids: list[int], backe
                 setattr(parent, name, layer)
                 count += 1
     runtime.relocate()
-    log.info("quantized %d linears to int8 (W8A8, SmoothQuant alpha %s, %d calibration tokens, %s)",
-             count, alpha, len(calibration_ids), "CPU kernels" if int8_supported(ops) else "torch reference")
+    log.info(
+        "quantized %d linears to int8 (W8A8, SmoothQuant alpha %s, %d calibration tokens, %s)",
+        count,
+        alpha,
+        len(calibration_ids),
+        "CPU kernels" if int8_supported(ops) else "torch reference",
+    )
     return count

@@ -17,48 +17,130 @@ from shared.engine.default_model import default_model_path
 from shared.engine.models.config import ModelConfig, UnsupportedModelError
 
 
-def _llama(name: str, *, layers: int, hidden: int, inter: int, heads: int, kv_heads: int, vocab: int,
-           ctx: int, theta: float = 10000.0, arch: str = "llama", tied: bool = False,
-           head_dim: int | None = None) -> ModelConfig:
+def _llama(
+    name: str,
+    *,
+    layers: int,
+    hidden: int,
+    inter: int,
+    heads: int,
+    kv_heads: int,
+    vocab: int,
+    ctx: int,
+    theta: float = 10000.0,
+    arch: str = "llama",
+    tied: bool = False,
+    head_dim: int | None = None,
+) -> ModelConfig:
     return ModelConfig(
-        architecture=arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
-        num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=head_dim or hidden // heads, rms_norm_eps=1e-5, rope_theta=theta,
-        max_position_embeddings=ctx, tie_word_embeddings=tied, name=name,
+        architecture=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim or hidden // heads,
+        rms_norm_eps=1e-5,
+        rope_theta=theta,
+        max_position_embeddings=ctx,
+        tie_word_embeddings=tied,
+        name=name,
     )
 
 
 # Shapes from each model's published config.json. Llama-3 rope scaling is absent because it applies
 # only to Llama-3.1+, not to the 3.0 models listed here.
 KNOWN_CONFIGS: dict[str, ModelConfig] = {
-    "llama-2-7b": _llama("llama-2-7b", layers=32, hidden=4096, inter=11008, heads=32, kv_heads=32,
-                         vocab=32000, ctx=4096),
-    "llama-2-13b": _llama("llama-2-13b", layers=40, hidden=5120, inter=13824, heads=40, kv_heads=40,
-                          vocab=32000, ctx=4096),
-    "llama-3-8b": _llama("llama-3-8b", layers=32, hidden=4096, inter=14336, heads=32, kv_heads=8,
-                         vocab=128256, ctx=8192, theta=500000.0),
-    "llama-3-70b": _llama("llama-3-70b", layers=80, hidden=8192, inter=28672, heads=64, kv_heads=8,
-                          vocab=128256, ctx=8192, theta=500000.0),
+    "llama-2-7b": _llama(
+        "llama-2-7b",
+        layers=32,
+        hidden=4096,
+        inter=11008,
+        heads=32,
+        kv_heads=32,
+        vocab=32000,
+        ctx=4096,
+    ),
+    "llama-2-13b": _llama(
+        "llama-2-13b",
+        layers=40,
+        hidden=5120,
+        inter=13824,
+        heads=40,
+        kv_heads=40,
+        vocab=32000,
+        ctx=4096,
+    ),
+    "llama-3-8b": _llama(
+        "llama-3-8b",
+        layers=32,
+        hidden=4096,
+        inter=14336,
+        heads=32,
+        kv_heads=8,
+        vocab=128256,
+        ctx=8192,
+        theta=500000.0,
+    ),
+    "llama-3-70b": _llama(
+        "llama-3-70b",
+        layers=80,
+        hidden=8192,
+        inter=28672,
+        heads=64,
+        kv_heads=8,
+        vocab=128256,
+        ctx=8192,
+        theta=500000.0,
+    ),
     # Mistral-7B v0.2: full attention over 32k positions, theta 1e6. (v0.1 used a 4096-token sliding
     # window, which this runtime does not implement, so its KV sizing would not match.)
-    "mistral-7b": _llama("mistral-7b", layers=32, hidden=4096, inter=14336, heads=32, kv_heads=8,
-                         vocab=32000, ctx=32768, theta=1e6, arch="mistral"),
-    "smollm2-135m": _llama("smollm2-135m", layers=30, hidden=576, inter=1536, heads=9, kv_heads=3,
-                           head_dim=64, vocab=49152, ctx=8192, theta=100000.0, tied=True),
+    "mistral-7b": _llama(
+        "mistral-7b",
+        layers=32,
+        hidden=4096,
+        inter=14336,
+        heads=32,
+        kv_heads=8,
+        vocab=32000,
+        ctx=32768,
+        theta=1e6,
+        arch="mistral",
+    ),
+    "smollm2-135m": _llama(
+        "smollm2-135m",
+        layers=30,
+        hidden=576,
+        inter=1536,
+        heads=9,
+        kv_heads=3,
+        head_dim=64,
+        vocab=49152,
+        ctx=8192,
+        theta=100000.0,
+        tied=True,
+    ),
 }
 
 # Lower-cased alternative spellings (Hugging Face repo ids included) -> KNOWN_CONFIGS key.
 _ALIASES: dict[str, str] = {
-    "meta-llama/llama-2-7b-hf": "llama-2-7b", "meta-llama/llama-2-7b-chat-hf": "llama-2-7b",
+    "meta-llama/llama-2-7b-hf": "llama-2-7b",
+    "meta-llama/llama-2-7b-chat-hf": "llama-2-7b",
     "llama2-7b": "llama-2-7b",
-    "meta-llama/llama-2-13b-hf": "llama-2-13b", "meta-llama/llama-2-13b-chat-hf": "llama-2-13b",
+    "meta-llama/llama-2-13b-hf": "llama-2-13b",
+    "meta-llama/llama-2-13b-chat-hf": "llama-2-13b",
     "llama2-13b": "llama-2-13b",
-    "meta-llama/meta-llama-3-8b": "llama-3-8b", "meta-llama/meta-llama-3-8b-instruct": "llama-3-8b",
+    "meta-llama/meta-llama-3-8b": "llama-3-8b",
+    "meta-llama/meta-llama-3-8b-instruct": "llama-3-8b",
     "llama3-8b": "llama-3-8b",
-    "meta-llama/meta-llama-3-70b": "llama-3-70b", "meta-llama/meta-llama-3-70b-instruct": "llama-3-70b",
+    "meta-llama/meta-llama-3-70b": "llama-3-70b",
+    "meta-llama/meta-llama-3-70b-instruct": "llama-3-70b",
     "llama3-70b": "llama-3-70b",
-    "mistralai/mistral-7b-instruct-v0.2": "mistral-7b", "mistral-7b-v0.2": "mistral-7b",
-    "huggingfacetb/smollm2-135m": "smollm2-135m", "huggingfacetb/smollm2-135m-instruct": "smollm2-135m",
+    "mistralai/mistral-7b-instruct-v0.2": "mistral-7b",
+    "mistral-7b-v0.2": "mistral-7b",
+    "huggingfacetb/smollm2-135m": "smollm2-135m",
+    "huggingfacetb/smollm2-135m-instruct": "smollm2-135m",
     "smollm2": "smollm2-135m",
 }
 
@@ -87,11 +169,13 @@ def resolve_model(name_or_path: str | Path | None) -> ResolvedModel:
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise UnsupportedModelError(
-                f"{path}: expected a .gguf file or a directory with config.json")
+                f"{path}: expected a .gguf file or a directory with config.json"
+            )
         return _resolve_gguf(path)
     raise FileNotFoundError(
         f"model {str(name_or_path)!r} is neither a known name "
-        f"({', '.join(KNOWN_CONFIGS)}) nor an existing path")
+        f"({', '.join(KNOWN_CONFIGS)}) nor an existing path"
+    )
 
 
 def resolve_config(name_or_path: str | Path | None) -> ModelConfig:
@@ -118,8 +202,11 @@ def _count_safetensors(path: Path) -> int:
     with path.open("rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(header_len))
-    return sum(math.prod(info["shape"]) for name, info in header.items()
-               if name != "__metadata__" and not name.endswith("rotary_emb.inv_freq"))
+    return sum(
+        math.prod(info["shape"])
+        for name, info in header.items()
+        if name != "__metadata__" and not name.endswith("rotary_emb.inv_freq")
+    )
 
 
 def _resolve_gguf(path: Path) -> ResolvedModel:
@@ -135,7 +222,9 @@ def _resolve_gguf(path: Path) -> ResolvedModel:
     freq_factors = None
     if (rope := tensors.get("rope_freqs.weight")) is not None:
         if rope.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-            raise UnsupportedModelError(f"{path}: rope_freqs.weight has type {rope.tensor_type.name}")
+            raise UnsupportedModelError(
+                f"{path}: rope_freqs.weight has type {rope.tensor_type.name}"
+            )
         freq_factors = tuple(float(x) for x in np.asarray(rope.data, dtype=np.float32).reshape(-1))
     config = ModelConfig.from_gguf_fields(
         fields,
@@ -144,5 +233,7 @@ def _resolve_gguf(path: Path) -> ResolvedModel:
         rope_freq_factors=freq_factors,
     )
     # rope_freqs is a constant table, not a parameter the runtime holds in the weight dtype.
-    num_params = sum(int(t.n_elements) for name, t in tensors.items() if name != "rope_freqs.weight")
+    num_params = sum(
+        int(t.n_elements) for name, t in tensors.items() if name != "rope_freqs.weight"
+    )
     return ResolvedModel(config=config, num_params=num_params, path=path)

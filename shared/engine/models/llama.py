@@ -7,7 +7,7 @@ Face names on load; Q/K/V and gate/up are fused into one matrix each so a layer 
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +53,9 @@ class RotaryEmbedding(nn.Module):
         # Sign folded in: rotate_half(x) * sin == swap_halves(x) * [-sin, sin].
         self.register_buffer("sin", torch.cat([-sin, sin], dim=-1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin per token, shaped [tokens, 1, head_dim] to broadcast over heads."""
         return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
 
@@ -73,7 +75,9 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.backend = backend
 
@@ -81,9 +85,11 @@ class Attention(nn.Module):
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         # Q and K heads are adjacent in the fused output: rotate them in one go.
-        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim), cos, sin).view(n, -1)
+        qk = apply_rope(
+            qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim), cos, sin
+        ).view(n, -1)
         q, k = qk.split([self.q_size, self.kv_size], dim=-1)
-        v = qkv[:, self.q_size + self.kv_size:]
+        v = qkv[:, self.q_size + self.kv_size :]
         out = self.backend.forward(q, k, v, k_cache, v_cache, meta)
         return self.o_proj(out)
 
@@ -121,7 +127,9 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend | None = None) -> None:
         super().__init__()
         self.config = config
-        backend = backend or TorchAttentionBackend(config.num_heads, config.num_kv_heads, config.head_dim)
+        backend = backend or TorchAttentionBackend(
+            config.num_heads, config.num_kv_heads, config.head_dim
+        )
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -141,10 +149,10 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(
         self,
-        input_ids: torch.Tensor,                  # [num_tokens]
+        input_ids: torch.Tensor,  # [num_tokens]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:                            # [num_tokens, hidden] final-normed hidden states
+    ) -> torch.Tensor:  # [num_tokens, hidden] final-normed hidden states
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(meta.positions, x.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
@@ -167,31 +175,40 @@ class LlamaModel(nn.Module):
         rows_loaded = dict.fromkeys(params, 0)
         c = self.config
         fused = {
-            "q_proj": ("qkv_proj", 0, c.q_size), "k_proj": ("qkv_proj", c.q_size, c.kv_size),
+            "q_proj": ("qkv_proj", 0, c.q_size),
+            "k_proj": ("qkv_proj", c.q_size, c.kv_size),
             "v_proj": ("qkv_proj", c.q_size + c.kv_size, c.kv_size),
             "gate_proj": ("gate_up_proj", 0, c.intermediate_size),
             "up_proj": ("gate_up_proj", c.intermediate_size, c.intermediate_size),
         }
         for name, tensor in weights:
             name = name.removeprefix("model.")
-            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and c.tie_word_embeddings):
+            if name.endswith("rotary_emb.inv_freq") or (
+                name == "lm_head.weight" and c.tie_word_embeddings
+            ):
                 continue
             parts = name.split(".")
             target, offset, size = name, 0, None
             for i, part in enumerate(parts):
                 if part in fused:
                     dst, offset, size = fused[part]
-                    target = ".".join(parts[:i] + [dst] + parts[i + 1:])
+                    target = ".".join(parts[:i] + [dst] + parts[i + 1 :])
                     break
             param = params.get(target)
             if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in a {c.architecture} model")
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no place in a {c.architecture} model"
+                )
             dst_view = param if size is None else param.narrow(0, offset, size)
             if tuple(dst_view.shape) != tuple(tensor.shape):
-                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst_view.shape)}")
+                raise ValueError(
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst_view.shape)}"
+                )
             with torch.no_grad():
                 dst_view.copy_(tensor)
             rows_loaded[target] += dst_view.shape[0]
         incomplete = [n for n, rows in rows_loaded.items() if rows != params[n].shape[0]]
         if incomplete:
-            raise ValueError(f"checkpoint does not fill {len(incomplete)} tensors, e.g. {incomplete[:3]}")
+            raise ValueError(
+                f"checkpoint does not fill {len(incomplete)} tensors, e.g. {incomplete[:3]}"
+            )

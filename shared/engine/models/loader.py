@@ -29,6 +29,7 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
 def resolve_model_path(path: str | None) -> str:
     if path is None:
         from shared.engine.default_model import default_model_path
+
         return default_model_path()
     if not os.path.exists(path):
         raise FileNotFoundError(f"model not found: {path}")
@@ -57,8 +58,13 @@ def _iter_safetensors(path: str, dtype: torch.dtype):
                 yield name, f.get_tensor(name).to(dtype)
 
 
-def load_model(path: str | None = None, *, dtype: str | torch.dtype = "bfloat16",
-               device: str | torch.device = "cpu", progress: bool = True) -> LlamaModel:
+def load_model(
+    path: str | None = None,
+    *,
+    dtype: str | torch.dtype = "bfloat16",
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+) -> LlamaModel:
     """Build the model for ``path`` (default: SmolLM2-135M-Instruct) and load its weights in ``dtype``:
     the plain model (``models/runtime.py`` lays it out for the CPU kernels and runs it on them)."""
     path = resolve_model_path(path)
@@ -76,10 +82,22 @@ def load_model(path: str | None = None, *, dtype: str | torch.dtype = "bfloat16"
         model = LlamaModel(config)
     model = model.to_empty(device=device).to(dtype)
     model.rotary.reset(device)
-    bar = tqdm(weights, total=total, desc=f"loading {os.path.basename(path)}", unit="tensor",
-               disable=not progress, file=sys.stderr)
+    bar = tqdm(
+        weights,
+        total=total,
+        desc=f"loading {os.path.basename(path)}",
+        unit="tensor",
+        disable=not progress,
+        file=sys.stderr,
+    )
     model.load_weights(bar)
     return model.eval()
 
 
-__all__ = ["load_model", "load_config", "resolve_dtype", "resolve_model_path", "UnsupportedModelError"]
+__all__ = [
+    "UnsupportedModelError",
+    "load_config",
+    "load_model",
+    "resolve_dtype",
+    "resolve_model_path",
+]

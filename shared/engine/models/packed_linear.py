@@ -26,8 +26,11 @@ def _kernels_fit(ops, dtype: torch.dtype, in_features: int) -> bool:
 
 def can_prepack(weight: torch.Tensor, ops=None) -> bool:
     """Whether a packed layout (the kernels' or oneDNN's) serves this weight better than ``nn.Linear``."""
-    return (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
-            and (_kernels_fit(ops, weight.dtype, weight.shape[1]) or isa.onednn_usable(weight.dtype)))
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in (torch.bfloat16, torch.float16)
+        and (_kernels_fit(ops, weight.dtype, weight.shape[1]) or isa.onednn_usable(weight.dtype))
+    )
 
 
 class PackedLinear(nn.Module):
@@ -58,7 +61,9 @@ class PackedLinear(nn.Module):
     def use_cpu_kernels(self, ops) -> None:
         """Re-lay the weight out for the kernels' bf16 linear (``ops``, where it fits) or the fallbacks."""
         weight = self.row_major()
-        if self._layout(ops, weight.dtype) != self.layout or (self.layout == KERNELS and ops is not self.ops):
+        if self._layout(ops, weight.dtype) != self.layout or (
+            self.layout == KERNELS and ops is not self.ops
+        ):
             self._pack(weight, ops)
 
     def row_major(self) -> torch.Tensor:
@@ -69,10 +74,16 @@ class PackedLinear(nn.Module):
             return self.packed.to_dense()
         panels, pairs, width = self.packed.shape  # int32 pairs: low half = even input feature
         pairs_bf16 = self.packed.view(torch.bfloat16).view(panels, pairs, width, 2)
-        return pairs_bf16.permute(0, 2, 1, 3).reshape(panels * width, 2 * pairs)[: self.out_features].contiguous()
+        return (
+            pairs_bf16.permute(0, 2, 1, 3)
+            .reshape(panels * width, 2 * pairs)[: self.out_features]
+            .contiguous()
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.rows(x.reshape(-1, self.in_features).contiguous()).view(*x.shape[:-1], self.out_features)
+        return self.rows(x.reshape(-1, self.in_features).contiguous()).view(
+            *x.shape[:-1], self.out_features
+        )
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """``forward`` for x [rows, in_features], contiguous: no reshaping on the way."""

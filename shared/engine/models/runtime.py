@@ -40,7 +40,9 @@ class ModelRuntime(nn.Module):
         self.attention = self._attention(backend)
         ops = backend.ops
         prepack_linears(model.layers, ops)
-        head = model.embed_tokens.weight if model.config.tie_word_embeddings else model.lm_head.weight
+        head = (
+            model.embed_tokens.weight if model.config.tie_word_embeddings else model.lm_head.weight
+        )
         if can_prepack(head, ops):
             if model.config.tie_word_embeddings:
                 self.tied_head = PackedLinear(head, None, ops)
@@ -60,13 +62,19 @@ class ModelRuntime(nn.Module):
 
     def _check(self, backend: CpuBackend) -> None:
         if backend.enabled and (self.device.type != "cpu" or self.dtype not in KERNEL_DTYPES):
-            raise ValueError(f"the CPU kernels take float32 or bfloat16 weights on the CPU; this model "
-                             f"holds {self.dtype} on {self.device} (pick the backend with CpuBackend.pick)")
+            raise ValueError(
+                f"the CPU kernels take float32 or bfloat16 weights on the CPU; this model "
+                f"holds {self.dtype} on {self.device} (pick the backend with CpuBackend.pick)"
+            )
 
     def _attention(self, backend: CpuBackend) -> TorchAttentionBackend:
         c = self.config
-        return TorchAttentionBackend(c.num_heads, c.num_kv_heads, c.head_dim,
-                                     backend.attention_ops(c.num_heads, c.num_kv_heads, c.head_dim))
+        return TorchAttentionBackend(
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            backend.attention_ops(c.num_heads, c.num_kv_heads, c.head_dim),
+        )
 
     def use(self, backend: CpuBackend) -> None:
         """Run on ``backend`` from now on: every linear re-laid out for it (bit for bit the same
@@ -77,16 +85,18 @@ class ModelRuntime(nn.Module):
         self.attention = self._attention(backend)
         for module in self.modules():
             if isinstance(module, _KERNEL_LINEARS):
-                module.use_cpu_kernels(backend.ops)  # each takes the kernels where they fit its weight
+                module.use_cpu_kernels(
+                    backend.ops
+                )  # each takes the kernels where they fit its weight
         self.relocate()
 
     @torch.inference_mode()
     def forward(
         self,
-        input_ids: torch.Tensor,                  # [num_tokens]
+        input_ids: torch.Tensor,  # [num_tokens]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:                            # [num_tokens, hidden] final-normed hidden states
+    ) -> torch.Tensor:  # [num_tokens, hidden] final-normed hidden states
         ops = self.backend.ops
         if ops is None:
             return self.model(input_ids, kv_caches, meta)
@@ -114,9 +124,17 @@ class ModelRuntime(nn.Module):
         huge_pages``: decode streams them all each step); returns how many. Call after the layouts
         change."""
         self.refresh()
-        slots = [(m, "packed") for m in self.modules() if isinstance(m, PackedLinear) and m.ops is not None]
-        slots += [(m, "weight") for m in self.modules() if isinstance(m, Int8Linear) and m.ops is not None]
-        for (module, attr), moved in zip(slots, huge_pages.relocate([getattr(m, a) for m, a in slots])):
+        slots = [
+            (m, "packed")
+            for m in self.modules()
+            if isinstance(m, PackedLinear) and m.ops is not None
+        ]
+        slots += [
+            (m, "weight") for m in self.modules() if isinstance(m, Int8Linear) and m.ops is not None
+        ]
+        for (module, attr), moved in zip(
+            slots, huge_pages.relocate([getattr(m, a) for m, a in slots])
+        ):
             setattr(module, attr, moved)
         return len(slots)
 
@@ -137,9 +155,14 @@ class ModelRuntime(nn.Module):
         return sum(seen.values())
 
 
-def load_runtime(path: str | None = None, *, dtype: str | torch.dtype = "bfloat16",
-                 device: str | torch.device = "cpu", backend: CpuBackend | None = None,
-                 progress: bool = True) -> ModelRuntime:
+def load_runtime(
+    path: str | None = None,
+    *,
+    dtype: str | torch.dtype = "bfloat16",
+    device: str | torch.device = "cpu",
+    backend: CpuBackend | None = None,
+    progress: bool = True,
+) -> ModelRuntime:
     """``load_model`` on ``backend`` (default: ``CpuBackend.pick`` for this device and dtype)."""
     model = load_model(path, dtype=dtype, device=device, progress=progress)
     return ModelRuntime(model, backend or CpuBackend.pick(device, resolve_dtype(dtype))).eval()

@@ -18,7 +18,7 @@ a complete character, the concatenation of all deltas plus `finish()` equals
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from .tokenizer import Tokenizer
 

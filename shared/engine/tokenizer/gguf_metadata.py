@@ -17,7 +17,17 @@ from typing import Any
 
 # GGUFValueType → struct format of one scalar (little endian). 8 = string, 9 = array.
 _SCALAR_FORMATS: dict[int, str] = {
-    0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d",
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
 }
 _STRING, _ARRAY = 8, 9
 
@@ -27,7 +37,7 @@ class GGUFFormatError(ValueError):
 
 
 class _Cursor:
-    __slots__ = ("buf", "pos", "endian")
+    __slots__ = ("buf", "endian", "pos")
 
     def __init__(self, buf: mmap.mmap | bytes, endian: str) -> None:
         self.buf = buf
@@ -96,7 +106,11 @@ def metadata_from_reader(reader: Any) -> dict[str, Any]:
             continue
         value = field.contents()
         if isinstance(value, list):
-            value = [bytes(v).decode("utf-8", errors="replace") if isinstance(v, (bytes, bytearray)) else v
-                     for v in value]
+            value = [
+                bytes(v).decode("utf-8", errors="replace")
+                if isinstance(v, (bytes, bytearray))
+                else v
+                for v in value
+            ]
         metadata[key] = value
     return metadata

@@ -7,10 +7,12 @@ interchangeable with llama.cpp's and with the model's embedding rows.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
-from tokenizers import AddedToken, Tokenizer as Backend, decoders, normalizers
+from tokenizers import AddedToken, decoders, normalizers
+from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
 
 from .pretokenizers import PreTokenizerSpec, pre_tokenizer_spec
@@ -57,9 +59,13 @@ def build_from_metadata(metadata: dict[str, Any]) -> tuple[Backend, GgufTokenize
     tokens: list[str] = metadata.get("tokenizer.ggml.tokens") or []
     if not tokens:
         raise UnsupportedTokenizerError("GGUF file has no tokenizer.ggml.tokens")
-    token_types: list[int] = metadata.get("tokenizer.ggml.token_type") or [TOKEN_TYPE_NORMAL] * len(tokens)
+    token_types: list[int] = metadata.get("tokenizer.ggml.token_type") or [TOKEN_TYPE_NORMAL] * len(
+        tokens
+    )
     if len(token_types) != len(tokens):
-        raise UnsupportedTokenizerError("tokenizer.ggml.token_type and tokenizer.ggml.tokens differ in length")
+        raise UnsupportedTokenizerError(
+            "tokenizer.ggml.token_type and tokenizer.ggml.tokens differ in length"
+        )
 
     if model == "gpt2":
         spec = pre_tokenizer_spec(metadata.get("tokenizer.ggml.pre"))
@@ -67,7 +73,9 @@ def build_from_metadata(metadata: dict[str, Any]) -> tuple[Backend, GgufTokenize
         add_bos_default = spec.add_bos_default
     else:
         backend = _sentencepiece_bpe(tokens, token_types, metadata)
-        add_bos_default = True  # llama.cpp's default for a SentencePiece vocabulary that does not say
+        add_bos_default = (
+            True  # llama.cpp's default for a SentencePiece vocabulary that does not say
+        )
     _add_special_tokens(backend, tokens, token_types)
 
     def token_id(key: str) -> int | None:
@@ -98,8 +106,10 @@ def _vocab(tokens: Sequence[str]) -> dict[str, int]:
         vocab.setdefault(token, index)
     if len(vocab) != len(tokens):
         # A repeated text keeps its first id; encode() can never produce the later ids.
-        logger.warning("GGUF vocabulary repeats %d token texts; only the first id of each is used",
-                       len(tokens) - len(vocab))
+        logger.warning(
+            "GGUF vocabulary repeats %d token texts; only the first id of each is used",
+            len(tokens) - len(vocab),
+        )
     return vocab
 
 
@@ -111,7 +121,9 @@ def _byte_level_bpe(tokens: list[str], metadata: dict[str, Any], spec: PreTokeni
     for merge in raw_merges:
         left, sep, right = merge.partition(" ")
         if not sep or not left or not right:
-            raise UnsupportedTokenizerError(f"malformed BPE merge {merge!r} in tokenizer.ggml.merges")
+            raise UnsupportedTokenizerError(
+                f"malformed BPE merge {merge!r} in tokenizer.ggml.merges"
+            )
         merges.append((left, right))
     backend = Backend(BPE(vocab=_vocab(tokens), merges=merges, ignore_merges=spec.ignore_merges))
     normalizer = spec.normalizer()
@@ -122,7 +134,9 @@ def _byte_level_bpe(tokens: list[str], metadata: dict[str, Any], spec: PreTokeni
     return backend
 
 
-def _sentencepiece_bpe(tokens: list[str], token_types: list[int], metadata: dict[str, Any]) -> Backend:
+def _sentencepiece_bpe(
+    tokens: list[str], token_types: list[int], metadata: dict[str, Any]
+) -> Backend:
     """llama.cpp's SPM tokenizer: whole text (no pre-split), spaces as "▁", pairs merged best score
     first, characters outside the vocabulary as <0xXX> byte tokens.
 
@@ -133,7 +147,9 @@ def _sentencepiece_bpe(tokens: list[str], token_types: list[int], metadata: dict
     """
     scores: list[float] | None = metadata.get("tokenizer.ggml.scores")
     if not scores or len(scores) != len(tokens):
-        raise UnsupportedTokenizerError("GGUF 'llama' tokenizer needs tokenizer.ggml.scores, one per token")
+        raise UnsupportedTokenizerError(
+            "GGUF 'llama' tokenizer needs tokenizer.ggml.scores, one per token"
+        )
     vocab = _vocab(tokens)
     ranked: list[tuple[float, int, int, str, str]] = []
     for index, token in enumerate(tokens):
@@ -148,7 +164,9 @@ def _sentencepiece_bpe(tokens: list[str], token_types: list[int], metadata: dict
 
     unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
     unk_token = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
-    backend = Backend(BPE(vocab=vocab, merges=merges, unk_token=unk_token, fuse_unk=True, byte_fallback=True))
+    backend = Backend(
+        BPE(vocab=vocab, merges=merges, unk_token=unk_token, fuse_unk=True, byte_fallback=True)
+    )
     add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
     # Added tokens are cut out of the text before normalizing, so Prepend runs at the start of every
     # text run, including right after a special token: llama.cpp's `is_prev_special` rule.

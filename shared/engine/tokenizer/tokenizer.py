@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from tokenizers import Tokenizer as Backend
 
@@ -59,7 +60,9 @@ class Tokenizer:
             return cls.from_pretrained_dir(path)
         if os.path.isfile(path):
             return cls.from_gguf(path)
-        raise FileNotFoundError(f"tokenizer not found: {path!r} is neither a GGUF file nor a Hugging Face directory")
+        raise FileNotFoundError(
+            f"tokenizer not found: {path!r} is neither a GGUF file nor a Hugging Face directory"
+        )
 
     @classmethod
     def from_gguf(cls, path_or_reader: str | os.PathLike[str] | Any) -> Tokenizer:
@@ -110,7 +113,9 @@ class Tokenizer:
         # Without an explicit flag, ask the tokenizer.json's own post-processor what it adds.
         plain = backend.encode("a", add_special_tokens=False).ids
         full = backend.encode("a", add_special_tokens=True).ids
-        bos_added = bos_token_id is not None and full[:1] == [bos_token_id] and plain[:1] != [bos_token_id]
+        bos_added = (
+            bos_token_id is not None and full[:1] == [bos_token_id] and plain[:1] != [bos_token_id]
+        )
         eos_added = len(full) > len(plain) and full[-1] in eos_token_ids
         add_bos = config.get("add_bos_token", bos_added)
         add_eos = config.get("add_eos_token", eos_added)
@@ -195,8 +200,13 @@ def _chat_template(directory: str, config: Mapping[str, Any]) -> str | None:
         with open(jinja_file, encoding="utf-8") as f:
             return f.read()
     template = config.get("chat_template") or _read_json(
-        os.path.join(directory, "chat_template.json")).get("chat_template")
+        os.path.join(directory, "chat_template.json")
+    ).get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
-        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, Mapping)}
+        named = {
+            entry.get("name"): entry.get("template")
+            for entry in template
+            if isinstance(entry, Mapping)
+        }
         template = named.get("default")
     return template if isinstance(template, str) else None
