@@ -81,7 +81,7 @@ def ops(request):
 # its marker from its folder; one outside every layer folder is a collection error.
 # The server fixtures (nats_url, redis_url, stack, pid_alive) are in helpers/servers.py.
 # =============================================================================================
-pytest_plugins = ["helpers.servers"]
+pytest_plugins = ["helpers.servers", "helpers.gateway_harness"]
 
 LAYERS = ("wire", "unit", "engine", "kernels", "services", "e2e")
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))

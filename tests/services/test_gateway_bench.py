@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import json
 
-from gateway_harness import FAKE_MODEL, FakeBackend, GatewayProcess
-
+from helpers.gateway_harness import FAKE_MODEL, FakeBackend, GatewayProcess
 from loadtests import bench_serving
 
 

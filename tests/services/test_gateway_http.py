@@ -11,7 +11,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from gateway_harness import (
+
+from helpers.gateway_harness import (
     FAKE_MODEL,
     NUM_PROMPT_TOKENS,
     GatewayProcess,

@@ -7,9 +7,10 @@ import json
 from collections.abc import Iterator
 
 import pytest
-from gateway_harness import FAKE_MODEL, GatewayProcess, expected_text
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
+
+from helpers.gateway_harness import FAKE_MODEL, GatewayProcess, expected_text
 
 API_KEY = "ws-key"
 

@@ -27,11 +27,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
 import httpx
+import pytest
 
 from services.cli.servers import free_port
 from shared.wire import subjects
@@ -381,3 +382,11 @@ def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def backend(nats_server) -> Iterator[FakeBackend]:
+    """The fake executor side of the gateway tests: a tokenizer, scheduler and executor in one."""
+    fake = FakeBackend(nats_server.url).start()
+    yield fake
+    fake.stop()
