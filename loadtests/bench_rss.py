@@ -38,7 +38,7 @@ from services.cli.launcher import set_executor_openmp_policy  # imports no torch
 set_executor_openmp_policy(os.environ)  # as the stack's executor; must precede torch's import
 
 from loadtests.results import write_json  # noqa: E402
-from services.executor.worker import (
+from services.executor.worker import (  # noqa: E402
     Add,
     EngineWorker,
     Event,
@@ -203,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     worker.stop(10)
 
     baseline, last = checkpoints[0], checkpoints[-1]
+    growth_mib = round(last["rss_mib"] - baseline["rss_mib"], 1)
     stats = engine.stats()
     result = {
         "config": {k: v for k, v in vars(args).items() if k != "out"},
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             "model_loaded": round(rss_loaded, 1),
             "after_warmup": baseline["rss_mib"],
             "end": last["rss_mib"],
-            "growth_after_warmup": round(last["rss_mib"] - baseline["rss_mib"], 1),
+            "growth_after_warmup": growth_mib,
         },
         "elapsed_s": round(elapsed, 1),
         "requests_per_s": round(len(requests) / elapsed, 1),
@@ -224,11 +225,12 @@ def main(argv: list[str] | None = None) -> int:
         "checkpoints": checkpoints,
     }
     print(
-        f"bench_rss: {len(requests)} requests in {elapsed:.0f} s; RSS start {rss_start:.0f} MiB, model loaded "
-        f"{rss_loaded:.0f} MiB, after {baseline['requests_done']} requests {baseline['rss_mib']:.0f} MiB, "
-        f"at the end {last['rss_mib']:.0f} MiB ({result['rss_mib']['growth_after_warmup']:+.1f} MiB); "
-        f"prefix cache hit rate {result['prefix_cache_hit_rate']:.0%}; {counts['kv_events']} KV events in "
-        f"{counts['kv_batches']} batches"
+        f"bench_rss: {len(requests)} requests in {elapsed:.0f} s; RSS start {rss_start:.0f} MiB, "
+        f"model loaded {rss_loaded:.0f} MiB, after {baseline['requests_done']} requests "
+        f"{baseline['rss_mib']:.0f} MiB, at the end {last['rss_mib']:.0f} MiB "
+        f"({growth_mib:+.1f} MiB); "
+        f"prefix cache hit rate {result['prefix_cache_hit_rate']:.0%}; {counts['kv_events']} KV "
+        f"events in {counts['kv_batches']} batches"
     )
     print(f"wrote {write_json(args.out, result)}")
     return 0
