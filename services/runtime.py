@@ -1,5 +1,5 @@
-"""What every service's ``__main__`` does the same way: logging to stderr, uvloop, and SIGTERM/SIGINT
-turned into a stop event the service drains on.
+"""What every service's ``__main__`` does the same way: logging to stderr, uvloop, and
+SIGTERM/SIGINT turned into a stop event the service drains on.
 
     def main() -> int:
         config = MyConfig.from_args(...)
@@ -13,8 +13,8 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 __all__ = [
     "env_bool",
@@ -40,13 +40,18 @@ def setup_logging(service: str) -> None:
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
-_TYPE_NAMES = {int: "an integer", float: "a number", bool: f"one of {'/'.join(_TRUE + _FALSE)}"}
+_TYPE_NAMES: dict[object, str] = {
+    int: "an integer",
+    float: "a number",
+    bool: f"one of {'/'.join(_TRUE + _FALSE)}",
+}
 
 
 def env_value(name: str, type: Callable[[str], T]) -> T | None:
-    """The one place settings are read from the environment: ``$name`` as ``type`` (``str``, ``int``,
-    ``float`` or ``bool``: 1/true/yes/on or 0/false/no/off, any case), or None when it is unset or
-    empty. A value that does not parse ends the process with a message naming the variable."""
+    """The one place settings are read from the environment: ``$name`` as ``type`` (``str``,
+    ``int``, ``float`` or ``bool``: 1/true/yes/on or 0/false/no/off, any case), or None when it is
+    unset or empty. A value that does not parse ends the process with a message naming the
+    variable."""
     text = os.environ.get(name)
     if text is None or text == "":
         return None
@@ -105,6 +110,7 @@ def run_service(name: str, serve: Callable[[asyncio.Event], Awaitable[None]]) ->
             loop.add_signal_handler(sig, on_signal, sig)
         await serve(stop)
 
+    runner: Callable[[Coroutine[Any, Any, None]], None]
     try:
         import uvloop
 

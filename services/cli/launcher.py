@@ -6,8 +6,8 @@ Used by ``llmserve up`` and by the test fixture ``stack``, so tests run exactly 
 Process invariants:
 - every child runs in its own session (own process group): a terminal Ctrl-C reaches only the
   launcher, which then stops the children in order (gateway first, servers last) so they can drain;
-- on Linux every child also gets PR_SET_PDEATHSIG=SIGTERM, so a launcher killed with SIGKILL does not
-  leave orphans behind;
+- on Linux every child also gets PR_SET_PDEATHSIG=SIGTERM, so a launcher killed with SIGKILL does
+  not leave orphans behind;
 - ``Stack.stop()`` sends SIGTERM to each child's process group, waits ``grace_s``, then SIGKILLs the
   group; after it returns no child process is alive.
 """
@@ -15,6 +15,7 @@ Process invariants:
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import signal
 import subprocess
@@ -42,8 +43,8 @@ from shared.engine.config import ENGINE_SETTINGS, EngineConfig
 
 # How an executor's OpenMP threads wait between parallel regions (~10 per layer per step). Every
 # service shares the machine's cores with the executors, so libgomp's default (spin 300k iterations,
-# then sleep) starves them, and PASSIVE (sleep at once) pays a futex wake per region. A short bounded
-# spin serves best with the whole stack on one host (measured in loadtests/RESULTS.md).
+# then sleep) starves them, and PASSIVE (sleep at once) pays a futex wake per region. A short
+# bounded spin serves best with the whole stack on one host (measured in loadtests/RESULTS.md).
 EXECUTOR_OPENMP_ENV = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "3000"}
 
 
@@ -71,8 +72,9 @@ class StackStartError(RuntimeError):
 
 @dataclass(frozen=True)
 class StackConfig:
-    # Every executor's engine; its model (and max_model_len, block_size) also the tokenizers' and the
-    # gateway's. num_threads None: the cores divided among the executors (``_executor_threads``).
+    # Every executor's engine; its model (and max_model_len, block_size) also the tokenizers' and
+    # the gateway's. num_threads None: the cores divided among the executors
+    # (``_executor_threads``).
     engine: EngineConfig = SERVED_ENGINE_DEFAULTS
     model_name: str | None = None  # name served at /v1/models (default: from the model)
     host: str = LOOPBACK
@@ -110,9 +112,9 @@ class StackConfig:
 
     @classmethod
     def of(cls, **settings: Any) -> StackConfig:
-        """A StackConfig from the keywords of StackConfig and EngineConfig alike (tests, benchmarks):
-        ``StackConfig.of(port=0, num_kv_blocks=128)``; engine settings not given keep the served
-        defaults."""
+        """A StackConfig from the keywords of StackConfig and EngineConfig alike (tests,
+        benchmarks): ``StackConfig.of(port=0, num_kv_blocks=128)``; engine settings not given keep
+        the served defaults."""
         engine_names = {f.name for f in fields(EngineConfig)}
         engine = {k: settings.pop(k) for k in list(settings) if k in engine_names}
         return cls(engine=replace(SERVED_ENGINE_DEFAULTS, **engine), **settings)
@@ -152,10 +154,8 @@ class ServiceProcess:
 
     def signal_group(self, sig: int) -> None:
         # The child leads its own group; its own children (if any) go with it.
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, sig)
-        except ProcessLookupError:
-            pass
 
     def kill(self) -> None:
         """SIGKILL at once (tests use it to simulate a crash)."""
@@ -188,7 +188,8 @@ class Stack:
 
     def supervise(self, note: Callable[[str], None]) -> None:
         """Restart any service that exited on its own (``llmserve up`` calls this periodically).
-        A crash loop is slowed by the time a restart takes (model loading) and reported each time."""
+        A crash loop is slowed by the time a restart takes (model loading) and reported each
+        time."""
         if self._stopped:
             return
         for svc in self.services.values():
@@ -211,7 +212,8 @@ class Stack:
                 )
 
     def wait_ready(self, progress: Callable[[str], None] | None = None) -> None:
-        """Until GET /health answers 200 (the gateway sees a live executor through the scheduler)."""
+        """Until GET /health answers 200 (the gateway sees a live executor through the
+        scheduler)."""
         deadline = time.monotonic() + self.config.ready_timeout_s
         last_note = 0.0
         while True:
@@ -279,8 +281,8 @@ def _spawn(
 ) -> subprocess.Popen[bytes]:
     """Start a service with its stdout and stderr in ``log_path``, or, without one, relayed line by
     line to our stderr with the last lines kept in ``tail``."""
-    log_file = open(log_path, "ab") if log_path else None
-    try:
+    with contextlib.ExitStack() as stack:
+        log_file = stack.enter_context(open(log_path, "ab")) if log_path else None
         process = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
@@ -289,9 +291,6 @@ def _spawn(
             env=env,
             preexec_fn=detach_child,
         )
-    finally:
-        if log_file:
-            log_file.close()
     if log_file is None:
         tail.clear()
         threading.Thread(target=_relay, args=(process.stdout, tail), daemon=True).start()

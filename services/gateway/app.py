@@ -111,6 +111,7 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
                 )
             if isinstance(answer, BaseException):
                 raise answer
+        assert not isinstance(status, BaseException)  # raised or answered above
         if not status.executors:
             return JSONResponse(
                 {"status": "unavailable", "reason": "no live executor"}, status_code=503

@@ -1,7 +1,7 @@
 """OpenAI-style errors at the HTTP edge.
 
-Every failure a client sees, whatever its origin (edge validation, auth, a StreamError from a backend
-service, a timeout), becomes one ``APIError`` and is rendered the same way:
+Every failure a client sees, whatever its origin (edge validation, auth, a StreamError from a
+backend service, a timeout), becomes one ``APIError`` and is rendered the same way:
 
     HTTP <status>   {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
 

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -158,7 +158,8 @@ class Gateway:
     async def start(
         self, p: Prepared, disconnected: Callable[[], Awaitable[None]] | None
     ) -> tuple[GenerationStream, RequestOutput]:
-        """Dispatch and wait for the first output. On any exception the stream is closed (aborted)."""
+        """Dispatch and wait for the first output. On any exception the stream is closed
+        (aborted)."""
         stream = GenerationStream(self._bus(), p.generate, self.config.request_timeout_s)
         try:
             await stream.open()
@@ -202,7 +203,7 @@ class Gateway:
 
     async def chunk_events(
         self, p: Prepared, stream: GenerationStream, first: RequestOutput, tracker: RequestTracker
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncGenerator[dict[str, Any], None]:
         """Every chunk of a started stream, then the usage chunk if asked; an error ends it with
         its error body. Closing this iterator early (client gone) closes and aborts the stream."""
         builder = protocol.ResponseBuilder(p.spec)
@@ -245,7 +246,8 @@ def _num_tokens(out: RequestOutput) -> int:
 async def race_disconnect(
     aw: Awaitable[T], disconnected: Callable[[], Awaitable[None]] | None
 ) -> T:
-    """``await aw``, unless ``disconnected()`` returns first: then cancel it, raise ClientDisconnected."""
+    """``await aw``, unless ``disconnected()`` returns first: then cancel it, raise
+    ClientDisconnected."""
     if disconnected is None:
         return await aw
     work = asyncio.ensure_future(aw)

@@ -90,7 +90,8 @@ _E2E_BUCKETS = (
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        r, labels = self.registry, []  # one served model per gateway: no model label
+        r = self.registry
+        labels: list[str] = []  # one served model per gateway: no model label
         self.requests = Counter(
             "llmserve:gateway_requests",
             "Requests by endpoint and final status.",

@@ -1,12 +1,12 @@
 """OpenAI ⇄ llmserve conversions, pure and synchronous (no NATS, no asyncio, no HTTP).
 
-Inbound: a validated OpenAI request body → ``GenerateRequest`` (with ``SamplingParams`` as the single
-range check; its ValueErrors become 400s naming the field). Outbound: the ``RequestOutput`` deltas a
-request's stream carries → OpenAI chunk objects (streaming) or one response object (non-streaming),
-in OpenAI's exact shapes:
+Inbound: a validated OpenAI request body → ``GenerateRequest`` (with ``SamplingParams`` as the
+single range check; its ValueErrors become 400s naming the field). Outbound: the ``RequestOutput``
+deltas a request's stream carries → OpenAI chunk objects (streaming) or one response object
+(non-streaming), in OpenAI's exact shapes:
 
-    completions  text_completion          choices[i] = {text, index, logprobs, finish_reason}
-    chat         chat.completion(.chunk)  choices[i] = {index, message|delta, logprobs, finish_reason}
+  completions  text_completion          choices[i] = {text, index, logprobs, finish_reason}
+  chat         chat.completion(.chunk)  choices[i] = {index, message|delta, logprobs, finish_reason}
 
 Deltas already hold detokenized text with stop strings removed and logprobs with their tokens'
 text (named by the executor, which decodes); this module only concatenates, counts tokens and
@@ -28,7 +28,8 @@ from .openai_schema import ChatCompletionRequest, CompletionRequest
 
 Api = Literal["completion", "chat"]
 
-# OpenAI's default for the legacy completions endpoint; chat defaults to "until the context is full".
+# OpenAI's default for the legacy completions endpoint; chat defaults to "until the context is
+# full".
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
@@ -53,7 +54,7 @@ def _top(lp: TokenLogprobs) -> list[tuple[str, float]]:
         raise ValueError(
             f"logprobs of token {lp.token_id}: {len(lp.top)} top tokens, {len(texts)} names"
         )
-    return [(token_name(t, text), p) for (t, p), text in zip(lp.top, texts)]
+    return [(token_name(t, text), p) for (t, p), text in zip(lp.top, texts, strict=True)]
 
 
 # --------------------------------------------------------------------------------------- inbound
@@ -120,7 +121,7 @@ def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str
     if not prompt:
         raise bad_request("prompt must not be an empty list.", "prompt")
     if isinstance(prompt[0], int):
-        ids: list[int] = prompt  # type: ignore[assignment]
+        ids: list[int] = prompt
         if any(t < 0 for t in ids):
             raise bad_request("prompt token ids must be >= 0.", "prompt")
         return ids
@@ -129,7 +130,7 @@ def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str
             f"A list of {len(prompt)} prompts is not supported: send one prompt per request.",
             "prompt",
         )
-    return _single_prompt(prompt[0])  # type: ignore[arg-type]
+    return _single_prompt(prompt[0])
 
 
 def completion_to_generate(

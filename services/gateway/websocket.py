@@ -27,6 +27,7 @@ from fastapi import FastAPI, WebSocket
 from .errors import APIError, bad_request
 from .generation import ClientDisconnected, Gateway, race_disconnect
 from .metrics import CLIENT_CLOSED
+from .protocol import Api
 
 log = logging.getLogger("llmserve.gateway.ws")
 
@@ -99,7 +100,7 @@ async def _serve_one(gw: Gateway, websocket: WebSocket, data: bytes, inbox: _Inb
         obj = msgspec.json.decode(data)
         if not isinstance(obj, dict):
             raise bad_request("The request must be a JSON object.")
-        api = "chat" if "messages" in obj else "completion"
+        api: Api = "chat" if "messages" in obj else "completion"
         p = await gw.prepare(api, data, force_stream=True)
     except msgspec.DecodeError as e:
         p, err = None, bad_request(f"The request is not valid JSON: {e}")

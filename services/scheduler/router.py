@@ -1,13 +1,14 @@
-"""The scheduler's pure logic: executor table, in-flight accounting, least-loaded routing, the bounded
-waiting queue, fail-over. No NATS, no asyncio: every method takes ``now`` and returns ``Action``s that
-the service turns into publishes, so it is unit-tested synchronously.
+"""The scheduler's pure logic: executor table, in-flight accounting, least-loaded routing, the
+bounded waiting queue, fail-over. No NATS, no asyncio: every method takes ``now`` and returns
+``Action``s that the service turns into publishes, so it is unit-tested synchronously.
 
 Invariants:
 - A request goes only to an executor whose heartbeat names the request's model. A request for a
   model no known executor serves, while others are alive, fails at once (404 model_not_found).
-- A request is in exactly one place: its model's waiting queue, one executor's in-flight table, or nowhere
-  (done, failed or aborted). Every request that enters ``submit`` leaves with a ``Dispatch`` or a
-  ``Fail`` (or an abort by the client): no client waits forever on a request the scheduler dropped.
+- A request is in exactly one place: its model's waiting queue, one executor's in-flight table, or
+  nowhere (done, failed or aborted). Every request that enters ``submit`` leaves with a ``Dispatch``
+  or a ``Fail`` (or an abort by the client): no client waits forever on a request the scheduler
+  dropped.
 - In-flight load is counted from the moment of routing (in sequences: a request with n=4 weighs 4),
   not from the executor's next heartbeat, so a burst is spread instead of piling on one executor.
 - An executor is routable while its heartbeat is younger than ``heartbeat_timeout_s``, it is not
@@ -332,8 +333,8 @@ class Router:
                         request_id=request.request_id,
                         status=429,
                         type="rate_limit_error",
-                        message=f"the server is overloaded: {len(self._queued)} requests are already waiting "
-                        f"(max_queue_len={self.config.max_queue_len}); retry later",
+                        message=f"the server is overloaded: {len(self._queued)} requests are "
+                        f"already waiting (max_queue_len={self.config.max_queue_len}); retry later",
                         retry_after_s=self.config.retry_after_s,
                     )
                 )
@@ -399,8 +400,8 @@ class Router:
                         StreamError(
                             request_id=rid,
                             status=502,
-                            message=f"executor {state.executor_id} {why} while generating this response; "
-                            f"the output is incomplete",
+                            message=f"executor {state.executor_id} {why} while generating this "
+                            f"response; the output is incomplete",
                         )
                     )
                 )
@@ -410,8 +411,8 @@ class Router:
                         StreamError(
                             request_id=rid,
                             status=503,
-                            message=f"executor {state.executor_id} {why} before this request started, "
-                            f"after {entry.request.attempt + 1} attempts; try again later",
+                            message=f"executor {state.executor_id} {why} before this request "
+                            f"started, after {entry.request.attempt + 1} attempts; try again later",
                         )
                     )
                 )

@@ -45,7 +45,8 @@ class PromptLimits:
 
 
 def model_context_len(model: str) -> int:
-    """The model's trained context length, read from its metadata (default 2048, like the loader)."""
+    """The model's trained context length, read from its metadata (default 2048, like the
+    loader)."""
     if os.path.isdir(model):
         path = os.path.join(model, "config.json")
         with open(path) as f:

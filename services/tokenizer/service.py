@@ -5,8 +5,8 @@ answers TOKENIZER_STATUS, which the gateway's /health asks.
 Both hand-offs are acknowledged: the tokenizer acks the gateway's request on receipt, and the
 scheduler acks each submit. So a request meets a missing service at once (NATS's "no responders"),
 as a 503 on its stream, instead of waiting out its timeout. Each submit waits for its ack in a task
-of its own, so the next request is taken and tokenized meanwhile instead of waiting for every earlier
-one's ack round trip; ``stop`` waits for those tasks before the connection may close."""
+of its own, so the next request is taken and tokenized meanwhile instead of waiting for every
+earlier one's ack round trip; ``stop`` waits for those tasks before the connection may close."""
 
 from __future__ import annotations
 
@@ -47,8 +47,8 @@ class TokenizerService:
         await self.bus.flush()
 
     async def stop(self) -> None:
-        """Stop taking requests, handle those already delivered, and wait until every submit in flight
-        is acknowledged or has ended its request with an error. The connection stays open."""
+        """Stop taking requests, handle those already delivered, and wait until every submit in
+        flight is acknowledged or has ended its request with an error. The connection stays open."""
         subscriptions, self._subscriptions = self._subscriptions, []
         for sub in subscriptions:
             await sub.drain()
@@ -125,7 +125,8 @@ class TokenizerService:
                 messages.StreamError(
                     request_id=tokenized.request_id,
                     status=503,
-                    message=f"The scheduler did not acknowledge the request within {SUBMIT_ACK_TIMEOUT_S:.0f} s.",
+                    message="The scheduler did not acknowledge the request within "
+                    f"{SUBMIT_ACK_TIMEOUT_S:.0f} s.",
                 )
             )
         except (

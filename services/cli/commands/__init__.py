@@ -1,1 +1,2 @@
-"""Subcommands of ``llmserve``; each module exposes ``add_parser(subparsers)`` (see ``services.cli``)."""
+"""Subcommands of ``llmserve``; each module exposes ``add_parser(subparsers)`` (see
+``services.cli``)."""

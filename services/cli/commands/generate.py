@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
             llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts
         ]
     results = llm.generate(prompts, params, progress=True)
-    for prompt, result in zip(prompts, results):
+    for prompt, result in zip(prompts, results, strict=True):
         for choice in result.outputs:
             if args.json:
                 print(

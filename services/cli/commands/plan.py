@@ -1,4 +1,5 @@
-"""``llmserve plan``: print the memory ledger (weights, activations, KV cache) for a model and budget."""
+"""``llmserve plan``: print the memory ledger (weights, activations, KV cache) for a model and
+budget."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "plan",
         help="show how a memory budget splits into weights, activations and KV cache",
-        description="Show how a memory budget splits into weights, activations and KV cache blocks.",
+        description=(
+            "Show how a memory budget splits into weights, activations and KV cache blocks."
+        ),
     )
     parser.add_argument(
         "--model",

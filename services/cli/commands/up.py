@@ -1,5 +1,5 @@
-"""``llmserve up``: run the whole stack on this machine — nats-server, redis-server and every service
-as its own process — and stop it all on Ctrl-C (or SIGTERM)."""
+"""``llmserve up``: run the whole stack on this machine — nats-server, redis-server and every
+service as its own process — and stop it all on Ctrl-C (or SIGTERM)."""
 
 from __future__ import annotations
 
@@ -63,7 +63,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         p,
         SERVED_ENGINE_DEFAULTS,
         help={
-            "num_threads": "torch threads per executor (default: the cores divided among the executors)"
+            "num_threads": (
+                "torch threads per executor (default: the cores divided among the executors)"
+            )
         },
     )
     p.set_defaults(func=run)
@@ -77,7 +79,8 @@ def _note(msg: str) -> None:
 def _curl_example(base_url: str, model: str, api_key: str | None) -> str:
     auth = f" \\\n    -H 'Authorization: Bearer {api_key}'" if api_key else ""
     return (
-        f"curl -N {base_url}/v1/chat/completions \\\n    -H 'Content-Type: application/json'{auth} \\\n"
+        f"curl -N {base_url}/v1/chat/completions \\\n"
+        f"    -H 'Content-Type: application/json'{auth} \\\n"
         f'    -d \'{{"model": "{model}", "stream": true, "max_tokens": 32, '
         f'"messages": [{{"role": "user", "content": "Hello!"}}]}}\''
     )
