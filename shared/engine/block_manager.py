@@ -167,7 +167,8 @@ class BlockManager:
         return self._cached.get(block_hash)
 
     def free_block_ids(self) -> list[int]:
-        """Free queue from next-to-evict to last-to-evict; O(num_free_blocks), for tests and debugging."""
+        """Free queue from next-to-evict to last-to-evict; O(num_free_blocks), for tests and
+        debugging."""
         return [block.block_id for block in self._free]
 
     # ---- prefix cache -------------------------------------------------------------------------
@@ -177,8 +178,8 @@ class BlockManager:
     ) -> int:
         """Leading tokens already cached (a multiple of block_size, < len(token_ids)). Read-only.
 
-        block_hashes: the chained hashes of token_ids' leading full blocks (the engine keeps them per
-        sequence, so nothing is hashed here); None hashes the blocks from token_ids."""
+        block_hashes: the chained hashes of token_ids' leading full blocks (the engine keeps them
+        per sequence, so nothing is hashed here); None hashes the blocks from token_ids."""
         return len(self._find_cached_blocks(token_ids, block_hashes)) * self.block_size
 
     def _find_cached_blocks(
@@ -228,8 +229,8 @@ class BlockManager:
 
         First call for seq_id: the cached prefix is taken first and its length returned; the caller
         skips those tokens and num_new_tokens counts the tokens after them (size it with
-        match_prefix). Later calls return 0. token_ids and block_hashes (as in match_prefix) are read
-        only on the first call.
+        match_prefix). Later calls return 0. token_ids and block_hashes (as in match_prefix) are
+        read only on the first call.
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
@@ -287,7 +288,8 @@ class BlockManager:
         return True
 
     def fork(self, parent_seq_id: Hashable, child_seq_id: Hashable) -> None:
-        """Child shares every block of the parent (ref++); a shared partial block is copied on write."""
+        """Child shares every block of the parent (ref++); a shared partial block is copied on
+        write."""
         parent = self._seq(parent_seq_id)
         if child_seq_id in self._seqs:
             raise ValueError(f"sequence {child_seq_id!r} already exists")
@@ -350,7 +352,8 @@ class BlockManager:
         )
 
     def free(self, seq_id: Hashable) -> None:
-        """Release the sequence's blocks tail first, so a prompt's tail is evicted before its head."""
+        """Release the sequence's blocks tail first, so a prompt's tail is evicted before its
+        head."""
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise KeyError(f"unknown sequence {seq_id!r} (never allocated or already freed)")

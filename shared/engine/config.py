@@ -33,7 +33,8 @@ from shared.engine.quantization import (
     QUANTIZATIONS,
 )
 
-# The weight dtypes the loader maps to torch dtypes (``models.loader.DTYPES`` has exactly these keys).
+# The weight dtypes the loader maps to torch dtypes (``models.loader.DTYPES`` has exactly these
+# keys).
 WEIGHT_DTYPES = ("bfloat16", "float16", "float32")
 
 ENV_PREFIX = "LLMSERVE_"
@@ -102,7 +103,7 @@ class EngineConfig:
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
             )
 
-    # ---- derived from the settings ----------------------------------------------------------------
+    # ---- derived from the settings ---------------------------------------------------------------
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, base: EngineConfig | None = None) -> EngineConfig:
@@ -119,9 +120,10 @@ class EngineConfig:
         *,
         include: Collection[str] | None = None,
     ) -> EngineConfig:
-        """``base`` with every setting whose environment variable is set. ``read(name, type)`` returns
-        the variable's value as ``type``, or None when it is unset: ``services.runtime.env_value``,
-        the one reader of the environment (this module reads none itself)."""
+        """``base`` with every setting whose environment variable is set. ``read(name, type)``
+        returns the variable's value as ``type``, or None when it is unset:
+        ``services.runtime.env_value``, the one reader of the environment (this module reads none
+        itself)."""
         found = {
             s.name: value for s in settings(include) if (value := read(s.env, s.type)) is not None
         }
@@ -200,9 +202,9 @@ def add_engine_arguments(
     exclude: Collection[str] = (),
     help: Mapping[str, str] | None = None,
 ) -> None:
-    """Add the engine settings' flags to ``parser`` (``help`` replaces a setting's help text for this
-    command). Their argparse default is SUPPRESS, so ``from_args`` can tell a flag given from one
-    left to the environment or to ``defaults``, which only the help shows."""
+    """Add the engine settings' flags to ``parser`` (``help`` replaces a setting's help text for
+    this command). Their argparse default is SUPPRESS, so ``from_args`` can tell a flag given from
+    one left to the environment or to ``defaults``, which only the help shows."""
     defaults = defaults or EngineConfig()
     group = parser.add_argument_group("engine settings")
     for s in settings(include, exclude):

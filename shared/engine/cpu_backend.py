@@ -1,10 +1,10 @@
 """The CPU kernels as one backend, chosen once and handed to whatever runs on it.
 
-Invariant: ``CpuBackend.pick`` is the only place in the engine that asks ``kernels.cpu`` which kernels
-run here. Everything that can take a kernel path (the linears' weight layout, the fused decoder-layer
-forward, attention, the sampler's argmax) is handed a ``CpuBackend`` (or its ``ops``) by its caller,
-so a backend without ops turns the kernels off everywhere at once: no component can disagree with
-another about whether the kernels are on.
+Invariant: ``CpuBackend.pick`` is the only place in the engine that asks ``kernels.cpu`` which
+kernels run here. Everything that can take a kernel path (the linears' weight layout, the fused
+decoder-layer forward, attention, the sampler's argmax) is handed a ``CpuBackend`` (or its ``ops``)
+by its caller, so a backend without ops turns the kernels off everywhere at once: no component can
+disagree with another about whether the kernels are on.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 @dataclass(frozen=True)
 class CpuBackend:
-    """``ops``: the kernels' op namespace (``torch.ops.llmserve_cpu_<level>``), or None: every op takes
-    the torch path, for the reason in ``reason``. ``level``: the ISA level of ``ops`` (None without)."""
+    """``ops``: the kernels' op namespace (``torch.ops.llmserve_cpu_<level>``), or None: every op
+    takes the torch path, for the reason in ``reason``. ``level``: the ISA level of ``ops`` (None
+    without)."""
 
     ops: Any | None
     level: str | None = None
@@ -40,14 +41,15 @@ class CpuBackend:
     def pick(
         cls, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16
     ) -> CpuBackend:
-        """The best kernel level for a model with weights of ``dtype`` on ``device``, or the torch path
-        with the reason (not a CPU, a dtype the kernels do not take, ``LLMSERVE_CPU_KERNELS=0``, no
-        level on this CPU, a failed build)."""
+        """The best kernel level for a model with weights of ``dtype`` on ``device``, or the torch
+        path with the reason (not a CPU, a dtype the kernels do not take,
+        ``LLMSERVE_CPU_KERNELS=0``, no level on this CPU, a failed build)."""
         if torch.device(device).type != "cpu":
             return cls.off(f"the model is on {device}, not the CPU")
         if dtype not in KERNEL_DTYPES:
             return cls.off(
-                f"the kernels take float32 or bfloat16 weights, not {str(dtype).removeprefix('torch.')}"
+                "the kernels take float32 or bfloat16 weights, "
+                f"not {str(dtype).removeprefix('torch.')}"
             )
         ops = kernels_cpu.cpu_ops()
         return cls.off(kernels_cpu.unavailable_reason()) if ops is None else cls.of(ops)
@@ -70,14 +72,16 @@ class CpuBackend:
         return self.ops is not None
 
     def attention_ops(self, num_heads: int, num_kv_heads: int, head_dim: int) -> Any | None:
-        """``ops`` where the attention kernels cover this head shape, else None (torch attention)."""
+        """``ops`` where the attention kernels cover this head shape, else None (torch
+        attention)."""
         if self.ops is None or not self.ops.attention_supports(num_heads, num_kv_heads, head_dim):
             return None
         return self.ops
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """``x.argmax(dim=-1)`` of a 2-D tensor, by the kernel where it applies: the same indices (first
-        maximum; NaN counts as the maximum), several times faster than torch's on large vocabularies."""
+        """``x.argmax(dim=-1)`` of a 2-D tensor, by the kernel where it applies: the same indices
+        (first maximum; NaN counts as the maximum), several times faster than torch's on large
+        vocabularies."""
         if (
             self.ops is not None
             and x.device.type == "cpu"

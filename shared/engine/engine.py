@@ -1,4 +1,5 @@
-"""The engine: add requests, step, get per-request deltas. One engine = one executor's model + KV pool.
+"""The engine: add requests, step, get per-request deltas. One engine = one executor's model + KV
+pool.
 
 Per step: the scheduler picks tokens under the batch budget, pending copy-on-write block copies are
 applied, one forward runs over the flattened batch, computed blocks are committed to the prefix
@@ -38,8 +39,9 @@ class PromptTooLongError(ValueError):
 
 
 class Engine:
-    """``backend``: the CPU kernels to run on (default: ``CpuBackend.pick``, the best this host has for
-    the configured device and dtype); the model, attention and the sampler all run on this one."""
+    """``backend``: the CPU kernels to run on (default: ``CpuBackend.pick``, the best this host has
+    for the configured device and dtype); the model, attention and the sampler all run on this
+    one."""
 
     def __init__(
         self, config: EngineConfig, *, progress: bool = True, backend: CpuBackend | None = None
@@ -134,8 +136,9 @@ class Engine:
         block_size = self.config.block_size
         if block_hashes is not None and len(block_hashes) != len(ids) // block_size:
             raise ValueError(
-                f"block_hashes has {len(block_hashes)} hashes, but the prompt's {len(ids)} tokens fill "
-                f"{len(ids) // block_size} blocks of {block_size}: were they hashed with another block size?"
+                f"block_hashes has {len(block_hashes)} hashes, but the prompt's {len(ids)} "
+                f"tokens fill {len(ids) // block_size} blocks of {block_size}: were they hashed "
+                "with another block size?"
             )
         max_tokens = (
             params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
@@ -165,8 +168,9 @@ class Engine:
         total = len(ids) + (params.max_tokens or 0)
         if len(ids) >= self.max_model_len or total > self.max_model_len:
             raise PromptTooLongError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                f"{len(ids)} tokens and max_tokens asks for {params.max_tokens or 0} more"
+                f"this model's maximum context length is {self.max_model_len} tokens; "
+                f"the prompt has {len(ids)} tokens and max_tokens asks for "
+                f"{params.max_tokens or 0} more"
             )
         usable_tokens = (self.kv_cache.num_blocks - 1) * self.config.block_size
         if total > usable_tokens:
@@ -246,7 +250,7 @@ class Engine:
         to_sample: list[Sequence] = []
         rows: list[int] = []
         row = 0
-        for (seq, _), chunk in zip(sched.scheduled, chunks):
+        for (seq, _), chunk in zip(sched.scheduled, chunks, strict=True):
             if not chunk.need_logits:
                 continue
             to_sample.append(seq)
@@ -278,7 +282,7 @@ class Engine:
             logits.device,
         )
         result = sample(logits, batch, self.backend)
-        for seq, token, lp in zip(seqs, result.sampled_token_ids, result.logprobs):
+        for seq, token, lp in zip(seqs, result.sampled_token_ids, result.logprobs, strict=True):
             self.outputs.append_token(seq, token, lp)
         self._counters["num_generated_tokens"] += len(seqs)
 

@@ -77,7 +77,7 @@ def relocate(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     arena = torch.empty(total, dtype=torch.uint8)
     advise(arena)
     out = []
-    for t, offset in zip(tensors, offsets):
+    for t, offset in zip(tensors, offsets, strict=True):
         nbytes = t.numel() * t.element_size()
         view = arena[offset : offset + nbytes].view(t.dtype).view(t.shape)
         out.append(view.copy_(t))

@@ -1,16 +1,17 @@
 """The paged KV cache: per layer, one K and one V tensor of fixed-size blocks.
 
     k_cache[layer]: [num_blocks, block_size, num_kv_heads, head_dim]      (model dtype)
-                    [num_blocks, block_size, num_kv_heads, head_dim + 4]  (int8: values, then the row's
-                                                                           fp32 scale as 4 bytes)
+                    [num_blocks, block_size, num_kv_heads, head_dim + 4]  (int8: values, then
+                                                                           the row's fp32 scale
+                                                                           as 4 bytes)
                      block 0 = padding (never allocated; padded block-table entries point at it)
 
 Allocated once, up front, from the memory ledger's block count: nothing is allocated per request.
 
 int8 (``kv_cache_dtype="int8"``): each (token, KV head) row x is stored as q = round(x / s) with
-s = max|x| / 127, symmetric, rounded half to even (an all-zero row gets s = 0). The scale travels in the
-row's last 4 bytes, so a block is self-contained: copy-on-write, and later KV pages over the wire,
-move bytes without knowing the format. A row reads back as (q * s) rounded to the model dtype.
+s = max|x| / 127, symmetric, rounded half to even (an all-zero row gets s = 0). The scale travels in
+the row's last 4 bytes, so a block is self-contained: copy-on-write, and later KV pages over the
+wire, move bytes without knowing the format. A row reads back as (q * s) rounded to the model dtype.
 """
 
 from __future__ import annotations

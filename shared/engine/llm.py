@@ -9,7 +9,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Union
 
 from tqdm import tqdm
 
@@ -17,7 +16,7 @@ from shared.engine.engine import Engine, EngineConfig
 from shared.wire.outputs import TokenLogprobs
 from shared.wire.sampling_params import SamplingParams
 
-Prompt = Union[str, list[int]]
+Prompt = str | list[int]
 
 
 @dataclass
@@ -67,7 +66,7 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         results: dict[str, GenerationResult] = {}
         order = []
-        for prompt, p in zip(prompts, params):
+        for prompt, p in zip(prompts, params, strict=True):
             rid = f"llm-{self._next_id}"
             self._next_id += 1
             self.engine.add_request(rid, prompt, p)

@@ -1,8 +1,8 @@
 """The exact memory ledger: weights + activations + KV cache = the configured budget.
 
 ``plan_memory`` is the single source of truth for the size of the KV pool: the runtime allocates
-exactly ``MemoryLedger.num_kv_blocks`` blocks, and ``llmserve plan`` prints the same ledger, so what a
-user plans is what the executor gets.
+exactly ``MemoryLedger.num_kv_blocks`` blocks, and ``llmserve plan`` prints the same ledger, so what
+a user plans is what the executor gets.
 
 KV pool layout (one K and one V tensor per layer, see ``kv_cache.py``)::
 
@@ -55,7 +55,8 @@ def dtype_bytes(dtype: str) -> int:
 
 
 def parse_bytes(text: str | int) -> int:
-    """``"80GiB"``, ``"512MiB"``, ``"1.5GB"``, ``"1024"`` -> bytes (fractions of a byte round down)."""
+    """``"80GiB"``, ``"512MiB"``, ``"1.5GB"``, ``"1024"`` -> bytes (fractions of a byte round
+    down)."""
     if isinstance(text, int) and not isinstance(text, bool):
         if text < 0:
             raise ValueError(f"memory size must not be negative, got {text}")
@@ -92,9 +93,9 @@ def format_bytes(num_bytes: int) -> str:
 
 
 def kv_bytes_per_token(config: ModelConfig, kv_dtype: str) -> int:
-    """K and V, for every layer and KV head: 2 x num_layers x num_kv_heads x head_dim x bytes. An int8
-    row also carries its fp32 scale: 2 x num_layers x num_kv_heads x (head_dim + 4), as the engine's
-    int8 cache holds it (``shared/engine/kv_cache.py``)."""
+    """K and V, for every layer and KV head: 2 x num_layers x num_kv_heads x head_dim x bytes. An
+    int8 row also carries its fp32 scale: 2 x num_layers x num_kv_heads x (head_dim + 4), as the
+    engine's int8 cache holds it (``shared/engine/kv_cache.py``)."""
     row = (
         config.head_dim + KV_SCALE_BYTES
         if kv_dtype == "int8"
@@ -141,8 +142,8 @@ def activation_bytes(
 ) -> int:
     """Conservative peak transient memory of one forward pass over a full token budget.
 
-    With T = max_num_batched_tokens, h = hidden, q = num_heads x head_dim, kv = num_kv_heads x head_dim,
-    i = intermediate, V = vocab, R = min(max_num_seqs, T), b = bytes of ``dtype``::
+    With T = max_num_batched_tokens, h = hidden, q = num_heads x head_dim, kv = num_kv_heads x
+    head_dim, i = intermediate, V = vocab, R = min(max_num_seqs, T), b = bytes of ``dtype``::
 
         T x (2h           residual stream + its RMS-normed copy
              + (q + 2kv)  fused QKV projection output
@@ -152,9 +153,9 @@ def activation_bytes(
         + R x V x 4 x 2   fp32 logits of the sampled rows, and the sampler's working copy
         + T x (i + 4)     int8 only: a linear's input quantized (at most i bytes) and its row scale
 
-    Every buffer is counted as if alive at once (an upper bound: layers run one at a time, so only one
-    layer's buffers exist). R <= T because every scheduled sequence puts at least one token in the step.
-    Attention is assumed paged/fused, never materializing a T x context score matrix.
+    Every buffer is counted as if alive at once (an upper bound: layers run one at a time, so only
+    one layer's buffers exist). R <= T because every scheduled sequence puts at least one token in
+    the step. Attention is assumed paged/fused, never materializing a T x context score matrix.
     """
     if max_num_batched_tokens <= 0 or max_num_seqs <= 0:
         raise ValueError(
@@ -204,7 +205,8 @@ class MemoryLedger:
 
     @property
     def headroom_bytes(self) -> int:
-        """Budget left over: less than one block, since the pool takes every whole block that fits."""
+        """Budget left over: less than one block, since the pool takes every whole block that
+        fits."""
         return (
             self.memory_budget_bytes
             - self.weight_bytes
@@ -252,8 +254,9 @@ def plan_memory(
     minimum = weights + activations + 2 * per_block
     if memory_budget_bytes < minimum:
         raise InsufficientMemoryError(
-            f"memory budget {format_bytes(memory_budget_bytes)} ({memory_budget_bytes} B) is below the "
-            f"minimum {format_bytes(minimum)} ({minimum} B): weights {format_bytes(weights)} + "
+            f"memory budget {format_bytes(memory_budget_bytes)} ({memory_budget_bytes} B) "
+            f"is below the minimum {format_bytes(minimum)} ({minimum} B): "
+            f"weights {format_bytes(weights)} + "
             f"activations {format_bytes(activations)} + 2 KV blocks of {format_bytes(per_block)}"
         )
     num_blocks = (memory_budget_bytes - weights - activations) // per_block
@@ -315,7 +318,8 @@ def format_ledger(ledger: MemoryLedger, config: ModelConfig) -> str:
         ),
         (
             "kv blocks",
-            f"{ledger.num_kv_blocks:,}  (block 0 is padding: {ledger.num_usable_kv_blocks:,} usable)",
+            f"{ledger.num_kv_blocks:,}  "
+            f"(block 0 is padding: {ledger.num_usable_kv_blocks:,} usable)",
         ),
         ("kv tokens", f"{ledger.num_kv_tokens:,}"),
         (

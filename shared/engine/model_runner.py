@@ -35,8 +35,8 @@ class ScheduledChunk:
     decode_from: int | None = None
 
     def split(self) -> tuple[int, int]:
-        """(prefill tokens, decode tokens): the chunk's first tokens go to the prefill kernel, the rest
-        are one decode each."""
+        """(prefill tokens, decode tokens): the chunk's first tokens go to the prefill kernel, the
+        rest are one decode each."""
         n = len(self.token_ids)
         if self.decode_from is None:
             return (0, 1) if n == 1 else (n, 0)
@@ -45,7 +45,8 @@ class ScheduledChunk:
 
 
 class ModelRunner:
-    """``model``: a model on its backend (``ModelRuntime``), or a bare ``LlamaModel`` (the torch path)."""
+    """``model``: a model on its backend (``ModelRuntime``), or a bare ``LlamaModel`` (the torch
+    path)."""
 
     def __init__(self, model: ModelRuntime | LlamaModel, kv_cache: KVCache) -> None:
         self.model = model
@@ -97,7 +98,7 @@ class ModelRunner:
         hidden = self.model(input_ids, self.kv_cache.layers, meta)
         rows = [
             meta.query_start_loc[index + (0 if is_decode else len(decodes)) + 1] - 1
-            for (is_decode, index), c in zip(last_item, chunks)
+            for (is_decode, index), c in zip(last_item, chunks, strict=True)
             if c.need_logits
         ]
         if not rows:

@@ -98,7 +98,8 @@ class OutputProcessor:
 
     def take_delta(self, seq: Sequence) -> CompletionDelta | None:
         """The output since the last delta, or None if there is nothing new to say. A choice's
-        finish_reason goes out once: with n > 1 the request's other choices keep stepping after it."""
+        finish_reason goes out once: with n > 1 the request's other choices keep stepping after
+        it."""
         if seq.finish_emitted:
             return None
         end = len(seq.text)

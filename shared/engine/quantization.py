@@ -2,11 +2,14 @@
 
 ``EngineConfig.quantization``: "int8": int8 weights and activations in every decoder linear, see
 ``shared/engine/models/int8_linear.py``.
-``EngineConfig.kv_cache_dtype``: "auto" keeps K/V in the model dtype; "int8": one int8 per element and
-an fp32 scale per (token, KV head) row, see ``shared/engine/kv_cache.py``."""
+``EngineConfig.kv_cache_dtype``: "auto" keeps K/V in the model dtype; "int8": one int8 per element
+and an fp32 scale per (token, KV head) row, see ``shared/engine/kv_cache.py``."""
 
 QUANTIZATIONS = ("int8",)
-QUANTIZATION_HELP = "int8: int8 weights and activations in the decoder linears (the CPU kernels; faster, slightly less exact)"
+QUANTIZATION_HELP = (
+    "int8: int8 weights and activations in the decoder linears "
+    "(the CPU kernels; faster, slightly less exact)"
+)
 
 KV_CACHE_DTYPES = ("auto", "int8")
 KV_SCALE_BYTES = 4  # the fp32 scale after the values of each (token, KV head) row of an int8 cache

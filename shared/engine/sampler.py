@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import torch
@@ -37,7 +38,8 @@ _TORCH = CpuBackend.off("no backend handed to the sampler")
 
 
 class SamplerOutput(msgspec.Struct, kw_only=True, frozen=True):
-    """One entry per row of the batch, in row order; logprobs[i] is None unless row i asked for them."""
+    """One entry per row of the batch, in row order; logprobs[i] is None unless row i asked for
+    them."""
 
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
@@ -110,7 +112,7 @@ class SamplingBatch:
             penalties = _build_penalties(
                 params_list, prompt_token_ids, output_token_ids, vocab_size, device
             )
-        common = dict(
+        common: dict[str, Any] = dict(
             num_seqs=num_seqs,
             vocab_size=vocab_size,
             all_greedy=all_greedy,
@@ -131,19 +133,19 @@ class SamplingBatch:
             )
 
         # Greedy rows get neutral values so the vectorised random path runs harmlessly over them.
-        temps = [1.0 if g else p.temperature for p, g in zip(params_list, greedy)]
+        temps = [1.0 if g else p.temperature for p, g in zip(params_list, greedy, strict=True)]
         ks = [
             vocab_size if g or p.top_k <= 0 else min(p.top_k, vocab_size)
-            for p, g in zip(params_list, greedy)
+            for p, g in zip(params_list, greedy, strict=True)
         ]
-        ps = [1.0 if g else p.top_p for p, g in zip(params_list, greedy)]
-        mins = [0.0 if g else p.min_p for p, g in zip(params_list, greedy)]
+        ps = [1.0 if g else p.top_p for p, g in zip(params_list, greedy, strict=True)]
+        mins = [0.0 if g else p.min_p for p, g in zip(params_list, greedy, strict=True)]
         seeded = tuple(
             (i, gen)
-            for i, (gen, g) in enumerate(zip(generators, greedy))
+            for i, (gen, g) in enumerate(zip(generators, greedy, strict=True))
             if gen is not None and not g
         )
-        f32 = dict(dtype=torch.float32, device=device)
+        f32: dict[str, Any] = dict(dtype=torch.float32, device=device)
         return cls(
             greedy_mask=torch.tensor(greedy, dtype=torch.bool, device=device)
             if any(greedy)
@@ -240,7 +242,8 @@ def apply_penalties(
     Token id tensors are [num_seqs, L] int64 padded with vocab_size (= logits.shape[1]).
     Repetition (HF/vLLM): on tokens seen in prompt or output, positive logits are divided by the
     penalty and negative ones multiplied, so a penalty > 1 always makes them less likely.
-    Presence/frequency (OpenAI): logit -= frequency * count + presence * (count > 0), over output only.
+    Presence/frequency (OpenAI): logit -= frequency * count + presence * (count > 0), over output
+    only.
     """
     vocab_size = logits.shape[1]
     output_counts = _token_counts(output_token_ids, vocab_size, logits.dtype)
@@ -307,14 +310,15 @@ def compute_logprobs(
                 token_id=ids[i],
                 logprob=chosen_lp[i],
                 rank=ranks[i],
-                top=list(zip(top_ids[i][:n], top_vals[i][:n])),
+                top=list(zip(top_ids[i][:n], top_vals[i][:n], strict=True)),
             )
         )
     return out
 
 
 def _token_counts(token_ids: torch.Tensor, vocab_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """[num_seqs, vocab_size] occurrence counts; the padding id vocab_size lands in a dropped column."""
+    """[num_seqs, vocab_size] occurrence counts; the padding id vocab_size lands in a dropped
+    column."""
     counts = torch.zeros(token_ids.shape[0], vocab_size + 1, dtype=dtype, device=token_ids.device)
     counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=dtype))
     return counts[:, :vocab_size]
@@ -340,10 +344,14 @@ def _build_penalties(
     device: torch.device | str,
 ) -> PenaltyBatch:
     prompts = [
-        ids if p.uses_repetition_penalty else () for p, ids in zip(params_list, prompt_token_ids)
+        ids if p.uses_repetition_penalty else ()
+        for p, ids in zip(params_list, prompt_token_ids, strict=True)
     ]
-    outputs = [ids if p.uses_penalties else () for p, ids in zip(params_list, output_token_ids)]
-    f32 = dict(dtype=torch.float32, device=device)
+    outputs = [
+        ids if p.uses_penalties else ()
+        for p, ids in zip(params_list, output_token_ids, strict=True)
+    ]
+    f32: dict[str, Any] = dict(dtype=torch.float32, device=device)
     return PenaltyBatch(
         prompt_token_ids=pad_token_ids(prompts, vocab_size, device),
         output_token_ids=pad_token_ids(outputs, vocab_size, device),

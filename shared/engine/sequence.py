@@ -85,7 +85,8 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     def full_block_hashes(self, block_size: int) -> list[int]:
-        """The chained hash of every full block of token_ids, hashing only blocks not hashed before."""
+        """The chained hash of every full block of token_ids, hashing only blocks not hashed
+        before."""
         hashes = self.block_hashes
         tokens = self.token_ids
         parent = hashes[-1] if hashes else None

@@ -1,11 +1,12 @@
 """Chained KV block hashes, identical in every process and every run.
 
-hash(block i) = H(hash(block i-1), tokens of block i), so equal hashes mean equal whole prefixes, and a
-prefix index can find a prompt's cached prefix as the leading run of known hashes.
+hash(block i) = H(hash(block i-1), tokens of block i), so equal hashes mean equal whole prefixes,
+and a prefix index can find a prompt's cached prefix as the leading run of known hashes.
 
 Byte layout fed to keyed BLAKE2b (8-byte digest):
 
-    [1 byte: 0 = no parent, 1 = parent][8 bytes: parent hash, little-endian][4 bytes per token: uint32 LE]
+    [1 byte: 0 = no parent, 1 = parent][8 bytes: parent hash, little-endian]
+        [4 bytes per token: uint32 LE]
 
 The result is the digest read little-endian and masked to 63 bits: non-negative and within a signed
 int64, so it survives msgspec, Redis, numpy/torch int64 and SQL BIGINT unchanged. Changing the key,

@@ -2,22 +2,23 @@
 
 Every service talks through ``Bus``: publish, request/reply with a clear ``BusTimeout``, callback
 subscriptions whose handler exceptions are logged (never killing the subscription) and iterator
-subscriptions for per-request streams. Subjects come from ``shared.wire.subjects``; payloads are bytes
-(encode with ``shared.wire.messages`` codecs).
+subscriptions for per-request streams. Subjects come from ``shared.wire.subjects``; payloads are
+bytes (encode with ``shared.wire.messages`` codecs).
 
-Ordering: NATS delivers the messages of one publisher connection to one subscription in publish order.
-A callback subscription runs its handler for one message at a time, so per-subscription order is kept
-(the gateway's token stream depends on it). A handler that must not block the next message should hand
-work to its own task.
+Ordering: NATS delivers the messages of one publisher connection to one subscription in publish
+order. A callback subscription runs its handler for one message at a time, so per-subscription order
+is kept (the gateway's token stream depends on it). A handler that must not block the next message
+should hand work to its own task.
 
-Subscribe-before-publish: a SUB and a later PUB on the *same* connection reach the server in order, so
-the gateway can subscribe to ``stream(rid)`` and publish the request without a flush. Across
+Subscribe-before-publish: a SUB and a later PUB on the *same* connection reach the server in order,
+so the gateway can subscribe to ``stream(rid)`` and publish the request without a flush. Across
 connections (tests, other processes) call ``flush()`` after subscribing to be sure the server knows.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -33,8 +34,8 @@ log = logging.getLogger("llmserve.bus")
 
 Handler = Callable[[Msg], Awaitable[None]]
 
-# A subscription buffers at most this many unprocessed messages (nats-py drops beyond it and reports a
-# slow consumer). Generous: a stream subscription may fall behind a fast executor for a while.
+# A subscription buffers at most this many unprocessed messages (nats-py drops beyond it and reports
+# a slow consumer). Generous: a stream subscription may fall behind a fast executor for a while.
 PENDING_MSGS_LIMIT = 1 << 16
 PENDING_BYTES_LIMIT = 256 * 1024 * 1024
 
@@ -67,7 +68,8 @@ class Subscription:
         self.subject: str = sub.subject
 
     async def next(self, timeout: float | None = None) -> Msg:
-        """The next message; ``BusTimeout`` if none arrives within ``timeout`` seconds (None = wait)."""
+        """The next message; ``BusTimeout`` if none arrives within ``timeout`` seconds (None =
+        wait)."""
         try:
             # nats-py treats timeout=None as "wait forever" (asyncio.wait_for semantics).
             return await self._sub.next_msg(timeout=timeout)
@@ -87,14 +89,13 @@ class Subscription:
                 return
 
     async def unsubscribe(self) -> None:
-        try:
-            await self._sub.unsubscribe()
-        except (
+        # Already gone: unsubscribing is idempotent.
+        with contextlib.suppress(
             nats.errors.BadSubscriptionError,
             nats.errors.ConnectionClosedError,
             nats.errors.ConnectionDrainingError,
         ):
-            pass  # already gone: unsubscribing is idempotent
+            await self._sub.unsubscribe()
 
     async def __aenter__(self) -> Subscription:
         return self
@@ -116,8 +117,8 @@ class Bus:
         cls, url: str, name: str, *, connect_timeout_s: float = 30.0, reconnect_wait_s: float = 0.5
     ) -> Bus:
         """Connect, retrying the *first* connection for up to ``connect_timeout_s`` (a service may
-        start before the server is up); after that, reconnect forever. ``name`` shows in the server's
-        monitoring and in our logs."""
+        start before the server is up); after that, reconnect forever. ``name`` shows in the
+        server's monitoring and in our logs."""
         connected = False
         holder: list[Bus] = []
 
@@ -142,7 +143,7 @@ class Bus:
                     allow_reconnect=True,
                     max_reconnect_attempts=-1,
                     reconnect_time_wait=reconnect_wait_s,
-                    connect_timeout=2,  # type: ignore[arg-type]
+                    connect_timeout=2,
                     ping_interval=5,
                     max_outstanding_pings=3,
                     error_cb=on_error,
@@ -205,7 +206,8 @@ class Bus:
     ) -> _NatsSubscription:
         """Run ``await handler(msg)`` for each message, one at a time, in arrival order. With
         ``queue``, each message goes to one member of the queue group. A handler's exception is
-        logged and the subscription carries on. Returns the nats subscription (``.unsubscribe()``)."""
+        logged and the subscription carries on. Returns the nats subscription
+        (``.unsubscribe()``)."""
 
         async def guarded(msg: Msg) -> None:
             try:
@@ -240,8 +242,9 @@ class Bus:
         try:
             # nats-py 2.16 writes flush()'s PING straight to the socket, while SUB and PUB commands
             # wait in its pending buffer for the flusher task: the PONG could come back before the
-            # server had seen our SUBs (a subscriber then missed a request sent by another connection
-            # right after). So first wait until the flusher has written the pending buffer.
+            # server had seen our SUBs (a subscriber then missed a request sent by another
+            # connection right after). So first wait until the flusher has written the pending
+            # buffer.
             async def written_then_acknowledged() -> None:
                 await self._nc._flush_pending(force_flush=True)
                 await self._nc.flush(timeout=timeout)  # type: ignore[arg-type]

@@ -2,8 +2,8 @@
 
 Applying a stream of batches in `seq` order reproduces the executor's set of cached block hashes:
 every hash in a BlockStored is in the executor's cache map when the event is recorded, and a
-BlockRemoved is recorded exactly when a hash leaves that map. BlockStored may repeat a hash the index
-already holds, so applying it must be idempotent (set insert).
+BlockRemoved is recorded exactly when a hash leaves that map. BlockStored may repeat a hash the
+index already holds, so applying it must be idempotent (set insert).
 """
 
 from __future__ import annotations

@@ -52,8 +52,9 @@ class TokenizedRequest(msgspec.Struct, kw_only=True, frozen=True):
 class ExecuteRequest(msgspec.Struct, kw_only=True, frozen=True):
     """Scheduler → executor: run this request to completion and stream its deltas.
 
-    ``block_hashes`` are the tokenizer's, passed on unchanged: the engine uses them instead of hashing
-    the prompt again, and rejects a request whose hash count is not its prompt's full-block count."""
+    ``block_hashes`` are the tokenizer's, passed on unchanged: the engine uses them instead of
+    hashing the prompt again, and rejects a request whose hash count is not its prompt's full-block
+    count."""
 
     request_id: str
     model: str  # the executor it is sent to serves it (the router's invariant)
@@ -67,7 +68,8 @@ class ExecuteRequest(msgspec.Struct, kw_only=True, frozen=True):
 
 class StreamError(msgspec.Struct, kw_only=True, frozen=True, tag="error", tag_field="kind"):
     """Ends a request with an error. ``status`` is the HTTP status the gateway answers with (or puts
-    in the SSE error event once streaming has begun); ``retry_after_s`` goes to Retry-After on 429."""
+    in the SSE error event once streaming has begun); ``retry_after_s`` goes to Retry-After on
+    429."""
 
     request_id: str
     status: int

@@ -11,9 +11,11 @@ import msgspec
 class TokenLogprobs(msgspec.Struct, kw_only=True, frozen=True, array_like=True):
     """Logprobs of one sampled token, computed from the raw logits (before penalties/temperature).
 
-    rank: 1-based position of the chosen token by logprob (1 = most likely; ties share the best rank).
-    top: the N most likely (token_id, logprob) pairs, sorted by logprob descending; N = the request's
-    `logprobs` (empty when it is 0). The chosen token appears in `top` only if it is among them.
+    rank: 1-based position of the chosen token by logprob (1 = most likely; ties share the best
+    rank).
+    top: the N most likely (token_id, logprob) pairs, sorted by logprob descending; N = the
+    request's `logprobs` (empty when it is 0). The chosen token appears in `top` only if it is among
+    them.
     token, top_tokens: the text of token_id and of each `top` id, each decoded alone (special tokens
     included; a partial UTF-8 character shows as U+FFFD), named by the executor where it decodes the
     output, so the gateway needs no vocabulary. None where no name was given (the sampler's output

@@ -31,8 +31,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     repetition_penalty (multiplicative, prompt + output tokens): 1 = off.
     presence_penalty / frequency_penalty (subtractive, output tokens only): 0 = off.
     seed: None = unseeded. logprobs: None = none; N = the chosen token plus the top-N alternatives.
-    stop / stop_token_ids / ignore_eos / skip_special_tokens / include_stop_str_in_output are applied
-    by the engine and detokenizer, not by the sampler.
+    stop / stop_token_ids / ignore_eos / skip_special_tokens / include_stop_str_in_output are
+    applied by the engine and detokenizer, not by the sampler.
     """
 
     n: int = 1
@@ -111,7 +111,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
-        """Strict conversion (no str→int coercion, unknown fields rejected); ValueError on bad input."""
+        """Strict conversion (no str→int coercion, unknown fields rejected); ValueError on bad
+        input."""
         try:
             return msgspec.convert(d, cls, strict=True)
         except msgspec.ValidationError as e:
@@ -122,7 +123,8 @@ _json_decoder = msgspec.json.Decoder(SamplingParams)
 
 
 def decode_sampling_params(data: bytes | str | dict[str, Any]) -> SamplingParams:
-    """Decode JSON bytes/str or a plain dict into validated SamplingParams; ValueError on bad input."""
+    """Decode JSON bytes/str or a plain dict into validated SamplingParams; ValueError on bad
+    input."""
     if isinstance(data, dict):
         return SamplingParams.from_dict(data)
     try:
@@ -138,7 +140,8 @@ _AT_PATH = re.compile(r"^(?P<msg>.*) - at `\$\.?(?P<path>[^`]*)`$")
 
 
 def _explain(e: msgspec.ValidationError) -> str:
-    """Rewrite msgspec's message so the field comes first: "max_tokens: expected `int | null`..."."""
+    """Rewrite msgspec's message so the field comes first:
+    "max_tokens: expected `int | null`..."."""
     text = str(e)
     if m := _UNKNOWN_FIELD.match(text):
         return f"unknown field '{m['name']}'"

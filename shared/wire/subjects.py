@@ -9,11 +9,12 @@ PREFIX = "llm.v1"
 # when a tokenizer takes the request; its output then comes on the request's stream subject. With no
 # tokenizer listening, NATS answers "no responders" at once and the gateway returns 503.
 TOKENIZER_GENERATE = f"{PREFIX}.tokenizer.generate"
-# Anyone → tokenizer (request/reply, queue group "tokenizer"): TokenizerStatusRequest → TokenizerStatus
-# (the gateway's /health).
+# Anyone → tokenizer (request/reply, queue group "tokenizer"): TokenizerStatusRequest →
+# TokenizerStatus (the gateway's /health).
 TOKENIZER_STATUS = f"{PREFIX}.tokenizer.status"
-# Tokenizer → scheduler (request/reply, queue group "scheduler"): TokenizedRequest → an empty ack once
-# routed (dispatched, queued or failed on the request's stream); "no responders": no scheduler runs.
+# Tokenizer → scheduler (request/reply, queue group "scheduler"): TokenizedRequest → an empty ack
+# once routed (dispatched, queued or failed on the request's stream); "no responders": no scheduler
+# runs.
 SCHEDULER_SUBMIT = f"{PREFIX}.scheduler.submit"
 # Executor → scheduler (publish): RequestProgress, when a request streams its first token and when
 # it finishes, so in-flight load and fail-over know what each executor holds.
@@ -50,7 +51,8 @@ def executor_stats(executor_id: str) -> str:
 
 
 def stream(request_id: str) -> str:
-    """Token deltas, final usage or an error for one request; the gateway subscribes before dispatch."""
+    """Token deltas, final usage or an error for one request; the gateway subscribes before
+    dispatch."""
     return f"{PREFIX}.stream.{_token(request_id, 'request id')}"
 
 

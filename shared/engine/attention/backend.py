@@ -24,7 +24,8 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,  # [num_tokens, num_heads * head_dim], RoPE applied
         k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim], RoPE applied
         v: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim (+ 4: int8, see kv_cache)]
+        # [num_blocks, block_size, num_kv_heads, head_dim (+ 4: int8, see kv_cache)]
+        k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
@@ -97,9 +98,9 @@ class TorchAttentionBackend:
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             seq_len = meta.seq_lens[i]
             if seq_len == end - start and k_cache.dtype != torch.int8:
-                # Nothing cached before this chunk: its own fresh K/V are all it attends to. (An int8
-                # cache is always read back, so a prompt attends to the same values whether its prefix
-                # was cached or computed in this chunk.)
+                # Nothing cached before this chunk: its own fresh K/V are all it attends to. (An
+                # int8 cache is always read back, so a prompt attends to the same values whether its
+                # prefix was cached or computed in this chunk.)
                 ki, vi = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
             else:
                 ki, vi = self._gather(k_cache, v_cache, meta.block_tables[i], seq_len, q.dtype)
@@ -134,7 +135,8 @@ class TorchAttentionBackend:
         return out
 
     def _gather(self, k_cache, v_cache, block_table, seq_len, dtype):
-        """The sequence's keys and values [kvh, seq_len, d] (an int8 cache dequantized to ``dtype``)."""
+        """The sequence's keys and values [kvh, seq_len, d] (an int8 cache dequantized to
+        ``dtype``)."""
         num_blocks = -(-seq_len // k_cache.shape[1])
         ids = block_table[:num_blocks]
         kvh = self.num_kv_heads
@@ -162,9 +164,9 @@ class TorchAttentionBackend:
 
     def _decode_gathered(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """All single-token queries at once: gather each sequence's blocks (in the cache dtype, one
-        copy; an int8 cache then dequantized) padded to the longest, mask the padding, and attend per
-        KV head. At batch 32 the gather and any up-cast copy dominate a decode step, so a cache in the
-        model dtype is not converted."""
+        copy; an int8 cache then dequantized) padded to the longest, mask the padding, and attend
+        per KV head. At batch 32 the gather and any up-cast copy dominate a decode step, so a cache
+        in the model dtype is not converted."""
         nd = q.shape[0]
         kvh, d = self.num_kv_heads, self.head_dim
         max_len = meta.decode_mask.shape[-1]
@@ -192,5 +194,6 @@ class TorchAttentionBackend:
 
 
 def _readable(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Cache rows as attention reads them: an int8 cache's dequantized to ``dtype``, others as they are."""
+    """Cache rows as attention reads them: an int8 cache's dequantized to ``dtype``, others as they
+    are."""
     return dequantize_kv(rows, dtype) if rows.dtype == torch.int8 else rows

@@ -8,8 +8,9 @@ decodes first, then prefill chunks:
     query_start_loc = [0, 1, 2, 3, 7, 10]
 
 A sequence's K/V live in fixed-size blocks of the KV cache named by its row of ``block_tables``;
-token ``t`` of a sequence is stored at slot ``block_tables[s][t // block_size] * block_size + t % block_size``.
-``slot_mapping`` holds that slot for every new token, so the layer writes K/V before attending.
+token ``t`` of a sequence is stored at slot
+``block_tables[s][t // block_size] * block_size + t % block_size``. ``slot_mapping`` holds that slot
+for every new token, so the layer writes K/V before attending.
 
 "Sequences" here are attention items: a preempted sequence recomputing its sampled tokens appears as
 one decode item per token, each with the same block table and its own length (see
@@ -43,8 +44,8 @@ class AttentionMetadata:
 
     @property
     def decode_mask(self) -> torch.Tensor:
-        """[num_decodes, 1, 1, max_len] additive mask in ``mask_dtype`` over decode keys gathered padded
-        to whole blocks: every key at or past a sequence's length is -inf."""
+        """[num_decodes, 1, 1, max_len] additive mask in ``mask_dtype`` over decode keys gathered
+        padded to whole blocks: every key at or past a sequence's length is -inf."""
         if self._decode_mask is None:
             lens = self.decode_seq_lens
             max_len = (
@@ -78,22 +79,23 @@ def build_attention_metadata(
     dtype: torch.dtype = torch.float32,
 ) -> AttentionMetadata:
     """Build metadata for sequences ordered decodes first. ``num_computed[i]`` tokens of sequence i
-    are already in the cache; its ``query_lens[i]`` new tokens follow them. The first ``num_decodes``
-    sequences have one new token each and take the decode path; the rest are prefill chunks (one
-    token too, possibly: see ``ScheduledChunk.decode_from``)."""
+    are already in the cache; its ``query_lens[i]`` new tokens follow them. The first
+    ``num_decodes`` sequences have one new token each and take the decode path; the rest are prefill
+    chunks (one token too, possibly: see ``ScheduledChunk.decode_from``)."""
     if not (len(query_lens) == len(num_computed) == len(block_tables)):
         raise ValueError(
             "query_lens, num_computed and block_tables must have one entry per sequence"
         )
     if not 0 <= num_decodes <= len(query_lens) or any(n != 1 for n in query_lens[:num_decodes]):
         raise ValueError(
-            f"num_decodes={num_decodes}: the first num_decodes sequences must have one new token each"
+            f"num_decodes={num_decodes}: the first num_decodes sequences must have one new "
+            "token each"
         )
     positions: list[int] = []
     slots: list[int] = []
     seq_lens: list[int] = []
     starts = [0]
-    for q_len, start, table in zip(query_lens, num_computed, block_tables):
+    for q_len, start, table in zip(query_lens, num_computed, block_tables, strict=True):
         end = start + q_len
         if (end + block_size - 1) // block_size > len(table):
             raise ValueError(f"block table of {len(table)} blocks cannot hold {end} tokens")

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 # Architectures the Llama implementation covers. Qwen2 is Llama plus a bias on Q/K/V.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -58,7 +61,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
-                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"unsupported architecture {self.architecture!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         for name in (
             "vocab_size",
@@ -74,7 +78,8 @@ class ModelConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
@@ -88,7 +93,8 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     def num_params(self) -> int:
-        """Parameter count from shapes alone (what the memory ledger uses for models not on disk)."""
+        """Parameter count from shapes alone (what the memory ledger uses for models not on
+        disk)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.qkv_bias:
@@ -140,7 +146,8 @@ class ModelConfig:
         arch = fields.get("general.architecture", "?")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
-                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"unsupported architecture {arch!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
 
         def key(name: str, default: Any = None) -> Any:
@@ -202,7 +209,8 @@ def _hf_rope_scaling(rope: dict[str, Any]) -> RopeScaling | None:
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies of the rotary embedding (fp32, one per pair of dimensions), scaling applied.
+    """Inverse frequencies of the rotary embedding (fp32, one per pair of dimensions), scaling
+    applied.
 
     The base is computed exactly as Hugging Face does (int64 arange cast to fp32) so positions agree
     bit for bit with the reference implementation."""

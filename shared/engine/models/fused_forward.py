@@ -8,15 +8,15 @@ the kernels (tests/test_cpu_kernels.py holds them to that).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import nn
 
 from shared.engine.attention import AttentionBackend, AttentionMetadata
 from shared.engine.models.int8_linear import Int8Linear
-from shared.engine.models.llama import LlamaModel
+from shared.engine.models.llama import DecoderLayer, LlamaModel
 from shared.engine.models.packed_linear import PackedLinear
 
 
@@ -36,16 +36,16 @@ class FusedLayer(NamedTuple):
 
 
 def _rows_linear(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The cheapest call of a linear layer on 2-D rows; the module itself (a full ``__call__``) while
-    it has forward hooks, so that they fire."""
+    """The cheapest call of a linear layer on 2-D rows; the module itself (a full ``__call__``)
+    while it has forward hooks, so that they fire."""
     if module._forward_hooks or module._forward_pre_hooks:
         return module
     return module.rows if isinstance(module, (PackedLinear, Int8Linear)) else module.forward
 
 
 def fused_layers(model: LlamaModel) -> list[FusedLayer]:
-    """The model's layers as ``fused_forward`` runs them. They hold the linears as they are now: look
-    them up again after replacing a linear or adding or removing forward hooks on one."""
+    """The model's layers as ``fused_forward`` runs them. They hold the linears as they are now:
+    look them up again after replacing a linear or adding or removing forward hooks on one."""
     return [
         FusedLayer(
             layer.input_layernorm.weight,
@@ -57,7 +57,7 @@ def fused_layers(model: LlamaModel) -> list[FusedLayer]:
             _rows_linear(layer.mlp.gate_up_proj),
             _rows_linear(layer.mlp.down_proj),
         )
-        for layer in model.layers
+        for layer in cast("Iterable[DecoderLayer]", model.layers)
     ]
 
 
@@ -82,7 +82,7 @@ def fused_forward(
     qkv_sizes = [c.q_size, c.kv_size, c.kv_size]
     positions, slot_mapping = meta.positions, meta.slot_mapping
     residual = None
-    for layer, (k_cache, v_cache) in zip(layers, kv_caches):
+    for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
         if residual is None:
             residual = x
             h = rms_norm(x, layer.input_norm, layer.input_eps, None)

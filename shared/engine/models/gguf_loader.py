@@ -85,7 +85,8 @@ def hf_name(gguf_name: str) -> str | None:
 
 
 def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Inverse of llama.cpp's permute: per head, rows (0, 2, 4, …, 1, 3, 5, …) ← interleaved pairs."""
+    """Inverse of llama.cpp's permute: per head, rows (0, 2, 4, …, 1, 3, 5, …) ← interleaved
+    pairs."""
     rows = w.shape[0]
     return (
         w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
@@ -100,11 +101,12 @@ def _to_numpy(tensor) -> np.ndarray:
         data = dequantize(tensor.data, qtype)
     except NotImplementedError as e:
         raise UnsupportedModelError(
-            f"tensor {tensor.name!r} uses quantization type {qtype.name}, which cannot be dequantized "
-            f"(supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants)"
+            f"tensor {tensor.name!r} uses quantization type {qtype.name}, "
+            "which cannot be dequantized "
+            "(supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants)"
         ) from e
-    # GGUF lists dimensions innermost first; numpy's shape is the reverse, which is torch's [out, in].
-    # A copy: F32 tensors come back as views of the read-only memory map.
+    # GGUF lists dimensions innermost first; numpy's shape is the reverse, which is torch's [out,
+    # in]. A copy: F32 tensors come back as views of the read-only memory map.
     return np.array(data, dtype=np.float32).reshape(tuple(reversed([int(d) for d in tensor.shape])))
 
 

@@ -1,4 +1,5 @@
-"""Int8 weights and activations (W8A8) for a model's linear layers on the CPU: ``quantization="int8"``.
+"""Int8 weights and activations (W8A8) for a model's linear layers on the CPU:
+``quantization="int8"``.
 
 Why: on a CPU, bf16 prefill linears run at ~90% of the bf16 dot-product peak and decode streams the
 weights at the DRAM bandwidth. int8 dot products run at twice the bf16 rate (AVX512-VNNI; AVX2's
@@ -21,9 +22,9 @@ Smoothing is what keeps int8 close to bf16 (``bench_quality`` perplexity: bf16 1
 int8 without smoothing 11.79). Quality and throughput figures: the README's benchmark table and
 ``loadtests/RESULTS.md``.
 
-``int8_linear_reference`` is the same maths in torch (exact integer sums in fp64): what the kernel is
-tested against, and what a layer runs with the kernels switched off (the engine refuses int8 without
-them: the reference is far too slow to serve with).
+``int8_linear_reference`` is the same maths in torch (exact integer sums in fp64): what the kernel
+is tested against, and what a layer runs with the kernels switched off (the engine refuses int8
+without them: the reference is far too slow to serve with).
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ _CALIBRATION_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ca
 
 
 def int8_supported(ops) -> bool:
-    """Whether ``ops`` (the CPU kernel namespace, or None) can run the int8 linear here: every kernel
-    level has it (VNNI, or AVX2's byte multiply-adds)."""
+    """Whether ``ops`` (the CPU kernel namespace, or None) can run the int8 linear here: every
+    kernel level has it (VNNI, or AVX2's byte multiply-adds)."""
     return ops is not None
 
 
@@ -65,10 +66,10 @@ def int8_linear_reference(
     smooth: torch.Tensor | None,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``linear_int8`` in torch: x [rows, in] (bf16/fp32), q int8 [out, in] per-row scales ``scale``,
-    ``smooth`` fp32 [in] multiplied into x before it is quantized. Integer sums are exact (fp64);
-    the output rounds once, to x's dtype (the kernel fuses the last multiply-add, so the two can differ
-    by one rounding of the fp32 result)."""
+    """``linear_int8`` in torch: x [rows, in] (bf16/fp32), q int8 [out, in] per-row scales
+    ``scale``, ``smooth`` fp32 [in] multiplied into x before it is quantized. Integer sums are exact
+    (fp64); the output rounds once, to x's dtype (the kernel fuses the last multiply-add, so the two
+    can differ by one rounding of the fp32 result)."""
     v = x.float() if smooth is None else x.float() * smooth
     xq, xs = quantize_rows(v)
     sums = xq.double() @ q.double().T
@@ -158,8 +159,8 @@ class Int8Linear(nn.Module):
 def smoothing_factors(
     input_maxima: torch.Tensor, weight: torch.Tensor, alpha: float = SMOOTHING_ALPHA
 ) -> torch.Tensor:
-    """SmoothQuant's per-input-feature factor ``max|x_j|^alpha / max|W[:, j]|^(1 - alpha)``; features
-    never seen active (or with an all-zero weight column) keep 1."""
+    """SmoothQuant's per-input-feature factor ``max|x_j|^alpha / max|W[:, j]|^(1 - alpha)``;
+    features never seen active (or with an all-zero weight column) keep 1."""
     w_max = weight.abs().amax(dim=0).float()
     x_max = input_maxima.float()
     s = x_max.clamp_min(1e-5).pow(alpha) / w_max.clamp_min(1e-5).pow(1 - alpha)

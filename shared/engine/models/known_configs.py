@@ -1,8 +1,8 @@
 """Published model shapes by name, and resolution of ``--model NAME_OR_PATH`` to a ``ModelConfig``.
 
-Known names let ``llmserve plan`` size a deployment for a model that is not on this machine. Paths are
-read for metadata only (GGUF header, ``config.json``, safetensors headers): no weights are loaded and
-torch is not imported.
+Known names let ``llmserve plan`` size a deployment for a model that is not on this machine. Paths
+are read for metadata only (GGUF header, ``config.json``, safetensors headers): no weights are
+loaded and torch is not imported.
 """
 
 from __future__ import annotations
@@ -198,7 +198,8 @@ def _resolve_hf_dir(path: Path) -> ResolvedModel:
 
 
 def _count_safetensors(path: Path) -> int:
-    """Elements of every parameter tensor, read from the header (8-byte little-endian length + JSON)."""
+    """Elements of every parameter tensor, read from the header (8-byte little-endian length +
+    JSON)."""
     with path.open("rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(header_len))

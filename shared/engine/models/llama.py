@@ -1,8 +1,9 @@
 """The Llama family (Llama 2/3, Mistral, SmolLM, Qwen2 with its QKV bias) over a paged KV cache.
 
 One forward takes a flattened batch of new tokens from many sequences (decodes and prefill chunks
-mixed); attention reads and writes the paged cache through an ``AttentionBackend``. Weights use Hugging
-Face names on load; Q/K/V and gate/up are fused into one matrix each so a layer is four matmuls.
+mixed); attention reads and writes the paged cache through an ``AttentionBackend``. Weights use
+Hugging Face names on load; Q/K/V and gate/up are fused into one matrix each so a layer is four
+matmuls.
 """
 
 from __future__ import annotations
@@ -24,14 +25,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused op (it accumulates in fp32 for bf16 inputs); the reference's separate cast before
-        # the scale can differ in the last bf16 bit, which only moves near-tie greedy choices.
+        # One fused op (it accumulates in fp32 for bf16 inputs); the reference's separate cast
+        # before the scale can differ in the last bf16 bit, which only moves near-tie greedy
+        # choices.
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to the context, in the half-split layout
     (dimension i pairs with i + head_dim/2)."""
+
+    # Buffers, registered by reset().
+    cos_half: torch.Tensor
+    sin_half: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -135,7 +143,8 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            # An nn.Linear, or a drop-in for one once models/runtime.py has packed it.
+            self.lm_head: nn.Module = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.backend = backend
 
     @property
@@ -155,7 +164,7 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden] final-normed hidden states
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(meta.positions, x.dtype)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, k_cache, v_cache, meta)
         return self.norm(x)
 
@@ -165,12 +174,14 @@ class LlamaModel(nn.Module):
         the vocabulary projection is the largest matmul in a small model)."""
         if self.config.tie_word_embeddings:
             return F.linear(hidden, self.embed_tokens.weight).float()
-        # ``lm_head`` may have been replaced by a drop-in with another weight layout (packed_linear).
+        # ``lm_head`` may have been replaced by a drop-in with another weight layout
+        # (packed_linear).
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face-named tensors, fusing q/k/v and gate/up. Every parameter row must be set
-        exactly once, so a truncated or mismatched checkpoint fails here rather than generating noise."""
+        """Load Hugging Face-named tensors, fusing q/k/v and gate/up. Every parameter row must be
+        set exactly once, so a truncated or mismatched checkpoint fails here rather than generating
+        noise."""
         params = dict(self.named_parameters())
         rows_loaded = dict.fromkeys(params, 0)
         c = self.config
@@ -202,7 +213,8 @@ class LlamaModel(nn.Module):
             dst_view = param if size is None else param.narrow(0, offset, size)
             if tuple(dst_view.shape) != tuple(tensor.shape):
                 raise ValueError(
-                    f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst_view.shape)}"
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(dst_view.shape)}"
                 )
             with torch.no_grad():
                 dst_view.copy_(tensor)

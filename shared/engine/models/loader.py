@@ -54,7 +54,7 @@ def _iter_safetensors(path: str, dtype: torch.dtype):
         raise FileNotFoundError(f"{path} has no *.safetensors files")
     for file in files:
         with safe_open(file, framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
                 yield name, f.get_tensor(name).to(dtype)
 
 
@@ -65,8 +65,9 @@ def load_model(
     device: str | torch.device = "cpu",
     progress: bool = True,
 ) -> LlamaModel:
-    """Build the model for ``path`` (default: SmolLM2-135M-Instruct) and load its weights in ``dtype``:
-    the plain model (``models/runtime.py`` lays it out for the CPU kernels and runs it on them)."""
+    """Build the model for ``path`` (default: SmolLM2-135M-Instruct) and load its weights in
+    ``dtype``: the plain model (``models/runtime.py`` lays it out for the CPU kernels and runs it on
+    them)."""
     path = resolve_model_path(path)
     dtype = resolve_dtype(dtype)
     if os.path.isdir(path):

@@ -1,4 +1,5 @@
-"""CPU fast path for reduced-precision linears: each weight held once, in the layout its matmul reads.
+"""CPU fast path for reduced-precision linears: each weight held once, in the layout its matmul
+reads.
 
 - With the CPU kernels (bf16 weights, even ``in_features``): panels of bf16 pairs
   (``pack_linear_bf16``), read by ``linear_bf16`` at every batch size, at every kernel level.
@@ -25,7 +26,8 @@ def _kernels_fit(ops, dtype: torch.dtype, in_features: int) -> bool:
 
 
 def can_prepack(weight: torch.Tensor, ops=None) -> bool:
-    """Whether a packed layout (the kernels' or oneDNN's) serves this weight better than ``nn.Linear``."""
+    """Whether a packed layout (the kernels' or oneDNN's) serves this weight better than
+    ``nn.Linear``."""
     return (
         weight.device.type == "cpu"
         and weight.dtype in (torch.bfloat16, torch.float16)
@@ -34,8 +36,9 @@ def can_prepack(weight: torch.Tensor, ops=None) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """Drop-in for ``nn.Linear`` in inference. ``ops``: the CPU kernel namespace, or None; the kernels'
-    layout is used when it fits the weight, else oneDNN's where it runs, else the dense weight."""
+    """Drop-in for ``nn.Linear`` in inference. ``ops``: the CPU kernel namespace, or None; the
+    kernels' layout is used when it fits the weight, else oneDNN's where it runs, else the dense
+    weight."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops=None) -> None:
         super().__init__()
@@ -59,7 +62,8 @@ class PackedLinear(nn.Module):
             self.packed = weight
 
     def use_cpu_kernels(self, ops) -> None:
-        """Re-lay the weight out for the kernels' bf16 linear (``ops``, where it fits) or the fallbacks."""
+        """Re-lay the weight out for the kernels' bf16 linear (``ops``, where it fits) or the
+        fallbacks."""
         weight = self.row_major()
         if self._layout(ops, weight.dtype) != self.layout or (
             self.layout == KERNELS and ops is not self.ops
@@ -88,6 +92,7 @@ class PackedLinear(nn.Module):
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """``forward`` for x [rows, in_features], contiguous: no reshaping on the way."""
         if self.layout == KERNELS:
+            assert self.ops is not None  # _pack keeps the ops with the KERNELS layout
             return self.ops.linear_bf16(x, self.packed, self.out_features, self.bias)
         if self.layout == ONEDNN:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -99,7 +104,8 @@ class PackedLinear(nn.Module):
 
 
 def prepack_linears(module: nn.Module, ops=None) -> int:
-    """Replace every eligible ``nn.Linear`` under ``module`` by a ``PackedLinear``; returns how many."""
+    """Replace every eligible ``nn.Linear`` under ``module`` by a ``PackedLinear``; returns how
+    many."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear) and can_prepack(child.weight, ops):

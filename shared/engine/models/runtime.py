@@ -1,5 +1,5 @@
-"""A ``LlamaModel`` as the engine runs it on a ``CpuBackend``: its weights in the layout the backend's
-linears read, on huge pages, and the fused forward when the backend has kernels.
+"""A ``LlamaModel`` as the engine runs it on a ``CpuBackend``: its weights in the layout the
+backend's linears read, on huge pages, and the fused forward when the backend has kernels.
 
 The model stays the model (modules and the plain torch forward); everything here is about running it
 on this CPU. The runtime lays the model's linears out in place (``PackedLinear``/``Int8Linear`` are
@@ -7,6 +7,8 @@ drop-ins for ``nn.Linear``), so one model has one runtime at a time.
 """
 
 from __future__ import annotations
+
+from typing import cast
 
 import torch
 from torch import nn
@@ -41,7 +43,9 @@ class ModelRuntime(nn.Module):
         ops = backend.ops
         prepack_linears(model.layers, ops)
         head = (
-            model.embed_tokens.weight if model.config.tie_word_embeddings else model.lm_head.weight
+            model.embed_tokens.weight
+            if model.config.tie_word_embeddings
+            else cast(nn.Linear, model.lm_head).weight  # not packed yet
         )
         if can_prepack(head, ops):
             if model.config.tie_word_embeddings:
@@ -114,7 +118,8 @@ class ModelRuntime(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The model's ``compute_logits``, through the tied head's packed copy where there is one."""
+        """The model's ``compute_logits``, through the tied head's packed copy where there is
+        one."""
         if self.tied_head is not None:
             return self.tied_head(hidden).float()
         return self.model.compute_logits(hidden)
@@ -124,7 +129,7 @@ class ModelRuntime(nn.Module):
         huge_pages``: decode streams them all each step); returns how many. Call after the layouts
         change."""
         self.refresh()
-        slots = [
+        slots: list[tuple[nn.Module, str]] = [
             (m, "packed")
             for m in self.modules()
             if isinstance(m, PackedLinear) and m.ops is not None
@@ -133,7 +138,7 @@ class ModelRuntime(nn.Module):
             (m, "weight") for m in self.modules() if isinstance(m, Int8Linear) and m.ops is not None
         ]
         for (module, attr), moved in zip(
-            slots, huge_pages.relocate([getattr(m, a) for m, a in slots])
+            slots, huge_pages.relocate([getattr(m, a) for m, a in slots]), strict=True
         ):
             setattr(module, attr, moved)
         return len(slots)
@@ -141,7 +146,7 @@ class ModelRuntime(nn.Module):
     def weight_bytes(self) -> int:
         """Bytes of every weight tensor held (parameters and packed weights), each storage counted
         once: what the memory ledger must subtract from the budget."""
-        tensors = list(self.parameters())
+        tensors: list[torch.Tensor] = list(self.parameters())
         for module in self.modules():
             if isinstance(module, _KERNEL_LINEARS):
                 tensors += module.tensors()

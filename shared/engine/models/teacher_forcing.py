@@ -1,5 +1,6 @@
-"""One paged prefill of a whole text through a scratch KV cache, outside the engine: what calibration
-(``int8_linear``), quality benchmarks and tests need to score every position of a text at once."""
+"""One paged prefill of a whole text through a scratch KV cache, outside the engine: what
+calibration (``int8_linear``), quality benchmarks and tests need to score every position of a text
+at once."""
 
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ def prefill_hidden(
     num_blocks: int | None = None,
     kv_cache_dtype: str = "auto",
 ) -> torch.Tensor:
-    """Final-normed hidden states [len(token_ids), hidden] of one prefill. ``block_table``: the KV blocks
-    to write (default 1, 2, ...; block 0 is padding), in a cache of ``num_blocks`` (default: just enough)
-    holding ``kv_cache_dtype`` (an int8 cache is read back quantized, as the engine reads it)."""
+    """Final-normed hidden states [len(token_ids), hidden] of one prefill. ``block_table``: the KV
+    blocks to write (default 1, 2, ...; block 0 is padding), in a cache of ``num_blocks`` (default:
+    just enough) holding ``kv_cache_dtype`` (an int8 cache is read back quantized, as the engine
+    reads it)."""
     if not token_ids:
         raise ValueError("token_ids must not be empty")
     needed = -(-len(token_ids) // block_size)

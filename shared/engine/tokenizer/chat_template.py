@@ -3,7 +3,8 @@
 Templates come with model files, so they are untrusted code: they run in jinja2's immutable sandbox,
 see only plain JSON-like data, and get the same small set of helpers transformers gives them
 (`raise_exception`, `strftime_now`, a `tojson` that does not HTML-escape). Same environment options
-(trim_blocks, lstrip_blocks, loop controls) so the same template gives the same prompt, byte for byte.
+(trim_blocks, lstrip_blocks, loop controls) so the same template gives the same prompt, byte for
+byte.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def compile_chat_template(source: str) -> jinja2.Template:
 
 def _plain(value: Any) -> Any:
     """A copy built only of JSON types: rich objects (pydantic models, msgspec structs, dataclasses)
-    carry methods the sandbox does not know to block, and the template must not mutate the caller's data."""
+    carry methods the sandbox does not know to block, and the template must not mutate the caller's
+    data."""
     if value is None or type(value) in (str, int, float, bool):
         return value
     if isinstance(value, Mapping):
@@ -91,7 +93,8 @@ def render_chat_template(
     special_tokens: Mapping[str, str | None] | None = None,
     **extra: Any,
 ) -> str:
-    """The prompt text for `messages`. `special_tokens` supplies bos_token/eos_token/... variables."""
+    """The prompt text for `messages`. `special_tokens` supplies bos_token/eos_token/...
+    variables."""
     if not source:
         raise ChatTemplateError(
             "this model has no chat template; use the completions API with a plain prompt instead"

@@ -59,7 +59,8 @@ class IncrementalDetokenizer:
     def finish(self) -> str:
         """The held-back remainder at the end of the stream, U+FFFD included if the ids end inside a
         character. (For SentencePiece byte tokens the full decode turns a whole run of byte tokens
-        into U+FFFDs when any of them is invalid; deltas keep the valid characters already emitted.)"""
+        into U+FFFDs when any of them is invalid; deltas keep the valid characters already
+        emitted.)"""
         return self._advance(final=True)
 
     def _decode(self, ids: list[int]) -> str:

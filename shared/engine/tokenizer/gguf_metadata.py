@@ -1,10 +1,11 @@
 """The key/value metadata of a GGUF file, without its tensors.
 
 `gguf.GGUFReader` builds a numpy view for every element of every array (≈100k views for a 49k-token
-vocabulary plus its merges), which takes seconds; a tokenizer needs only the KV section, read here in
-one sequential pass over a memory map.
+vocabulary plus its merges), which takes seconds; a tokenizer needs only the KV section, read here
+in one sequential pass over a memory map.
 
-    magic "GGUF" | u32 version | u64 n_tensors | u64 n_kv | n_kv × (string key, u32 type, value) | ...
+    magic "GGUF" | u32 version | u64 n_tensors | u64 n_kv
+        | n_kv × (string key, u32 type, value) | ...
     string = u64 byte length + UTF-8 bytes;  array = u32 element type + u64 count + elements
 """
 

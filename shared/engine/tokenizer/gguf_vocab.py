@@ -141,9 +141,10 @@ def _sentencepiece_bpe(
     first, characters outside the vocabulary as <0xXX> byte tokens.
 
     Expressed as BPE with one merge per (left, right) split of every token, ranked by the merged
-    token's score, which is how Hugging Face converts Llama/Mistral SentencePiece models. The two agree
-    whenever the best-scoring adjacent pairs are distinct tokens; they can differ only when two
-    overlapping pairs spell the same token (SentencePiece takes the leftmost, BPE the lower rank).
+    token's score, which is how Hugging Face converts Llama/Mistral SentencePiece models. The two
+    agree whenever the best-scoring adjacent pairs are distinct tokens; they can differ only when
+    two overlapping pairs spell the same token (SentencePiece takes the leftmost, BPE the lower
+    rank).
     """
     scores: list[float] | None = metadata.get("tokenizer.ggml.scores")
     if not scores or len(scores) != len(tokens):
@@ -181,16 +182,16 @@ def _sentencepiece_bpe(
 
 def _add_special_tokens(backend: Backend, tokens: list[str], token_types: list[int]) -> None:
     """Control tokens become special added tokens (matched whole in text, skipped when decoding with
-    skip_special_tokens); user-defined ones become plain added tokens (matched whole, always decoded).
-    Their texts are already in the model vocabulary, so they keep their GGUF ids."""
+    skip_special_tokens); user-defined ones become plain added tokens (matched whole, always
+    decoded). Their texts are already in the model vocabulary, so they keep their GGUF ids."""
     control = [
         AddedToken(token, special=True, normalized=False)
-        for token, kind in zip(tokens, token_types)
+        for token, kind in zip(tokens, token_types, strict=True)
         if kind == TOKEN_TYPE_CONTROL and token
     ]
     user_defined = [
         AddedToken(token, special=False, normalized=False)
-        for token, kind in zip(tokens, token_types)
+        for token, kind in zip(tokens, token_types, strict=True)
         if kind == TOKEN_TYPE_USER_DEFINED and token
     ]
     if control:

@@ -3,7 +3,8 @@
 The pre-tokenizer decides where BPE may not merge, so it must be the one the merges were learned
 with; a wrong one still produces valid ids, just not the model's ids. Each entry mirrors the
 `tokenizer.json` of the models that carry the name, cross-checked with the regexes in llama.cpp's
-`llama-vocab.cpp` (`llm_tokenizer_bpe`), where a pre type may be a sequence of regexes applied in turn.
+`llama-vocab.cpp` (`llm_tokenizer_bpe`), where a pre type may be a sequence of regexes applied in
+turn.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from tokenizers.pre_tokenizers import PreTokenizer
 
 logger = logging.getLogger(__name__)
 
-# Llama 3 `tokenizer.json`: digits in groups of up to three, letters may take one leading non-letter.
+# Llama 3 `tokenizer.json`: digits in groups of up to three, letters may take one leading
+# non-letter.
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -31,8 +33,8 @@ QWEN2_SPLIT = (
 
 @dataclass(frozen=True)
 class PreTokenizerSpec:
-    """What the backend needs for one pre type. `ignore_merges` is the BPE model flag of the same name
-    (a whole pre-token that is itself in the vocabulary is taken as is, as Llama 3 does);
+    """What the backend needs for one pre type. `ignore_merges` is the BPE model flag of the same
+    name (a whole pre-token that is itself in the vocabulary is taken as is, as Llama 3 does);
     `add_bos_default` is llama.cpp's add-BOS default for the type when the file does not say."""
 
     kind: str  # "gpt2" | "digits_gpt2" | "llama3" | "qwen2"
@@ -44,9 +46,9 @@ class PreTokenizerSpec:
         if self.kind == "gpt2":
             return byte_level_regex
         if self.kind == "digits_gpt2":
-            # llama.cpp: regexes ["\p{N}", <gpt-2 regex>]; tokenizer.json: Digits(individual) then ByteLevel.
-            # Splitting digits first changes the whitespace before a number: "\n\n   1" is
-            # ["\n\n   ", "1"] here and ["\n\n  ", " 1"] under the plain GPT-2 regex.
+            # llama.cpp: regexes ["\p{N}", <gpt-2 regex>]; tokenizer.json: Digits(individual) then
+            # ByteLevel. Splitting digits first changes the whitespace before a number: "\n\n   1"
+            # is ["\n\n   ", "1"] here and ["\n\n  ", " 1"] under the plain GPT-2 regex.
             return pre_tokenizers.Sequence(
                 [pre_tokenizers.Digits(individual_digits=True), byte_level_regex]
             )
@@ -87,7 +89,8 @@ PRE_TOKENIZERS: dict[str, PreTokenizerSpec] = {
 
 
 def pre_tokenizer_spec(name: str | None) -> PreTokenizerSpec:
-    """The spec for a `tokenizer.ggml.pre` value; an unknown name falls back to GPT-2 with a warning."""
+    """The spec for a `tokenizer.ggml.pre` value; an unknown name falls back to GPT-2 with a
+    warning."""
     if not name:
         return _GPT2
     spec = PRE_TOKENIZERS.get(name)

@@ -1,8 +1,9 @@
 """`Tokenizer`: text ↔ token ids and chat prompts for one model, over Hugging Face `tokenizers`.
 
 Built from a GGUF file's metadata (`from_gguf`) or a Hugging Face `tokenizer.json` directory
-(`from_pretrained_dir`); `from_path` picks the one a path is. BOS/EOS are added here, not by the backend's post-processor, so both sources
-follow one rule: `add_special_tokens=True` adds BOS iff the model says `add_bos_token` (EOS likewise).
+(`from_pretrained_dir`); `from_path` picks the one a path is. BOS/EOS are added here, not by the
+backend's post-processor, so both sources follow one rule: `add_special_tokens=True` adds BOS iff
+the model says `add_bos_token` (EOS likewise).
 """
 
 from __future__ import annotations
@@ -86,8 +87,9 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained_dir(cls, directory: str | os.PathLike[str]) -> Tokenizer:
-        """From `tokenizer.json`, with `tokenizer_config.json` (special tokens, add_bos/eos, template),
-        `chat_template.jinja` and `generation_config.json` (extra EOS ids) when present."""
+        """From `tokenizer.json`, with `tokenizer_config.json` (special tokens, add_bos/eos,
+        template), `chat_template.jinja` and `generation_config.json` (extra EOS ids) when
+        present."""
         directory = os.fspath(directory)
         tokenizer_file = os.path.join(directory, "tokenizer.json")
         if not os.path.isfile(tokenizer_file):
@@ -135,7 +137,8 @@ class Tokenizer:
     # -- encoding / decoding ------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`. Special-token texts inside it (e.g. "<|im_start|>") become their ids."""
+        """Token ids of `text`. Special-token texts inside it (e.g. "<|im_start|>") become their
+        ids."""
         ids: list[int] = self.backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens:
             if self.add_bos_token and self.bos_token_id is not None:
