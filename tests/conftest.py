@@ -40,8 +40,8 @@ def hf_reference_model(smollm2_path):
 
 @pytest.fixture(scope="session")
 def runtime_fp32(smollm2_path):
-    """Our LlamaModel for SmolLM2 in fp32 on this host's CPU backend (no KV cache: build one per test,
-    see helpers.greedy)."""
+    """Our LlamaModel for SmolLM2 in fp32 on this host's CPU backend (no KV cache: build one per
+    test, see helpers.greedy)."""
     from shared.engine.models.runtime import load_runtime
 
     return load_runtime(smollm2_path, dtype="float32", progress=False)

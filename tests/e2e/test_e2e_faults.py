@@ -41,18 +41,19 @@ def test_client_disconnect_returns_kv_blocks(stack):
         "temperature": 0,
         "stream": True,
     }
-    with httpx.Client(base_url=s.base_url, timeout=60) as client:
-        with client.stream("POST", "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()
-            for _ in range(40):  # 20 events (blank separator lines between them)
-                next(lines)
-            # mid-generation the request holds blocks: its prompt and 20 tokens fill two or more
-            # 16-token blocks; a heartbeat from its first steps may still report fewer, so wait for a newer one
-            wait_for(
-                lambda: baseline - free_blocks(s.nats_url) >= 2, 10, "two or more blocks in use"
-            )
-        # the connection is closed here, mid-stream
+    with (
+        httpx.Client(base_url=s.base_url, timeout=60) as client,
+        client.stream("POST", "/v1/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for _ in range(40):  # 20 events (blank separator lines between them)
+            next(lines)
+        # mid-generation the request holds blocks: its prompt and 20 tokens fill two or more
+        # 16-token blocks; a heartbeat from its first steps may still report fewer, so wait for
+        # a newer one
+        wait_for(lambda: baseline - free_blocks(s.nats_url) >= 2, 10, "two or more blocks in use")
+    # the connection is closed here, mid-stream
     # the executor frees them once the abort arrives (seen through its next heartbeats)
     wait_for(lambda: free_blocks(s.nats_url) == baseline, 15, "the blocks to come back")
     assert scheduler_status(s.nats_url).executors[0].num_running == 0

@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
+from typing import cast
 
 import httpx
 import openai
 import pytest
 from e2e_harness import Reference, finish_reason, parse_sse, served_model, stream_text
+from openai.types.chat import ChatCompletionMessageParam
 from websockets.sync.client import connect
 
 from services.cli.launcher import Stack, StackConfig, launch
@@ -123,7 +125,8 @@ def test_official_openai_client(served, model, ref):
     oai = openai.OpenAI(base_url=served.base_url + "/v1", api_key=API_KEY, max_retries=0)
     want = ref.greedy(16, prompt=PROMPTS[1])
     c = oai.completions.create(model=model, prompt=PROMPTS[1], max_tokens=16, temperature=0)
-    assert c.choices[0].text == want.text and c.usage.completion_tokens == want.num_tokens
+    assert c.choices[0].text == want.text
+    assert c.usage is not None and c.usage.completion_tokens == want.num_tokens
     text = "".join(
         ch.choices[0].text
         for ch in oai.completions.create(
@@ -134,12 +137,13 @@ def test_official_openai_client(served, model, ref):
     assert text == want.text
 
     want = ref.greedy(20, messages=CHAT)
-    cc = oai.chat.completions.create(model=model, messages=CHAT, max_tokens=20, temperature=0)
+    messages = cast(list[ChatCompletionMessageParam], CHAT)  # the same dicts, in the client's type
+    cc = oai.chat.completions.create(model=model, messages=messages, max_tokens=20, temperature=0)
     assert cc.choices[0].message.content == want.text
     parts, usage = [], None
     for ch in oai.chat.completions.create(
         model=model,
-        messages=CHAT,
+        messages=messages,
         max_tokens=20,
         temperature=0,
         stream=True,
@@ -147,7 +151,8 @@ def test_official_openai_client(served, model, ref):
     ):
         parts += [c.delta.content or "" for c in ch.choices]
         usage = ch.usage or usage
-    assert "".join(parts) == want.text and usage.completion_tokens == want.num_tokens
+    assert "".join(parts) == want.text
+    assert usage is not None and usage.completion_tokens == want.num_tokens
     assert [m.id for m in oai.models.list()] == [model]
     with pytest.raises(openai.NotFoundError):
         oai.completions.create(model="no-such-model", prompt="x", max_tokens=1)
@@ -198,7 +203,7 @@ def test_32_concurrent_streams_are_exact(served, model, ref):
             return await asyncio.gather(*(one(c, p) for p in prompts))
 
     results = asyncio.run(main())
-    for prompt, want, (chunks, done) in zip(prompts, wants, results):
+    for prompt, want, (chunks, done) in zip(prompts, wants, results, strict=True):
         assert done, prompt
         assert stream_text(chunks, chat=False) == want.text, prompt
         assert chunks[-1]["usage"]["completion_tokens"] == want.num_tokens, prompt

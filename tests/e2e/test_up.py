@@ -71,7 +71,7 @@ def wait_all_dead(pids, pid_alive, timeout: float = 20.0) -> list[int]:
     return [p for p in pids if pid_alive(p)]
 
 
-# -- servers -----------------------------------------------------------------------------------------
+# -- servers ---------------------------------------------------------------------------------------
 
 
 def test_servers_start_answer_and_stop(pid_alive):
@@ -95,7 +95,7 @@ def test_servers_start_answer_and_stop(pid_alive):
 
 
 def test_free_port_is_bindable_and_outside_the_ephemeral_range():
-    low, high = ephemeral_port_range()
+    low, _high = ephemeral_port_range()
     if low < 11000:
         pytest.skip(f"the ephemeral ports start at {low}: no room below them")
     for _ in range(20):
@@ -116,7 +116,7 @@ def test_server_start_error_shows_its_log():
         nats.stop()
 
 
-# -- the stack, through the fixture ------------------------------------------------------------------
+# -- the stack, through the fixture ----------------------------------------------------------------
 
 
 def test_a_service_dying_at_start_is_reported_with_its_last_output(tmp_path, capfd):
@@ -193,39 +193,41 @@ def test_stack_serves_sheds_load_and_survives_an_executor_kill(stack, pid_alive)
     assert wait_all_dead(pids, pid_alive, 1.0) == []
 
 
-# -- llmserve up, as a user runs it ------------------------------------------------------------------
+# -- llmserve up, as a user runs it ----------------------------------------------------------------
 
 
 def _start_up(tmp_path, *extra: str) -> tuple[subprocess.Popen[str], queue.SimpleQueue[str]]:
-    """``llmserve up`` on a free port; its stdout lines arrive on the returned queue (a reader thread,
-    so the test never blocks on a pipe). stderr goes to a file. detach_child: should this test die,
-    the launcher (and through it everything) goes too."""
-    up = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "up",
-            "--port",
-            "0",
-            "--num-kv-blocks",
-            "64",
-            "--dtype",
-            "float32",
-            "--num-threads",
-            "1",
-            "--max-num-seqs",
-            "4",
-            "--log-dir",
-            str(tmp_path / "logs"),
-            *extra,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=open(tmp_path / "up.stderr", "w"),
-        text=True,
-        preexec_fn=detach_child,
-        env={k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL")},
-    )
+    """``llmserve up`` on a free port; its stdout lines arrive on the returned queue (a reader
+    thread, so the test never blocks on a pipe). stderr goes to a file. detach_child: should this
+    test die, the launcher (and through it everything) goes too."""
+    # Popen hands the child its own copy of the descriptor: ours can close at once.
+    with open(tmp_path / "up.stderr", "w") as stderr:
+        up = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "up",
+                "--port",
+                "0",
+                "--num-kv-blocks",
+                "64",
+                "--dtype",
+                "float32",
+                "--num-threads",
+                "1",
+                "--max-num-seqs",
+                "4",
+                "--log-dir",
+                str(tmp_path / "logs"),
+                *extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            preexec_fn=detach_child,
+            env={k: v for k, v in os.environ.items() if k not in ("NATS_URL", "REDIS_URL")},
+        )
     lines: queue.SimpleQueue[str] = queue.SimpleQueue()
 
     def pump() -> None:
@@ -246,13 +248,12 @@ def _read_until(up, lines, pattern: str, tmp_path, timeout: float) -> re.Match[s
             if up.poll() is not None:
                 raise AssertionError(
                     f"llmserve up exited ({up.returncode}):\n{(tmp_path / 'up.stderr').read_text()}"
-                )
+                ) from None
             continue
         if m := re.search(pattern, line):
             return m
-    raise AssertionError(
-        f"no {pattern!r} from llmserve up within {timeout}s:\n{(tmp_path / 'up.stderr').read_text()}"
-    )
+    stderr = (tmp_path / "up.stderr").read_text()
+    raise AssertionError(f"no {pattern!r} from llmserve up within {timeout}s:\n{stderr}")
 
 
 def test_llmserve_up_serves_and_sigint_stops_everything(tmp_path, pid_alive):

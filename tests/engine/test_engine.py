@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from shared.engine.engine import Engine, EngineConfig, PromptTooLongError
 from shared.engine.llm import LLM
 from shared.wire.sampling_params import SamplingParams
 
-GREEDY = dict(temperature=0.0)
+GREEDY: dict[str, Any] = dict(temperature=0.0)
 
 PROMPTS = [
     "The capital of France is",
@@ -64,7 +66,7 @@ def assert_no_leak(engine: Engine) -> None:
 def test_sixteen_concurrent_greedy_requests_match_solo_runs(llm):
     params = [SamplingParams(max_tokens=8 + 3 * i, ignore_eos=True, **GREEDY) for i in range(16)]
     batched = _tokens(llm.generate(PROMPTS, params))
-    solo = [_tokens(llm.generate(p, sp))[0] for p, sp in zip(PROMPTS, params)]
+    solo = [_tokens(llm.generate(p, sp))[0] for p, sp in zip(PROMPTS, params, strict=True)]
     assert batched == solo
     assert [len(t) for t in batched] == [8 + 3 * i for i in range(16)]
     assert_no_leak(llm.engine)
@@ -180,7 +182,7 @@ def test_logprobs_follow_openai_semantics(llm):
         "The capital of France is", SamplingParams(max_tokens=6, logprobs=3, **GREEDY)
     )[0].outputs[0]
     assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
-    for tid, lp in zip(out.token_ids, out.logprobs):
+    for tid, lp in zip(out.token_ids, out.logprobs, strict=True):
         assert lp.token_id == tid
         assert len(lp.top) == 3
         assert [p for _, p in lp.top] == sorted((p for _, p in lp.top), reverse=True)
@@ -232,7 +234,7 @@ def test_each_choice_reports_its_finish_once(llm):
                     finished_at[d.index] = step
     assert sorted(finished_at) == [0, 1, 2]
     assert len(set(finished_at.values())) > 1, "the choices should finish at different steps"
-    for index, ds in deltas.items():
+    for ds in deltas.values():
         assert ds[-1].finish_reason is not None and all(d.finish_reason is None for d in ds[:-1])
     assert_no_leak(engine)
 
@@ -298,12 +300,14 @@ def test_tokenizer_block_hashes_are_the_engines_and_each_block_is_hashed_once(ll
     ids, hashes = tokenized.prompt_token_ids, tokenized.block_hashes
     assert len(hashes) == len(ids) // bs >= 3
 
-    calls = []
+    calls: list[int] = []
     for module in (block_manager, sequence):
-        real = module.hash_block
-        monkeypatch.setattr(
-            module, "hash_block", lambda p, t, real=real: calls.append(1) or real(p, t)
-        )
+
+        def counting_hash_block(p, t, real=module.hash_block):
+            calls.append(1)
+            return real(p, t)
+
+        monkeypatch.setattr(module, "hash_block", counting_hash_block)
 
     def run(request_id: str, given: list[int] | None) -> tuple[list[int], list[int]]:
         engine.block_manager.reset_prefix_cache()
@@ -335,7 +339,8 @@ def test_tokenizer_block_hashes_are_the_engines_and_each_block_is_hashed_once(ll
 def test_per_request_state_stays_bounded_over_many_requests(llm):
     """A long-running engine holds nothing per finished request: the KV events are drained every
     step (at most the last step's batch is kept for the publisher), and the request, scheduler and
-    block tables empty out. Short prompts on shared prefixes, so the prefix cache stores and evicts."""
+    block tables empty out. Short prompts on shared prefixes, so the prefix cache stores and
+    evicts."""
     engine = llm.engine
     bm = engine.block_manager
     tok = engine.tokenizer

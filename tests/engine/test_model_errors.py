@@ -20,7 +20,7 @@ gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 
 
-def write_gguf(path, arch: str, tensors: dict[str, tuple[np.ndarray, Q | None]]) -> str:
+def write_gguf(path, arch: str, tensors: dict[str, tuple[np.ndarray, int | None]]) -> str:
     """A minimal GGUF: enough metadata for ``arch`` plus the given tensors (raw bytes when a type is
     given)."""
     w = gguf.GGUFWriter(str(path), arch)
@@ -52,7 +52,7 @@ def test_missing_file_names_the_path(tmp_path):
 
 
 def test_directory_without_config_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
         load_model(str(tmp_path), progress=False)
 
 

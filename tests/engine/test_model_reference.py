@@ -21,17 +21,20 @@ LOGITS_ATOL = 3e-4
 # Measured at the first divergence: 0.007 .. 0.16 (the bf16 kernels have changed under this test;
 # each revision moves which near-ties flip).
 NEAR_TIE = 0.2
-# Later steps (bf16's own prefix, fp32 teacher-forced) may flip a somewhat larger gap: bf16 moves the
-# gap between fp32's best and a top-5 rival by up to 0.55 (p95 ~0.2) on these prompts, and
+# Later steps (bf16's own prefix, fp32 teacher-forced) may flip a somewhat larger gap: bf16 moves
+# the gap between fp32's best and a top-5 rival by up to 0.55 (p95 ~0.2) on these prompts, and
 # transformers' own bf16 does the same (up to 0.52, p95 ~0.2). Measured flipped gaps: <= 0.25.
 BF16_GAP_NOISE = 0.6
 
 _LONG_PARAGRAPHS = [
-    "The river delta was formed over thousands of years as sediment settled where the current slowed. "
-    "Farmers learned to read its seasons: the spring flood brought silt, the summer drought brought salt.",
-    "In 1887 the observatory installed a 40-centimetre refractor; its first catalogue listed 2,314 double "
-    "stars, each with a position angle, a separation in arcseconds and a note on colour.",
-    "def merge(a, b):\n    out = []\n    while a and b:\n        out.append(a.pop(0) if a[0] <= b[0] else b.pop(0))\n"
+    "The river delta was formed over thousands of years as sediment settled where the current "
+    "slowed. Farmers learned to read its seasons: the spring flood brought silt, the summer "
+    "drought brought salt.",
+    "In 1887 the observatory installed a 40-centimetre refractor; its first catalogue listed "
+    "2,314 double stars, each with a position angle, a separation in arcseconds and a note on "
+    "colour.",
+    "def merge(a, b):\n    out = []\n    while a and b:\n"
+    "        out.append(a.pop(0) if a[0] <= b[0] else b.pop(0))\n"
     "    return out + a + b\n",
     "Les marchés du samedi matin sentent le pain chaud et les fraises; on y parle de la pluie, "
     "du prix des tomates et du match de la veille.",
@@ -144,8 +147,8 @@ def bf16_runs(runtime_bf16, prompt_ids, eos_ids):
 @pytest.fixture(scope="module")
 def bf16_disagreements(runtime_fp32, prompt_ids, bf16_runs) -> dict[str, list[tuple[int, float]]]:
     """Walk bf16's own greedy sequence with the fp32 model fed the same prefix (teacher forcing, one
-    paged prefill over prompt + bf16 tokens). Per prompt: every (step, gap) where bf16 picked another
-    token than fp32 would, gap = fp32's best logit minus fp32's logit of bf16's pick."""
+    paged prefill over prompt + bf16 tokens). Per prompt: every (step, gap) where bf16 picked
+    another token than fp32 would, gap = fp32's best logit minus fp32's logit of bf16's pick."""
     out = {}
     for name, ids in prompt_ids.items():
         bf16 = bf16_runs[name].token_ids
@@ -162,14 +165,16 @@ def bf16_disagreements(runtime_fp32, prompt_ids, bf16_runs) -> dict[str, list[tu
 
 
 def first_divergence(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
 
 
 @pytest.mark.parametrize("name", PROMPT_NAMES)
 def test_bf16_leaves_fp32_path_only_at_near_ties(name, fp32_runs, bf16_runs, bf16_disagreements):
     """bf16 leaves fp32's greedy path only where fp32 itself is nearly undecided (top-2 margin
-    < NEAR_TIE), which bf16 rounding may flip; a larger margin means a bug, not rounding. Every later
-    flip on bf16's own path must stay within bf16's measured noise."""
+    < NEAR_TIE), which bf16 rounding may flip; a larger margin means a bug, not rounding. Every
+    later flip on bf16's own path must stay within bf16's measured noise."""
     gaps = bf16_disagreements[name]
     first = first_divergence(fp32_runs[name].token_ids, bf16_runs[name].token_ids)
     print(

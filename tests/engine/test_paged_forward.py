@@ -25,7 +25,8 @@ def random_ids(n: int, seed: int, vocab: int = 49152) -> list[int]:
 
 
 def alone(model, ids: list[int]) -> torch.Tensor:
-    """Last-position logits of ``ids`` prefilled in one chunk from an empty cache (the reference)."""
+    """Last-position logits of ``ids`` prefilled in one chunk from an empty cache (the
+    reference)."""
     runner = make_runner(model, blocks_needed(len(ids)) + 1)
     table = list(range(1, blocks_needed(len(ids)) + 1))
     return runner.execute([ScheduledChunk(ids, 0, table)])[0]
@@ -109,7 +110,7 @@ def test_mixed_batch_matches_each_sequence_alone(model):
     )
 
     diffs = {}
-    for row, name in zip(logits, with_logits):
+    for row, name in zip(logits, with_logits, strict=True):
         expected = alone(model, plan[name][0])
         diffs[name] = max_diff(row, expected)
         assert int(row.argmax()) == int(expected.argmax()), name

@@ -7,11 +7,14 @@ output head, Llama-3 RoPE scaling, and a GGUF written the way llama.cpp's conver
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import numpy as np
 import pytest
 import torch
 
 from helpers.greedy import all_position_logits, greedy_generate
+from shared.engine.models.llama import DecoderLayer
 from shared.engine.models.runtime import load_runtime
 
 transformers = pytest.importorskip("transformers")
@@ -37,7 +40,7 @@ COMMON = dict(
     eos_token_id=None,
 )
 
-VARIANTS = {
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-untied": ("llama", dict(tie_word_embeddings=False)),
     "llama-tied": ("llama", dict(tie_word_embeddings=True)),
     "llama3-rope": (
@@ -232,7 +235,7 @@ def test_gguf_roundtrip_undoes_llama_cpp_permutation(tied, tmp_path):
     assert ours.config.architecture == "llama" and ours.config.tie_word_embeddings == tied
     assert ours.config.num_heads == 4 and ours.config.num_kv_heads == 2
     # The loader put Q/K back in transformers' layout: the fused weight holds the original rows.
-    qkv = ours.model.layers[0].self_attn.qkv_proj.weight
+    qkv = cast(DecoderLayer, ours.model.layers[0]).self_attn.qkv_proj.weight
     assert torch.equal(qkv[:64], q)
     assert torch.equal(qkv[64:96], hf_model.model.layers[0].self_attn.k_proj.weight)
     diff = compare(ours, hf_model, seed=2)

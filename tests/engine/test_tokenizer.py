@@ -1,4 +1,5 @@
-"""Tokenizer, chat template and incremental detokenizer, against transformers and explicit references.
+"""Tokenizer, chat template and incremental detokenizer, against transformers and explicit
+references.
 
 The reference for SmolLM2 is transformers loading the same GGUF. That conversion ignores
 `tokenizer.ggml.pre` ("smollm": digits split off one by one before the GPT-2 regex), so it is
@@ -77,7 +78,8 @@ def _has_numeric(text: str) -> bool:
 
 
 LONG_TEXT = " ".join(
-    f"Paragraph {chr(65 + i % 26)}: the quick brown fox — «jumps» over the lazy dog; 狐狸跳过了懒狗 🦊.\n"
+    f"Paragraph {chr(65 + i % 26)}: the quick brown fox — «jumps» over the lazy dog; "
+    "狐狸跳过了懒狗 🦊.\n"
     for i in range(300)
 ).replace("Paragraph", "Section")
 
@@ -153,7 +155,7 @@ def test_ids_with_digits_follow_smollm_pretokenizer(
 
 
 def test_digit_splits_written_out(ours: Tokenizer):
-    def pieces(text: str) -> list[str]:
+    def pieces(text: str) -> list[str | None]:
         return [ours.id_to_token(i) for i in ours.encode(text)]
 
     # Digits(individual) runs first, so the whole whitespace run stays one pre-token.
@@ -246,7 +248,9 @@ def test_chat_template_helpers_and_errors(ours: Tokenizer):
         _with_template(ours, None).apply_chat_template([{"role": "user", "content": "x"}])
     refusing = _with_template(
         ours,
-        "{% if messages[0].role != 'system' %}{{ raise_exception('need a system turn') }}{% endif %}",
+        "{% if messages[0].role != 'system' %}"
+        "{{ raise_exception('need a system turn') }}"
+        "{% endif %}",
     )
     with pytest.raises(ChatTemplateError, match="need a system turn"):
         refusing.apply_chat_template([{"role": "user", "content": "x"}])
@@ -372,7 +376,7 @@ def test_pretokenizer_names(caplog):
 def test_missing_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="not found"):
         Tokenizer.from_gguf(tmp_path / "absent.gguf")
-    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+    with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
         Tokenizer.from_pretrained_dir(tmp_path)
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(GGUFFormatError, match="not a GGUF"):
@@ -389,7 +393,7 @@ def test_from_path_takes_a_gguf_file_or_a_directory(tmp_path, model_path: str):
         == Tokenizer.from_pretrained_dir(tmp_path).vocab_size
     )
     with pytest.raises(
-        FileNotFoundError, match="absent.gguf.* neither a GGUF file nor a Hugging Face directory"
+        FileNotFoundError, match=r"absent\.gguf.* neither a GGUF file nor a Hugging Face directory"
     ):
         Tokenizer.from_path(tmp_path / "absent.gguf")
 
@@ -430,7 +434,7 @@ def test_byte_level_gguf_with_llama3_pretokenizer(tmp_path):
     specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<think>"]
     tokens = alphabet + ["he", "the", "12", "123", "xyz"] + specials
     types = [1] * (len(tokens) - 4) + [3, 3, 3, 4]
-    bos, eos, eot, think = (tokens.index(t) for t in specials)
+    bos, eos, eot, _think = (tokens.index(t) for t in specials)
     writer = gguf.GGUFWriter(str(tmp_path / "bpe.gguf"), "llama")
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("llama-bpe")

@@ -101,7 +101,8 @@ class FakeBackend:
         return fut.result(timeout)
 
     def set_tokenizer_listening(self, listening: bool) -> None:
-        """Subscribe to (or leave) the tokenizer's subjects, as a tokenizer that starts (or is gone) would."""
+        """Subscribe to (or leave) the tokenizer's subjects, as a tokenizer that starts (or is gone)
+        would."""
         self._call(self._set_tokenizer_listening(listening))
 
     def wait_abort(self, request_id: str | None = None, timeout: float = 5.0) -> AbortRequest:
@@ -118,8 +119,8 @@ class FakeBackend:
         )
 
     def request_for(self, keyword: str, timeout: float = 5.0) -> GenerateRequest:
-        """The latest request whose prompt contains ``keyword``, waiting up to ``timeout`` seconds for
-        one to arrive (a client may give up before the gateway has published its request)."""
+        """The latest request whose prompt contains ``keyword``, waiting up to ``timeout`` seconds
+        for one to arrive (a client may give up before the gateway has published its request)."""
 
         def found() -> list[GenerateRequest]:
             return [r for r in list(self.requests.values()) if keyword in _prompt_text(r)]
@@ -130,7 +131,7 @@ class FakeBackend:
             time.sleep(0.02)
         return found()[-1]
 
-    # -- the backend (its own loop) -----------------------------------------------------------------
+    # -- the backend (its own loop) ----------------------------------------------------------------
 
     async def _start(self) -> None:
         self._bus = bus = await Bus.connect(self.nats_url, "fake-backend")

@@ -1,6 +1,6 @@
-"""Greedy generation through the paged runtime, the way the engine drives it: one prefill (optionally
-chunked) through ``ScheduledChunk``s, then one token per step, against a block table of distinct
-non-zero block ids (block 0 is padding and must never be written)."""
+"""Greedy generation through the paged runtime, the way the engine drives it: one prefill
+(optionally chunked) through ``ScheduledChunk``s, then one token per step, against a block table of
+distinct non-zero block ids (block 0 is padding and must never be written)."""
 
 from __future__ import annotations
 
@@ -113,7 +113,8 @@ def all_position_logits(
     kv_cache_dtype: str = "auto",
 ) -> torch.Tensor:
     """fp32 logits [len(token_ids), vocab] at every position of one paged prefill (teacher forcing),
-    over a scattered block table: row i is the distribution of the token after ``token_ids[:i + 1]``."""
+    over a scattered block table: row i is the distribution of the token
+    after ``token_ids[:i + 1]``."""
     needed = blocks_needed(len(token_ids), block_size)
     num_blocks = 2 * needed + 3
     table = shuffled_block_table(needed, num_blocks, random.Random(seed))

@@ -17,7 +17,8 @@ def scattered_tables(
     g: torch.Generator,
     spare_columns: int = 0,
 ) -> tuple[list[list[int]], torch.Tensor]:
-    """Distinct, shuffled, non-zero block ids per sequence; the padded [num_seqs, width] tensor too."""
+    """Distinct, shuffled, non-zero block ids per sequence; the padded [num_seqs, width] tensor
+    too."""
     perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
     tables, used = [], 0
     for n in seq_lens:

@@ -53,9 +53,10 @@ def redis_url(redis_server: ServerProcess) -> str:
 
 @pytest.fixture
 def stack(tmp_path) -> Iterator[Callable[..., Stack]]:
-    """Factory: ``stack(**StackConfig and EngineConfig fields)`` starts a stack (port 0 = free port, small defaults
-    for tests) and waits until it serves. Children's logs go to ``tmp_path/logs/<name>.log``; a
-    service that dies during start-up fails the test with its log tail."""
+    """Factory: ``stack(**StackConfig and EngineConfig fields)`` starts a stack (port 0 = free port,
+    small defaults for tests) and waits until it serves. Children's logs go to
+    ``tmp_path/logs/<name>.log``; a service that dies during start-up fails the test with its log
+    tail."""
     started: list[Stack] = []
 
     def factory(**overrides: Any) -> Stack:

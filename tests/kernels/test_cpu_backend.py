@@ -1,5 +1,6 @@
-"""The CPU kernels as one backend: picked once, handed to the model's layers, attention and the sampler,
-so that a backend without ops turns the kernels off everywhere (the sampler's argmax included)."""
+"""The CPU kernels as one backend: picked once, handed to the model's layers, attention and the
+sampler, so that a backend without ops turns the kernels off everywhere (the sampler's argmax
+included)."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -14,7 +15,10 @@ from kernels.cpu import cpu_ops, unavailable_reason
 
 DTYPES = [torch.float32, torch.bfloat16]
 # bf16 results may differ from the unfused ops by rounding order: one bf16 ulp of the value's scale.
-TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=1.6e-2)}
+TOL: dict[torch.dtype, dict[str, Any]] = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.bfloat16: dict(atol=2e-2, rtol=1.6e-2),
+}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -138,7 +142,7 @@ def test_decode_attention_reads_paged_blocks_in_place(ops, dtype, heads, kv_head
         q, k_cache, v_cache, block_tables, torch.tensor(seq_lens), heads, 1 / math.sqrt(d)
     )
     assert torch.equal(out, one_thread)
-    tol = dict(atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-2)
+    tol: dict[str, Any] = dict(atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-2)
     for s, n in enumerate(seq_lens):
         ids = torch.tensor(tables[s])
         keys = (
@@ -195,9 +199,9 @@ def test_decode_attention_rejects_lengths_beyond_the_block_table(ops):
         )
 
 
-# Rows: decode sizes, tile remainders (passes of at most 8, or 6), more than one 48- or 96-row chunk;
-# columns: a part-filled last panel of 48, fewer than one panel; inputs: more than one block of 256
-# features (the AVX2 form's), the last one short.
+# Rows: decode sizes, tile remainders (passes of at most 8, or 6), more than one 48- or 96-row
+# chunk; columns: a part-filled last panel of 48, fewer than one panel; inputs: more than one block
+# of 256 features (the AVX2 form's), the last one short.
 @pytest.mark.parametrize(
     "m,n,k,bias",
     [
@@ -217,7 +221,7 @@ def test_linear_bf16_is_an_fp32_accumulated_matmul(ops, m, n, k, bias):
     x = torch.randn(m, k, generator=g).bfloat16()
     w = torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
-    expected = x.float() @ w.float().T + (b.float() if bias else 0)
+    expected = x.float() @ w.float().T + (b.float() if b is not None else 0)
     # Exact products, fp32 sums in another order: within a bf16 rounding of the fp32 result.
     torch.testing.assert_close(
         ops.linear_bf16(x, ops.pack_linear_bf16(w), n, b).float(), expected, atol=1e-2, rtol=8e-3
@@ -226,7 +230,8 @@ def test_linear_bf16_is_an_fp32_accumulated_matmul(ops, m, n, k, bias):
 
 @pytest.mark.parametrize("m,k", [(40, 576), (200, 1536)])
 def test_linear_bf16_gives_a_row_the_same_result_in_any_batch(ops, m, k):
-    """Each output is the same fp32 sum, in the same order, whether its row comes alone or with others."""
+    """Each output is the same fp32 sum, in the same order, whether its row comes alone or with
+    others."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(m, k, generator=g).bfloat16()
     w = ops.pack_linear_bf16(torch.randn(150, k, generator=g).bfloat16())
@@ -247,8 +252,8 @@ def test_linear_bf16_rejects_mismatched_inputs(ops):
 
 
 def test_packed_linear_switches_layouts_without_loss(ops):
-    """The kernels' pair layout and the fallback (oneDNN's where it runs bf16, else the dense weight)
-    hold the same weight bit for bit, and give the same results up to summation order."""
+    """The kernels' pair layout and the fallback (oneDNN's where it runs bf16, else the dense
+    weight) hold the same weight bit for bit, and give the same results up to summation order."""
     from kernels.cpu import isa
     from shared.engine.models.packed_linear import DENSE, ONEDNN, PackedLinear
 
@@ -269,15 +274,16 @@ def test_packed_linear_switches_layouts_without_loss(ops):
     assert odd.ops is None and odd.layout == fallback and torch.equal(odd.row_major(), w[:, :95])
 
 
-# ---- the whole model: fused kernels vs the plain torch path -----------------------------------------
+# ---- the whole model: fused kernels vs the plain torch path --------------------------------------
 
 
 def test_fused_forward_matches_the_torch_path(runtime_fp32, runtime_bf16):
     """fp32: the same numbers up to summation order (measured max |logit diff| 3e-5). bf16: rounding
     happens in different places (RoPE and norms once in fp32, not per torch op; the bf16 linear and
-    attention sum in another order), so both bf16 paths are held to their distance from fp32 instead: the
-    fused path must stay about as close to it as the torch path (random tokens give flat distributions
-    full of near-ties, so token choices are not compared here; test_model_reference does that)."""
+    attention sum in another order), so both bf16 paths are held to their distance from fp32
+    instead: the fused path must stay about as close to it as the torch path (random tokens give
+    flat distributions full of near-ties, so token choices are not compared here;
+    test_model_reference does that)."""
     ref = mixed_batch_logits(runtime_fp32, True)
     assert (ref - mixed_batch_logits(runtime_fp32, False)).abs().max().item() < 1e-4
     fused, plain = mixed_batch_logits(runtime_bf16, True), mixed_batch_logits(runtime_bf16, False)
@@ -309,7 +315,7 @@ def test_prefill_attention_is_causal_over_cached_context(
     out = ops.prefill_attention(
         q, k_cache, v_cache, block_tables, starts, torch.tensor(seq_lens), heads, 1 / math.sqrt(d)
     )
-    for s, (n, ql) in enumerate(zip(seq_lens, q_lens)):
+    for s, (n, ql) in enumerate(zip(seq_lens, q_lens, strict=True)):
         ids = torch.tensor(tables[s])
         keys = (
             k_cache[ids]

@@ -1,5 +1,5 @@
-"""Huge pages for packed weights and the KV pool: the memory is advised, the data is unchanged, and the
-memory accounting stays exact."""
+"""Huge pages for packed weights and the KV pool: the memory is advised, the data is unchanged, and
+the memory accounting stays exact."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def test_relocate_copies_into_one_aligned_buffer():
         torch.randn(4, 48, generator=g).bfloat16(),
     ]
     moved = huge_pages.relocate(tensors)
-    for a, b in zip(tensors, moved):
+    for a, b in zip(tensors, moved, strict=True):
         assert b.dtype == a.dtype and b.shape == a.shape and torch.equal(a, b)
         assert b.data_ptr() % 64 == 0 and b.data_ptr() != a.data_ptr()
     storages = {t.untyped_storage().data_ptr() for t in moved}

@@ -1,5 +1,6 @@
-"""Int8 (W8A8) linears: the VNNI kernel against its torch reference, the layer, and the quantized SmolLM2
-against fp32 (teacher-forced agreement and perplexity), batch invariance and the memory it saves."""
+"""Int8 (W8A8) linears: the VNNI kernel against its torch reference, the layer, and the quantized
+SmolLM2 against fp32 (teacher-forced agreement and perplexity), batch invariance and the memory it
+saves."""
 
 from __future__ import annotations
 
@@ -160,7 +161,7 @@ def test_quantize_model_int8_on_an_fp32_model(ops):
         torch.testing.assert_close(all_position_logits(model, ids), quantized, rtol=1e-4, atol=1e-4)
 
 
-# ---- SmolLM2 quantized ------------------------------------------------------------------------------
+# ---- SmolLM2 quantized ---------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +179,8 @@ def runtime_int8(smollm2_path, smollm2_tokenizer):
 
 @pytest.fixture(scope="module")
 def eval_ids(smollm2_tokenizer) -> list[int]:
-    """~1,000 tokens of English prose and code (docstrings of the engine), none from the calibration text."""
+    """~1,000 tokens of English prose and code (docstrings of the engine), none from the calibration
+    text."""
     from loadtests.workloads import corpus_text
 
     return smollm2_tokenizer.encode(corpus_text())[:1000]
@@ -193,16 +195,17 @@ def _teacher_forced(model, ids, ref_logits) -> tuple[float, float]:
 
 
 def test_int8_model_stays_close_to_fp32(runtime_fp32, runtime_bf16, runtime_int8, eval_ids):
-    """Teacher-forced over the same text, against fp32's logits. Measured (1,000 tokens): bf16 agrees
-    on 97.9% of positions, int8 on 93.9%; perplexity fp32 11.72, bf16 11.74, int8 11.90 (+1.5%).
-    (Over 1,500 tokens without smoothing, int8 agreed on 91.8%, perplexity +2.2%: bench_quality.)"""
+    """Teacher-forced over the same text, against fp32's logits. Measured (1,000 tokens): bf16
+    agrees on 97.9% of positions, int8 on 93.9%; perplexity fp32 11.72, bf16 11.74, int8 11.90
+    (+1.5%). (Over 1,500 tokens without smoothing, int8 agreed on 91.8%, perplexity +2.2%:
+    bench_quality.)"""
     ref = all_position_logits(runtime_fp32, eval_ids)
     _, ppl_fp32 = _teacher_forced(runtime_fp32, eval_ids, ref)
     agree_bf16, ppl_bf16 = _teacher_forced(runtime_bf16, eval_ids, ref)
     agree_int8, ppl_int8 = _teacher_forced(runtime_int8, eval_ids, ref)
     print(
-        f"perplexity fp32 {ppl_fp32:.3f}, bf16 {ppl_bf16:.3f}, int8 {ppl_int8:.3f}; top-1 agreement with "
-        f"fp32: bf16 {agree_bf16:.3f}, int8 {agree_int8:.3f}"
+        f"perplexity fp32 {ppl_fp32:.3f}, bf16 {ppl_bf16:.3f}, int8 {ppl_int8:.3f}; "
+        f"top-1 agreement with fp32: bf16 {agree_bf16:.3f}, int8 {agree_int8:.3f}"
     )
     assert agree_int8 >= 0.90
     assert ppl_int8 <= 1.04 * ppl_fp32

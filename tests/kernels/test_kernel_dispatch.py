@@ -14,7 +14,8 @@ import torch
 import kernels.cpu
 from kernels.cpu import build, isa
 
-# A level no process has loaded (the real ones may be: load() returns those without a look at the disk).
+# A level no process has loaded (the real ones may be: load() returns those without a look at the
+# disk).
 UNLOADED = isa.Level("test_only", ("avx2", "fma"), ("-mavx2", "-mfma"))
 AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c"})  # an AVX2 laptop or cloud VM
 ZEN4 = AVX2_ONLY | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}
@@ -112,20 +113,23 @@ def test_a_compile_error_is_reported_and_recorded(tmp_path, monkeypatch):
 
     def fails(**kw):
         raise RuntimeError(
-            "Error building extension 'x': [1/2] c++ ...\nnorm.cpp:3:4: error: 'vf' was not declared\n"
+            "Error building extension 'x': [1/2] c++ ...\n"
+            "norm.cpp:3:4: error: 'vf' was not declared\n"
         )
 
     monkeypatch.setattr(cpp_extension, "load", fails)
     level = UNLOADED
-    with pytest.raises(build.KernelBuildError, match="norm.cpp:3:4: error: 'vf' was not declared"):
+    with pytest.raises(
+        build.KernelBuildError, match=r"norm\.cpp:3:4: error: 'vf' was not declared"
+    ):
         build.load(level)
     assert "'vf' was not declared" in (build.build_dir(level) / "build.failed").read_text()
 
 
 def test_a_built_library_is_loaded_without_the_compiler(tmp_path, monkeypatch):
-    """A library under its digest is used as it is, whichever checkout built it: cpp_extension is not
-    called (it would rebuild for sources at another path), and a build lock older than the library (left
-    by a killed build) does not hold it up."""
+    """A library under its digest is used as it is, whichever checkout built it: cpp_extension is
+    not called (it would rebuild for sources at another path), and a build lock older than the
+    library (left by a killed build) does not hold it up."""
     monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
     directory = build.build_dir(UNLOADED)
     directory.mkdir(parents=True)
@@ -136,7 +140,7 @@ def test_a_built_library_is_loaded_without_the_compiler(tmp_path, monkeypatch):
     from torch.utils import cpp_extension
 
     monkeypatch.setattr(cpp_extension, "load", lambda **kw: pytest.fail("compiled again"))
-    loaded = []
+    loaded: list[str] = []
     monkeypatch.setattr(torch.ops, "load_library", loaded.append)
     build.load(UNLOADED)
     assert loaded == [str(library)]
@@ -154,7 +158,7 @@ def test_a_library_being_linked_is_waited_for_within_a_bound(tmp_path, monkeypat
     )  # newer than the lock: still being written
     with pytest.raises(
         build.KernelBuildError,
-        match="a kernel build has held .*lock for 0 s; if no build is running",
+        match=r"a kernel build has held .*lock for 0 s; if no build is running",
     ):
         build.load(UNLOADED)
 
@@ -164,7 +168,7 @@ def test_no_compiler_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler")
     with pytest.raises(
         build.KernelBuildError,
-        match="no C.. compiler .'no-such-compiler' is not on PATH.: install g..",
+        match=r"no C\+\+ compiler \('no-such-compiler' is not on PATH\): install g\+\+",
     ):
         build.load(UNLOADED)
 

@@ -1,10 +1,11 @@
-"""The int8 KV cache (kv_cache_dtype="int8"): the row format, the kernels that write and read it against
-the torch reference, the model and the engine on it (batch invariance, prefix caching, preemption),
-SmolLM2's quality on it, and the memory it saves."""
+"""The int8 KV cache (kv_cache_dtype="int8"): the row format, the kernels that write and read it
+against the torch reference, the model and the engine on it (batch invariance, prefix caching,
+preemption), SmolLM2's quality on it, and the memory it saves."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -81,7 +82,8 @@ def _int8_caches(num_blocks, block_size, kv_heads, d, dtype, g):
 
 
 def _gathered(cache, table, n, kv_heads, group, dtype):
-    """[heads, n, d] of one sequence, dequantized to ``dtype`` then fp32, KV heads repeated per group."""
+    """[heads, n, d] of one sequence, dequantized to ``dtype`` then fp32, KV heads repeated per
+    group."""
     rows = cache[torch.tensor(table)].reshape(-1, kv_heads, cache.shape[-1])[:n]
     return dequantize_kv(rows, dtype).float().transpose(0, 1).repeat_interleave(group, 0)
 
@@ -90,9 +92,9 @@ def _gathered(cache, table, n, kv_heads, group, dtype):
 @pytest.mark.parametrize("heads,kv_heads,d", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_attention_reads_int8_blocks(ops, dtype, heads, kv_heads, d, block_size):
-    """Against SDPA over the dequantized cache. The kernel multiplies integer keys by the query held in
-    int16 and applies the row scales to whole scores and weights: fp32 outputs within 1e-4 (measured
-    up to 5e-5), bf16 within a bf16 rounding."""
+    """Against SDPA over the dequantized cache. The kernel multiplies integer keys by the query held
+    in int16 and applies the row scales to whole scores and weights: fp32 outputs within 1e-4
+    (measured up to 5e-5), bf16 within a bf16 rounding."""
     g = torch.Generator().manual_seed(3)
     seq_lens = [1, 16, 17, 100, 1000]
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 4
@@ -102,7 +104,9 @@ def test_decode_attention_reads_int8_blocks(ops, dtype, heads, kv_heads, d, bloc
     out = ops.decode_attention(
         q, k_cache, v_cache, block_tables, torch.tensor(seq_lens), heads, 1 / math.sqrt(d)
     )
-    tol = dict(atol=1e-4, rtol=1e-3) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    tol: dict[str, Any] = (
+        dict(atol=1e-4, rtol=1e-3) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    )
     for s, n in enumerate(seq_lens):
         keys = _gathered(k_cache, tables[s], n, kv_heads, heads // kv_heads, torch.float32)
         values = _gathered(v_cache, tables[s], n, kv_heads, heads // kv_heads, torch.float32)
@@ -138,7 +142,7 @@ def test_prefill_attention_reads_int8_blocks(ops, dtype, heads, kv_heads, d, blo
     out = ops.prefill_attention(
         q, k_cache, v_cache, block_tables, starts, torch.tensor(seq_lens), heads, 1 / math.sqrt(d)
     )
-    for s, (n, ql) in enumerate(zip(seq_lens, q_lens)):
+    for s, (n, ql) in enumerate(zip(seq_lens, q_lens, strict=True)):
         keys = _gathered(k_cache, tables[s], n, kv_heads, heads // kv_heads, dtype)
         values = _gathered(v_cache, tables[s], n, kv_heads, heads // kv_heads, dtype)
         qs = q[starts[s] : starts[s + 1]].float().view(ql, heads, d).transpose(0, 1)
@@ -180,16 +184,16 @@ def test_kernels_refuse_malformed_int8_caches(ops):
         ops.prefill_attention(q, int16, int16, table, torch.tensor([0, 1]), lens, 1, 1.0)
 
 
-# ---- the model on an int8 cache ---------------------------------------------------------------------
+# ---- the model on an int8 cache ------------------------------------------------------------------
 
 
 def test_fused_forward_on_int8_cache_matches_the_torch_path(runtime_fp32, runtime_bf16):
     """The kernels (quantizing writes, int8 attention) against the torch reference (quantize_kv on
-    write, dequantize on read) in a mixed prefill + decode batch. Rounding to int8 is a step function:
-    the last-bit differences between the paths' RoPE and attention flip some elements to the next
-    step, so in fp32 the paths differ by a fraction of what quantizing costs (measured mean/max |logit
-    diff|: fused vs torch 0.033/0.14, int8 vs fp32 cache 0.082/0.55). bf16 is held to the distance
-    from the fp32 int8 reference, as test_cpu_kernels holds the bf16 cache."""
+    write, dequantize on read) in a mixed prefill + decode batch. Rounding to int8 is a step
+    function: the last-bit differences between the paths' RoPE and attention flip some elements to
+    the next step, so in fp32 the paths differ by a fraction of what quantizing costs (measured
+    mean/max |logit diff|: fused vs torch 0.033/0.14, int8 vs fp32 cache 0.082/0.55). bf16 is held
+    to the distance from the fp32 int8 reference, as test_cpu_kernels holds the bf16 cache."""
     best_ops()
     exact = mixed_batch_logits(runtime_fp32, False, "auto")
     ref = mixed_batch_logits(runtime_fp32, False, "int8")
@@ -207,9 +211,9 @@ def test_fused_forward_on_int8_cache_matches_the_torch_path(runtime_fp32, runtim
 
 
 def test_int8_cache_stays_close_to_bf16(runtime_fp32, runtime_bf16, smollm2_tokenizer):
-    """Teacher-forced over ~1,000 tokens of the engine's docstrings, against fp32 with an fp32 cache.
-    Measured: top-1 agreement bf16 97.9%, bf16 with int8 KV 97.1%; perplexity 11.74 / 11.76 (+0.1%)
-    (bench_quality over 1,500 tokens: 98.1% / 97.1%, 11.54 / 11.55)."""
+    """Teacher-forced over ~1,000 tokens of the engine's docstrings, against fp32 with an fp32
+    cache. Measured: top-1 agreement bf16 97.9%, bf16 with int8 KV 97.1%; perplexity 11.74 / 11.76
+    (+0.1%) (bench_quality over 1,500 tokens: 98.1% / 97.1%, 11.54 / 11.55)."""
     from loadtests.workloads import corpus_text
 
     ids = smollm2_tokenizer.encode(corpus_text())[:1000]
@@ -227,7 +231,7 @@ def test_int8_cache_stays_close_to_bf16(runtime_fp32, runtime_bf16, smollm2_toke
     assert ppl_int8 <= 1.02 * ppl_plain
 
 
-# ---- the engine on an int8 cache --------------------------------------------------------------------
+# ---- the engine on an int8 cache -----------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -272,7 +276,8 @@ def test_int8_cache_engine_is_batch_invariant(llm_int8):
 
 def test_int8_cache_prefix_hit_gives_the_same_tokens(llm_int8):
     """A prompt reads its own tokens back from the int8 cache as well as a cached prefix's, so a
-    prefix-cache hit changes nothing: only the uncached tail is computed, the output is identical."""
+    prefix-cache hit changes nothing: only the uncached tail is computed, the output is
+    identical."""
     engine = llm_int8.engine
     prefix = engine.tokenizer.encode(" ".join(f"item {i}: {i * i}" for i in range(60)))[:256]
     first, second = (
@@ -291,8 +296,8 @@ def test_int8_cache_prefix_hit_gives_the_same_tokens(llm_int8):
 
 
 def test_int8_cache_survives_preemption(llm_int8, smollm2_path):
-    """Four requests growing to ~48 tokens (3 blocks each) in 8 usable blocks: some are preempted and
-    recomputed into the int8 cache, and every output still equals the large pool's."""
+    """Four requests growing to ~48 tokens (3 blocks each) in 8 usable blocks: some are preempted
+    and recomputed into the int8 cache, and every output still equals the large pool's."""
     from shared.engine.engine import EngineConfig
     from shared.engine.llm import LLM
 
@@ -307,9 +312,9 @@ def test_int8_cache_survives_preemption(llm_int8, smollm2_path):
 
 
 def test_int8_cache_holds_nearly_twice_the_tokens(llm_int8, smollm2_path):
-    """Per token: 2 x 30 layers x 3 KV heads x (64 int8 + a 4-byte scale) = 12,240 B against 23,040 B
-    in bf16. The same budget, less the same weights and activations, leaves the same remainder R for
-    both pools, and each takes floor(R / its block bytes) blocks."""
+    """Per token: 2 x 30 layers x 3 KV heads x (64 int8 + a 4-byte scale) = 12,240 B against
+    23,040 B in bf16. The same budget, less the same weights and activations, leaves the same
+    remainder R for both pools, and each takes floor(R / its block bytes) blocks."""
     from shared.engine.engine import EngineConfig
     from shared.engine.llm import LLM
 
@@ -345,7 +350,8 @@ def test_kv_cache_dtype_is_checked_and_reaches_the_executor(monkeypatch):
 
 
 def test_torch_path_int8_runner_never_writes_block_zero(runtime_bf16):
-    """The padding block stays zero on the torch path too (quantized writes go only to real slots)."""
+    """The padding block stays zero on the torch path too (quantized writes go only to real
+    slots)."""
     from shared.engine.model_runner import ScheduledChunk
 
     with torch_path(runtime_bf16):

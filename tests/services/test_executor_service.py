@@ -12,7 +12,16 @@ import uuid
 import pytest
 
 from services.executor.service import ExecutorService, ExecutorServiceConfig
-from services.executor.worker import Abort, Aborted, Add, EngineWorker, Failed, Outputs, Rejected
+from services.executor.worker import (
+    Abort,
+    Aborted,
+    Add,
+    EngineWorker,
+    Event,
+    Failed,
+    Outputs,
+    Rejected,
+)
 from shared.wire import messages, subjects
 from shared.wire.block_hash import hash_prompt_blocks
 from shared.wire.bus import Bus
@@ -31,7 +40,7 @@ from shared.wire.messages import (
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-# -- the engine thread, with a fake engine ------------------------------------------------------------
+# -- the engine thread, with a fake engine ---------------------------------------------------------
 
 
 class FakeEngine:
@@ -109,10 +118,15 @@ def run_worker(commands, until):
     engine = FakeEngine()
     worker = EngineWorker(engine)
     got: queue.SimpleQueue = queue.SimpleQueue()
-    worker.start(lambda evs: [got.put(e) for e in evs])
+
+    def deliver(evs: list[Event]) -> None:
+        for e in evs:
+            got.put(e)
+
+    worker.start(deliver)
     for c in commands:
         worker.submit(c)
-    events = []
+    events: list[Event] = []
     while not until(events):
         events.append(got.get(timeout=5))
     worker.stop(5)
@@ -167,7 +181,7 @@ def test_worker_abort_and_failed_step():
     assert failure.request_ids == ["x"] and "kernel exploded" in failure.message
 
 
-# -- the service over NATS, with the real engine ------------------------------------------------------
+# -- the service over NATS, with the real engine ---------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +204,8 @@ def direct_greedy(engine, prompt_ids: list[int], params: SamplingParams) -> list
 
 
 class Client:
-    """Plays scheduler + gateway: sends ExecuteRequests and records streams, progress, heartbeats."""
+    """Plays scheduler + gateway: sends ExecuteRequests and records streams, progress,
+    heartbeats."""
 
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
@@ -337,7 +352,8 @@ def test_service_over_nats_matches_engine(nats_url, engine):
             assert isinstance(outs[-1], StreamError) and outs[-1].status == 400
             assert "block_hashes has" in outs[-1].message and "blocks of 16" in outs[-1].message
 
-            # Abort mid-generation: a final 'abort' output, then 'finished'; the KV blocks come back.
+            # Abort mid-generation: a final 'abort' output, then 'finished'; the KV blocks come
+            # back.
             long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
             ab = uuid.uuid4().hex
             outs = await client.run("ex-test", ab, prompt, long, abort_after=2)
@@ -345,7 +361,8 @@ def test_service_over_nats_matches_engine(nats_url, engine):
             assert sum(len(o.output.deltas[0].token_ids) for o in outs) < 200
             await wait_for(lambda: (ab, "finished") in client.progress)
 
-            # Heartbeats: one epoch, the engine's numbers (nothing running once the abort is applied).
+            # Heartbeats: one epoch, the engine's numbers (nothing running once the abort is
+            # applied).
             await wait_for(
                 lambda: len(client.heartbeats) >= 3 and client.heartbeats[-1].stats.num_running == 0
             )
@@ -359,8 +376,8 @@ def test_service_over_nats_matches_engine(nats_url, engine):
             )
             assert hb.stats.num_total_blocks == 63 and hb.stats.num_free_blocks == 63
 
-            # Drain: an in-flight request that cannot finish in drain_timeout gets a 503 error event;
-            # a request arriving while draining gets 503 at once; heartbeats say draining.
+            # Drain: an in-flight request that cannot finish in drain_timeout gets a 503 error
+            # event; a request arriving while draining gets 503 at once; heartbeats say draining.
             slow = uuid.uuid4().hex
             task = asyncio.create_task(client.run("ex-test", slow, prompt, long))
             await wait_for(lambda: (slow, "started") in client.progress, 30)

@@ -280,17 +280,19 @@ def test_unknown_route_is_an_openai_error(client):
 
 
 def test_streaming_client_disconnect_publishes_abort(gateway, backend):
-    with httpx.Client(base_url=gateway.base_url, headers=gateway.headers(), timeout=10) as c:
-        with c.stream(
+    with (
+        httpx.Client(base_url=gateway.base_url, headers=gateway.headers(), timeout=10) as c,
+        c.stream(
             "POST",
             "/v1/completions",
             json=completion(prompt="slow stream", max_tokens=None, stream=True),
-        ) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: ")
-            rid = r.headers["x-request-id"]
-        # leaving the block closes the connection mid-stream
+        ) as r,
+    ):
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        rid = r.headers["x-request-id"]
+    # leaving the block closes the connection mid-stream
     abort = backend.wait_abort(
         rid, timeout=REQUEST_TIMEOUT_S - 1
     )  # before the gateway's own timeout

@@ -30,7 +30,7 @@ def ws(gateway) -> Iterator[ClientConnection]:
 
 
 def until_done(ws: ClientConnection) -> list[dict]:
-    items = []
+    items: list[dict] = []
     while True:
         item = json.loads(ws.recv(timeout=10))
         if item == {"done": True}:

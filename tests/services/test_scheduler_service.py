@@ -6,6 +6,7 @@ and the status request the gateway's /health uses."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 
 from services.scheduler.router import RouterConfig
@@ -166,10 +167,8 @@ class Harness:
             self.error_event.clear()
             remaining = deadline - asyncio.get_running_loop().time()
             assert remaining > 0, f"no StreamError for {rid}"
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.error_event.wait(), remaining)
-            except TimeoutError:
-                pass
         return self.errors[rid]
 
     async def __aexit__(self, *exc) -> None:

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import uuid
+from typing import Any
 
 import pytest
 
@@ -116,7 +117,7 @@ def test_model_context_len_from_metadata(smollm2_path):
 # -- over NATS -----------------------------------------------------------------------------------
 
 
-async def _roundtrip(bus: Bus, req: GenerateRequest) -> tuple[str, object]:
+async def _roundtrip(bus: Bus, req: GenerateRequest) -> tuple[str, Any]:
     """Send like the gateway (stream subscribed first, then a request the tokenizer acks) and return
     where the answer went."""
     async with (

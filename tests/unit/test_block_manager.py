@@ -538,8 +538,8 @@ class _Sim:
         self.apply_events()
         assert len(self.index) == bm.num_cached_blocks
         for h in self.index:
-            block_id = bm.cached_block_id(h)
-            assert block_id is not None and bm.block_hash(block_id) == h
+            cached = bm.cached_block_id(h)
+            assert cached is not None and bm.block_hash(cached) == h
 
 
 @pytest.mark.parametrize("seed", range(12))

@@ -66,7 +66,8 @@ def test_plan_with_int8_decoder_linears(capsys):
 
 
 def test_plan_with_the_int8_kv_cache(capsys):
-    """int8 rows carry a 4-byte scale each: Llama-3-8B's 2 x 32 layers x 8 KV heads x (128 + 4) bytes."""
+    """int8 rows carry a 4-byte scale each: Llama-3-8B's 2 x 32 layers x 8 KV heads x (128 + 4)
+    bytes."""
     argv = [
         "plan",
         "--model",
@@ -156,7 +157,8 @@ def test_plan_default_model_without_torch():
         pytest.skip(str(exc))
     code = (
         "import sys; from services.cli import main; rc = main(['plan', '--memory', '2GiB', "
-        "'--context', '2048', '--dtype', 'float32']); assert 'torch' not in sys.modules; sys.exit(rc)"
+        "'--context', '2048', '--dtype', 'float32']); "
+        "assert 'torch' not in sys.modules; sys.exit(rc)"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120

@@ -1,7 +1,7 @@
-"""The engine settings, declared once in ``shared.engine.config``: every command line that takes them
-(``llmserve up``, ``llmserve generate``, the executor, the tokenizer's subset) shows each with its
-help; a config survives the argv the launcher writes; a flag beats its environment variable, which
-beats the command's default. Torch-free: none of this imports torch."""
+"""The engine settings, declared once in ``shared.engine.config``: every command line that takes
+them (``llmserve up``, ``llmserve generate``, the executor, the tokenizer's subset) shows each with
+its help; a config survives the argv the launcher writes; a flag beats its environment variable,
+which beats the command's default. Torch-free: none of this imports torch."""
 
 from __future__ import annotations
 
@@ -73,9 +73,9 @@ def command_parser(module) -> argparse.ArgumentParser:
 
 
 def engine_flags(parser: argparse.ArgumentParser) -> dict[str, str]:
-    """flag -> help of the parser's engine-settings group."""
+    """flag -> help of the parser's engine-settings group ("" for a flag without help)."""
     group = next(g for g in parser._action_groups if g.title == "engine settings")
-    return {a.option_strings[0]: a.help for a in group._group_actions}
+    return {a.option_strings[0]: a.help or "" for a in group._group_actions}
 
 
 def test_env_names_are_the_ones_commands_read_before():
@@ -140,6 +140,7 @@ def test_the_launcher_gives_each_executor_the_whole_engine_config():
     executor = parse_executor_config(["--nats-url", "nats://h:1", *executor_args(config, 1)])
     assert executor.executor_id == "executor-1"
     assert executor.engine == replace(engine, num_threads=executor.engine.num_threads)
+    assert executor.engine.num_threads is not None
     assert executor.engine.num_threads >= 1  # the cores divided among the executors
     assert EngineConfig.from_argv(
         tokenizer_args(StackConfig(engine=replace(engine, model="m.gguf")))
@@ -163,7 +164,8 @@ def test_engine_config_is_validated_without_torch():
     with pytest.raises(ValueError, match="not engine settings: nope"):
         settings(include=("nope",))
     code = (
-        "import sys; from shared.engine.config import EngineConfig; from services.cli.main import build_parser; "
+        "import sys; from shared.engine.config import EngineConfig; "
+        "from services.cli.main import build_parser; "
         "build_parser(); EngineConfig(dtype='float32'); "
         "print([m for m in sys.modules if m.split('.')[0] in ('torch', 'kernels')])"
     )

@@ -1,5 +1,5 @@
-"""Pure gateway logic, synchronously: request validation and conversion, and the exact JSON shapes of
-OpenAI's completion / chat objects and stream chunks (platform.openai.com/docs/api-reference)."""
+"""Pure gateway logic, synchronously: request validation and conversion, and the exact JSON shapes
+of OpenAI's completion / chat objects and stream chunks (platform.openai.com/docs/api-reference)."""
 
 from __future__ import annotations
 
@@ -121,6 +121,7 @@ def test_chat_maps_messages_and_chat_only_parameters():
         max_completion_tokens=5,
         max_tokens=50,
     )
+    assert g.messages is not None
     assert [(m.role, m.content) for m in g.messages] == [
         ("system", "be brief"),
         ("user", "a\nb"),

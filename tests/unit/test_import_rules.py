@@ -1,7 +1,7 @@
 """The package rules: the wire layer (``shared.wire``) imports neither the engine, the services nor
 torch; the engine never imports the services or the tooling; the gateway, tokenizer and scheduler
-services run without torch. Checked statically (every import statement, at any depth of a module) and
-by importing each service in a fresh interpreter (what it pulls in transitively)."""
+services run without torch. Checked statically (every import statement, at any depth of a module)
+and by importing each service in a fresh interpreter (what it pulls in transitively)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ TORCH_FREE_SERVICES = ("services.gateway", "services.tokenizer", "services.sched
 
 
 def imported_modules(path: pathlib.Path) -> set[str]:
-    """Every absolute module an import statement in ``path`` names (``from a import b``: a and a.b)."""
+    """Every absolute module an import statement in ``path`` names (``from a import b``: a and
+    a.b)."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -73,7 +74,8 @@ def test_service_runs_without_torch(package):
     )
     code = (
         f"import sys; from {package} import {', '.join(modules)}; "
-        "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'kernels'))))"
+        "print(','.join(sorted(m for m in sys.modules "
+        "if m.split('.')[0] in ('torch', 'triton', 'kernels'))))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120

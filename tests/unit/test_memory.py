@@ -2,6 +2,7 @@ import json
 import math
 import struct
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -100,7 +101,8 @@ def test_kv_bytes_per_token_published_models():
 
 
 def test_num_params_from_published_shapes():
-    # Llama-2-7B: embeddings + 32 x (q,k,v,o 4096x4096; gate, up, down 4096x11008; 2 norms) + norm + head
+    # Llama-2-7B: embeddings + 32 x (q,k,v,o 4096x4096; gate, up, down 4096x11008; 2 norms)
+    # + norm + head
     layer = 4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096
     assert 32000 * 4096 + 32 * layer + 4096 + 32000 * 4096 == 6738415616
     assert LLAMA2_7B.num_params() == 6738415616
@@ -118,9 +120,9 @@ def test_weight_bytes_and_override():
 
 
 def test_int8_weight_and_activation_bytes_by_hand():
-    """Llama-2-7B with int8 decoder linears: per layer QKV 12288x4096, O 4096x4096, gate-up 22016x4096,
-    down 4096x11008 take a byte per weight, plus 8 bytes per output feature (scale, column sum) and 4
-    per input feature (smoothing); the other 262,410,240 parameters stay fp16."""
+    """Llama-2-7B with int8 decoder linears: per layer QKV 12288x4096, O 4096x4096, gate-up
+    22016x4096, down 4096x11008 take a byte per weight, plus 8 bytes per output feature (scale,
+    column sum) and 4 per input feature (smoothing); the other 262,410,240 parameters stay fp16."""
     linear = 32 * (12288 * 4096 + 4096 * 4096 + 22016 * 4096 + 4096 * 11008)
     extras = 32 * (8 * (12288 + 4096 + 22016 + 4096) + 4 * (4096 + 4096 + 4096 + 11008))
     assert (linear, extras) == (6476005376, 13860864)
@@ -197,7 +199,9 @@ def test_insufficient_memory_boundary():
 
 
 def test_plan_memory_rejects_bad_arguments():
-    kwargs = dict(memory_budget_bytes=80 * GiB, weight_dtype="float16", kv_dtype="float16")
+    kwargs: dict[str, Any] = dict(
+        memory_budget_bytes=80 * GiB, weight_dtype="float16", kv_dtype="float16"
+    )
     for bad in (
         dict(block_size=0),
         dict(context_len=0),
@@ -263,17 +267,17 @@ def test_known_configs_and_aliases():
 
 def test_resolve_missing_path_names_it(tmp_path):
     missing = tmp_path / "nope.gguf"
-    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+    with pytest.raises(FileNotFoundError, match=r"nope\.gguf"):
         resolve_config(str(missing))
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
         resolve_config(str(tmp_path))
     other = tmp_path / "model.bin"
     other.write_bytes(b"x")
-    with pytest.raises(UnsupportedModelError, match="model.bin"):
+    with pytest.raises(UnsupportedModelError, match=r"model\.bin"):
         resolve_config(str(other))
     fake = tmp_path / "fake.gguf"
     fake.write_bytes(b"not a gguf file at all")
-    with pytest.raises(UnsupportedModelError, match="fake.gguf"):
+    with pytest.raises(UnsupportedModelError, match=r"fake\.gguf"):
         resolve_config(str(fake))
 
 

@@ -155,6 +155,7 @@ def test_penalties_change_greedy_choice_through_the_batch(device):
     ]
     batch = build(params, device, 4, prompts=[[0], [0], [0]], outputs=[[1], [0], [0]])
     # only rows with a repetition penalty carry prompt ids; rows with no penalty carry nothing
+    assert batch.penalties is not None
     assert batch.penalties.prompt_token_ids.tolist() == [[0], [4], [4]]
     assert batch.penalties.output_token_ids.tolist() == [[1], [0], [4]]
     assert sample(logits, batch).sampled_token_ids == [2, 1, 0]
@@ -230,6 +231,7 @@ def test_logprobs_come_from_raw_logits(device):
     assert out.logprobs[2] is None
     for i, n in [(0, 5), (1, 0), (3, 20)]:
         lp = out.logprobs[i]
+        assert lp is not None
         tok = out.sampled_token_ids[i]
         assert lp.token_id == tok
         assert math.isclose(lp.logprob, raw[i, tok].item(), rel_tol=1e-6, abs_tol=1e-6)
@@ -238,7 +240,7 @@ def test_logprobs_come_from_raw_logits(device):
         vals, ids = raw[i].sort(descending=True)
         assert [t for t, _ in lp.top] == ids[:n].tolist()
         assert torch.allclose(torch.tensor([v for _, v in lp.top]), vals[:n])
-    assert out.logprobs[1].rank == 1  # greedy picks the top token
+    assert out.logprobs[1] is not None and out.logprobs[1].rank == 1  # greedy picks the top token
 
 
 def test_shape_mismatch_is_rejected(device):

@@ -106,6 +106,7 @@ def test_routes_only_to_executors_serving_the_model():
     r.on_heartbeat(hb("a", model="m", free=10), 0)
     r.on_heartbeat(hb("b", model="other", free=99), 0)
     [d1] = r.submit(req("1"), 0, 0)
+    assert isinstance(d1, Dispatch)
     assert (d1.executor_id, d1.request.model, d1.request.block_hashes) == ("a", "m", [7])
     assert dispatched(r.submit(req("2", model="other"), 0, 0)) == [("b", "2")]
     # a is full (cap 2): the next "m" request waits, and does not hold up "other"'s.
@@ -136,6 +137,7 @@ def test_cap_queue_bound_429_and_drain_on_finish():
     assert r.submit(req("3"), 0, 0) == [] and r.submit(req("4"), 0, 0) == []  # queued (max 2)
     out = r.submit(req("5"), 0, 0)
     assert failed(out) == [("5", 429)]
+    assert isinstance(out[0], Fail)
     assert out[0].error.retry_after_s == 1.0 and "max_queue_len=2" in out[0].error.message
     assert r.num_queued == 2
     assert r.on_progress(progress("1", "a", "started"), 0) == []
@@ -168,7 +170,8 @@ def test_no_executor_queues_during_grace_then_503():
     assert failed(r.tick(4.0, 0)) == []
     assert failed(r.tick(5.5, 0)) == [("1", 503)]
     out = r.submit(req("2"), 6.0, 0)
-    assert failed(out) == [("2", 503)] and "no executor" in out[0].error.message
+    assert failed(out) == [("2", 503)]
+    assert isinstance(out[0], Fail) and "no executor" in out[0].error.message
     # An executor arriving clears the condition.
     r.on_heartbeat(hb("a"), 7.0)
     assert dispatched(r.submit(req("3"), 7.0, 0)) == [("a", "3")]
@@ -189,7 +192,7 @@ def test_dead_executor_reroutes_unstarted_and_fails_started():
     r.on_heartbeat(hb("b", max_num_seqs=8), 2.5)
     out = r.tick(2.5, 0)  # a silent for 2.5 s > 2 s
     assert failed(out) == [("started", 502)]
-    assert "executor a" in out[0].error.message
+    assert isinstance(out[0], Fail) and "executor a" in out[0].error.message
     assert dispatched(out) == [("b", "routed")]
     retry = next(a for a in out if isinstance(a, Dispatch)).request
     assert retry.attempt == 1 and retry.prompt_token_ids == [1, 2, 3]

@@ -1,5 +1,5 @@
-"""shared.wire.bus against a real nats-server: publish/subscribe, queue groups, request/reply and its
-timeout, handler errors not killing a subscription, iterator subscriptions, max_payload."""
+"""shared.wire.bus against a real nats-server: publish/subscribe, queue groups, request/reply and
+its timeout, handler errors not killing a subscription, iterator subscriptions, max_payload."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def test_queue_group_delivers_each_message_once(nats_url):
         for i, b in enumerate(buses):
             await b.subscribe(SUBJECT + ".q", make_handler(i), queue="workers")
             await b.flush()
-        for i in range(60):
+        for _ in range(60):
             await pub.publish(SUBJECT + ".q", b"x")
         await asyncio.wait_for(total.wait(), 5)
         await asyncio.sleep(0.1)
@@ -94,7 +94,7 @@ def test_request_reply_timeout_and_no_responders(nats_url):
     asyncio.run(main())
 
 
-def test_flush_pings_only_after_earlier_subscriptions_are_on_the_wire(nats_url):
+def test_flush_pings_only_after_earlier_subscriptions_are_on_the_wire(nats_url, monkeypatch):
     """flush() promises that the server has seen every SUB sent before it. nats-py queues SUB for
     its flusher task but writes flush()'s PING straight to the socket, so without care the PING
     overtakes the SUBs and another connection's request can still find no responders."""
@@ -102,13 +102,20 @@ def test_flush_pings_only_after_earlier_subscriptions_are_on_the_wire(nats_url):
     async def main() -> None:
         async with await Bus.connect(nats_url, "srv") as srv:
             transport = srv._nc._transport
+            assert transport is not None
             wire: list[bytes] = []
             write, writelines = transport.write, transport.writelines
-            transport.write = lambda data: (wire.append(bytes(data)), write(data))[1]
-            transport.writelines = lambda datas: (
-                wire.extend(bytes(d) for d in datas),
-                writelines(datas),
-            )[1]
+
+            def recording_write(data):
+                wire.append(bytes(data))
+                return write(data)
+
+            def recording_writelines(datas):
+                wire.extend(bytes(d) for d in datas)
+                return writelines(datas)
+
+            monkeypatch.setattr(transport, "write", recording_write)
+            monkeypatch.setattr(transport, "writelines", recording_writelines)
 
             async def handler(msg) -> None:
                 pass
