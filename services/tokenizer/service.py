@@ -129,9 +129,8 @@ class TokenizerService:
                     f"{SUBMIT_ACK_TIMEOUT_S:.0f} s.",
                 )
             )
-        except (
-            BusError
-        ) as e:  # the connection is going away: nothing can reach the request's stream
+        except BusError as e:
+            # The connection is going away: nothing can reach the request's stream.
             log.error("submitting %s failed: %s", tokenized.request_id, e)
 
     async def _fail(self, error: messages.StreamError) -> None:

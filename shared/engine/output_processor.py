@@ -25,11 +25,10 @@ class OutputProcessor:
         self._token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_token)
 
     def _decode_token(self, token_id: int) -> str | None:
+        # An id the vocabulary cannot decode keeps no name; the gateway shows its id.
         try:
             return self.tokenizer.decode([token_id], skip_special_tokens=False)
-        except (
-            Exception
-        ):  # an id the vocabulary cannot decode keeps no name; the gateway shows its id
+        except Exception:
             return None
 
     def name_logprobs(self, logprobs: TokenLogprobs) -> TokenLogprobs:
