@@ -67,8 +67,8 @@ from loadtests.workloads import (
     random_prompts,
     text_prompts,
 )
+from shared.engine.config import EngineConfig
 from shared.engine.default_model import default_model_path
-from shared.engine.engine import EngineConfig
 from shared.engine.llm import LLM
 from shared.engine.quantization import (
     KV_CACHE_DTYPE_HELP,

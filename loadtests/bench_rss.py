@@ -126,7 +126,8 @@ def structures(engine: Any, worker: EngineWorker) -> dict[str, int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from shared.engine.engine import Engine, EngineConfig
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import Engine
 
     rss_start = rss_mib()
     engine = Engine(

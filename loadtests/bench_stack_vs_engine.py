@@ -93,7 +93,8 @@ async def next_heartbeat_stats(nats_url: str):
 
 
 def run_engine(args: argparse.Namespace, prompts: list[str | list[int]]) -> dict:
-    from shared.engine.engine import Engine, EngineConfig
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import Engine
     from shared.wire.sampling_params import SamplingParams
 
     engine = Engine(

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from shared.engine.engine import Engine, EngineConfig
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
 from shared.wire.outputs import TokenLogprobs
 from shared.wire.sampling_params import SamplingParams
 

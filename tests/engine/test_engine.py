@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from shared.engine.engine import Engine, EngineConfig, PromptTooLongError
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine, PromptTooLongError
 from shared.engine.llm import LLM
 from shared.wire.sampling_params import SamplingParams
 

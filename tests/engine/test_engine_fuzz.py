@@ -14,7 +14,8 @@ import random
 import pytest
 
 from helpers.levels import capped_at, needs_kernels
-from shared.engine.engine import Engine, EngineConfig
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
 from shared.engine.llm import LLM
 from shared.wire.block_hash import hash_block
 from shared.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored

@@ -137,7 +137,8 @@ def test_an_engine_switched_off_samples_without_the_kernels(monkeypatch, smollm2
     """LLMSERVE_CPU_KERNELS=0: the engine's one backend has no ops, and the model, attention and the
     sampler all run on it."""
     import shared.engine.engine as engine_module
-    from shared.engine.engine import Engine, EngineConfig
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import Engine
 
     handed = []
     real_sample = engine_module.sample

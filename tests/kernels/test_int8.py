@@ -217,7 +217,7 @@ def test_int8_engine_is_batch_invariant_and_holds_less_memory(smollm2_path):
     the same result in any batch: concurrent greedy requests equal each alone. The ledger counts the
     int8 layers: per linear, the bf16 panels (2 bytes per weight) become int8 panels (1 byte) plus
     fp32 scales, int32 column sums and fp32 smoothing factors."""
-    from shared.engine.engine import EngineConfig
+    from shared.engine.config import EngineConfig
     from shared.engine.llm import LLM
     from shared.wire.sampling_params import SamplingParams
 
@@ -248,14 +248,15 @@ def test_int8_engine_is_batch_invariant_and_holds_less_memory(smollm2_path):
 
 
 def test_unknown_quantization_is_refused():
-    from shared.engine.engine import EngineConfig
+    from shared.engine.config import EngineConfig
 
     with pytest.raises(ValueError, match="quantization must be None or one of"):
         EngineConfig(quantization="int4")
 
 
 def test_int8_without_the_kernels_is_a_clear_error(monkeypatch, smollm2_path):
-    from shared.engine.engine import Engine, EngineConfig
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import Engine
 
     monkeypatch.setenv("LLMSERVE_CPU_KERNELS", "0")
     cpu_ops.cache_clear()

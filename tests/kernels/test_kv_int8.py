@@ -236,7 +236,7 @@ def test_int8_cache_stays_close_to_bf16(runtime_fp32, runtime_bf16, smollm2_toke
 
 @pytest.fixture(scope="module")
 def llm_int8(smollm2_path):
-    from shared.engine.engine import EngineConfig
+    from shared.engine.config import EngineConfig
     from shared.engine.llm import LLM
 
     config = EngineConfig(
@@ -298,7 +298,7 @@ def test_int8_cache_prefix_hit_gives_the_same_tokens(llm_int8):
 def test_int8_cache_survives_preemption(llm_int8, smollm2_path):
     """Four requests growing to ~48 tokens (3 blocks each) in 8 usable blocks: some are preempted
     and recomputed into the int8 cache, and every output still equals the large pool's."""
-    from shared.engine.engine import EngineConfig
+    from shared.engine.config import EngineConfig
     from shared.engine.llm import LLM
 
     expected = _greedy(llm_int8, PROMPTS, 40)
@@ -315,7 +315,7 @@ def test_int8_cache_holds_nearly_twice_the_tokens(llm_int8, smollm2_path):
     """Per token: 2 x 30 layers x 3 KV heads x (64 int8 + a 4-byte scale) = 12,240 B against
     23,040 B in bf16. The same budget, less the same weights and activations, leaves the same
     remainder R for both pools, and each takes floor(R / its block bytes) blocks."""
-    from shared.engine.engine import EngineConfig
+    from shared.engine.config import EngineConfig
     from shared.engine.llm import LLM
 
     config = KNOWN_CONFIGS["smollm2-135m"]
@@ -337,7 +337,7 @@ def test_int8_cache_holds_nearly_twice_the_tokens(llm_int8, smollm2_path):
 
 def test_kv_cache_dtype_is_checked_and_reaches_the_executor(monkeypatch):
     from services.executor.__main__ import parse_config
-    from shared.engine.engine import EngineConfig
+    from shared.engine.config import EngineConfig
 
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig(kv_cache_dtype="fp8")

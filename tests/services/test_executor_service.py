@@ -186,7 +186,8 @@ def test_worker_abort_and_failed_step():
 
 @pytest.fixture(scope="module")
 def engine():
-    from shared.engine.engine import Engine, EngineConfig
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import Engine
 
     return Engine(
         EngineConfig(dtype="float32", num_kv_blocks=64, max_num_seqs=4, num_threads=1),
