@@ -195,10 +195,7 @@ class BlockManager:
         hits: list[int] = []
         parent: int | None = None
         for i in range(max_blocks):
-            if block_hashes is not None:
-                parent = block_hashes[i]
-            else:
-                parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
+            parent = _block_hash(i, parent, token_ids, block_hashes, bs)
             block_id = self._cached.get(parent)
             if block_id is None:
                 break
@@ -332,11 +329,7 @@ class BlockManager:
         for i in range(start, end):
             block = self._blocks[seq.block_ids[i]]
             if block.block_hash is None:  # a fork sibling may have hashed this shared block already
-                block.block_hash = (
-                    block_hashes[i]
-                    if block_hashes is not None
-                    else hash_block(parent, token_ids[i * bs : (i + 1) * bs])
-                )
+                block.block_hash = _block_hash(i, parent, token_ids, block_hashes, bs)
             # An identical registered block wins; this one then stays an unregistered duplicate.
             self._cached.setdefault(block.block_hash, block.block_id)
             hashes.append(block.block_hash)
@@ -411,6 +404,20 @@ class BlockManager:
         if evicted:
             self._events.append(BlockRemoved(block_hashes=evicted))
         return block_ids
+
+
+def _block_hash(
+    i: int,
+    parent: int | None,
+    token_ids: Sequence[int],
+    block_hashes: Sequence[int] | None,
+    block_size: int,
+) -> int:
+    """Block i's chained hash: the carried one when given, else hashed from its tokens and its
+    parent."""
+    if block_hashes is not None:
+        return block_hashes[i]
+    return hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
 
 
 def _check_hashes(block_hashes: Sequence[int], num_needed: int, num_tokens: int) -> None:

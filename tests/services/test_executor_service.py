@@ -11,6 +11,7 @@ import uuid
 
 import pytest
 
+from helpers.stats import engine_stats
 from services.executor.service import ExecutorService, ExecutorServiceConfig
 from services.executor.worker import (
     Abort,
@@ -29,7 +30,6 @@ from shared.wire.kv_events import BlockStored, KVEventBatch, decode_kv_event_bat
 from shared.wire.messages import (
     AbortRequest,
     CompletionDelta,
-    EngineStats,
     ExecuteRequest,
     RequestOutput,
     SamplingParams,
@@ -96,21 +96,7 @@ class FakeEngine:
         return bool(self.requests)
 
     def stats(self):
-        return EngineStats(
-            num_running=len(self.requests),
-            num_waiting=0,
-            num_total_blocks=10,
-            num_free_blocks=10,
-            kv_cache_usage=0.0,
-            prefix_cache_queries_tokens=0,
-            prefix_cache_hits_tokens=0,
-            num_preemptions=0,
-            num_prompt_tokens=0,
-            num_computed_tokens=0,
-            num_generated_tokens=0,
-            num_steps=0,
-            last_step_num_tokens=0,
-        )
+        return engine_stats(num_running=len(self.requests), num_total_blocks=10, num_free_blocks=10)
 
 
 def run_worker(commands, until):

@@ -9,13 +9,13 @@ import asyncio
 import contextlib
 import uuid
 
+from helpers.stats import engine_stats
 from services.scheduler.router import RouterConfig
 from services.scheduler.service import SchedulerConfig, SchedulerService
 from shared.wire import messages, subjects
 from shared.wire.bus import Bus
 from shared.wire.messages import (
     AbortRequest,
-    EngineStats,
     ExecuteRequest,
     ExecutorHeartbeat,
     RequestProgress,
@@ -24,21 +24,7 @@ from shared.wire.messages import (
     TokenizedRequest,
 )
 
-STATS = EngineStats(
-    num_running=0,
-    num_waiting=0,
-    num_total_blocks=100,
-    num_free_blocks=100,
-    kv_cache_usage=0.0,
-    prefix_cache_queries_tokens=0,
-    prefix_cache_hits_tokens=0,
-    num_preemptions=0,
-    num_prompt_tokens=0,
-    num_computed_tokens=0,
-    num_generated_tokens=0,
-    num_steps=0,
-    last_step_num_tokens=0,
-)
+STATS = engine_stats()
 
 
 class FakeExecutor:

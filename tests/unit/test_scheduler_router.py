@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from helpers.stats import engine_stats
 from services.scheduler.router import Dispatch, Fail, Router, RouterConfig
 from shared.wire.messages import (
-    EngineStats,
     ExecutorHeartbeat,
     RequestProgress,
     SamplingParams,
@@ -26,21 +26,7 @@ def hb(
     role: str = "both",
     model: str = "m",
 ) -> ExecutorHeartbeat:
-    stats = EngineStats(
-        num_running=0,
-        num_waiting=0,
-        num_total_blocks=100,
-        num_free_blocks=free,
-        kv_cache_usage=0.0,
-        prefix_cache_queries_tokens=0,
-        prefix_cache_hits_tokens=0,
-        num_preemptions=0,
-        num_prompt_tokens=0,
-        num_computed_tokens=0,
-        num_generated_tokens=0,
-        num_steps=0,
-        last_step_num_tokens=0,
-    )
+    stats = engine_stats(num_free_blocks=free)
     return ExecutorHeartbeat(
         executor_id=executor_id,
         epoch=epoch,
