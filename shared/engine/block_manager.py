@@ -372,6 +372,12 @@ class BlockManager:
         """Events recorded since the last take_events (the engine takes them every step)."""
         return len(self._events)
 
+    def snapshot(self) -> tuple[int, list[int]]:
+        """(seq, every cached hash): the hashes include the effects of every batch up to ``seq``,
+        the one the events not yet taken will get (if any), and of none after it."""
+        seq = self._next_event_seq if self._events else self._next_event_seq - 1
+        return seq, list(self._cached)
+
     def take_events(self) -> KVEventBatch | None:
         if not self._events:
             return None

@@ -219,6 +219,11 @@ class Engine:
         batch, self._kv_events = self._kv_events, None
         return batch
 
+    def kv_cache_snapshot(self) -> tuple[int, list[int]]:
+        """(seq, cached block hashes): the cache as the KV event batches up to ``seq`` describe it.
+        Call it between steps (the executor's engine thread does)."""
+        return self.block_manager.snapshot()
+
     def _step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         self._counters["num_steps"] += 1

@@ -24,11 +24,22 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import nats
 import nats.errors
+import nats.js.api
+import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription as _NatsSubscription
 
-__all__ = ["Bus", "BusError", "BusNoResponders", "BusTimeout", "Handler", "Msg", "Subscription"]
+__all__ = [
+    "Bus",
+    "BusError",
+    "BusNoResponders",
+    "BusTimeout",
+    "Handler",
+    "Msg",
+    "PullConsumer",
+    "Subscription",
+]
 
 log = logging.getLogger("llmserve.bus")
 
@@ -102,6 +113,37 @@ class Subscription:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.unsubscribe()
+
+
+class PullConsumer:
+    """A durable JetStream pull consumer shared by every process that opens it with the same name:
+    each stored message goes to one of them (a consumer group). Messages must be acknowledged
+    (``await msg.ack()``), or ``await msg.nak(delay=s)`` to have them redelivered; one not
+    acknowledged within the consumer's ack wait is redelivered too. ``msg.metadata`` carries the
+    stream sequence, the publish timestamp and the delivery count."""
+
+    def __init__(self, sub: nats.js.JetStreamContext.PullSubscription, subject: str) -> None:
+        self._sub = sub
+        self.subject = subject
+
+    async def fetch(self, max_msgs: int, timeout: float) -> list[Msg]:
+        """Up to ``max_msgs`` messages; an empty list if none arrives within ``timeout``."""
+        try:
+            return await self._sub.fetch(max_msgs, timeout=timeout)
+        except (nats.errors.TimeoutError, TimeoutError):
+            return []
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as e:
+            raise BusError(f"cannot fetch from {self.subject}: {e!r}") from None
+        except nats.js.errors.Error as e:
+            raise BusError(f"cannot fetch from {self.subject}: {e!r}") from None
+
+    async def unsubscribe(self) -> None:
+        with contextlib.suppress(
+            nats.errors.BadSubscriptionError,
+            nats.errors.ConnectionClosedError,
+            nats.errors.ConnectionDrainingError,
+        ):
+            await self._sub.unsubscribe()
 
 
 class Bus:
@@ -236,6 +278,59 @@ class Bus:
             pending_bytes_limit=PENDING_BYTES_LIMIT,
         )
         return Subscription(sub)
+
+    async def ensure_stream(
+        self, name: str, subjects: list[str], *, max_age_s: float, max_bytes: int
+    ) -> None:
+        """Create the JetStream stream ``name`` over ``subjects`` (file storage, oldest messages
+        dropped past ``max_age_s`` or ``max_bytes``), or leave it as it is if it exists: every
+        process that needs it may call this, in any order."""
+        config = nats.js.api.StreamConfig(
+            name=name,
+            subjects=subjects,
+            retention=nats.js.api.RetentionPolicy.LIMITS,
+            discard=nats.js.api.DiscardPolicy.OLD,
+            storage=nats.js.api.StorageType.FILE,
+            max_age=max_age_s,
+            max_bytes=max_bytes,
+        )
+        js = self._nc.jetstream()
+        try:
+            await js.stream_info(name)
+            return
+        except nats.js.errors.NotFoundError:
+            pass
+        except nats.js.errors.Error as e:
+            raise BusError(f"cannot read JetStream stream {name}: {e!r}") from None
+        try:
+            await js.add_stream(config)
+        except nats.js.errors.BadRequestError as e:
+            # Another process created it between our two calls: that one is as good as ours.
+            if "already in use" not in str(e):
+                raise BusError(f"cannot create JetStream stream {name}: {e!r}") from None
+        except nats.js.errors.Error as e:
+            raise BusError(f"cannot create JetStream stream {name}: {e!r}") from None
+
+    async def pull_consumer(
+        self, stream: str, subject: str, durable: str, *, ack_wait_s: float = 30.0
+    ) -> PullConsumer:
+        """Open (creating it if needed) the durable pull consumer ``durable`` on ``stream``'s
+        ``subject``; it starts from the stream's first message and remembers acknowledgements
+        across restarts."""
+        config = nats.js.api.ConsumerConfig(
+            durable_name=durable,
+            ack_policy=nats.js.api.AckPolicy.EXPLICIT,
+            deliver_policy=nats.js.api.DeliverPolicy.ALL,
+            ack_wait=ack_wait_s,
+            max_ack_pending=-1,
+        )
+        try:
+            sub = await self._nc.jetstream().pull_subscribe(
+                subject, durable=durable, stream=stream, config=config
+            )
+        except nats.js.errors.Error as e:
+            raise BusError(f"cannot open consumer {durable} on {stream}: {e!r}") from None
+        return PullConsumer(sub, subject)
 
     async def flush(self, timeout: float = 5.0) -> None:
         """Round trip to the server: everything sent before (SUBs included) has been processed."""

@@ -8,16 +8,28 @@ index already holds, so applying it must be idempotent (set insert).
 
 from __future__ import annotations
 
+import time
+import uuid
+
 import msgspec
 
+from shared.wire.codec import Codec
+
 __all__ = [
+    "KV_CACHE_SNAPSHOT",
+    "KV_EVENTS_MESSAGE",
+    "KV_SNAPSHOT_REQUEST",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
+    "KVCacheSnapshot",
     "KVEvent",
     "KVEventBatch",
+    "KVEventsMessage",
+    "KVSnapshotRequest",
     "decode_kv_event_batch",
     "encode_kv_event_batch",
+    "new_epoch",
 ]
 
 
@@ -59,6 +71,41 @@ class KVEventBatch(msgspec.Struct, kw_only=True, frozen=True):
     events: list[KVEvent]
 
 
+class KVEventsMessage(msgspec.Struct, kw_only=True, frozen=True):
+    """Executor → prefix index: one engine step's batch, named by who sent it. ``epoch`` is the
+    executor process's (see new_epoch); ``model`` is the served model name the blocks belong to."""
+
+    executor_id: str
+    epoch: str
+    model: str
+    batch: KVEventBatch
+
+
+class KVSnapshotRequest(msgspec.Struct, kw_only=True, frozen=True):
+    pass
+
+
+class KVCacheSnapshot(msgspec.Struct, kw_only=True, frozen=True):
+    """An executor's whole set of cached block hashes, taken between engine steps.
+
+    It includes the effects of every batch up to and including ``seq`` and of none after it, so an
+    index that installs it applies batches with seq > ``seq`` next and drops the others as
+    replays."""
+
+    executor_id: str
+    epoch: str
+    model: str
+    seq: int
+    block_hashes: list[int]
+
+
+def new_epoch() -> str:
+    """A fresh epoch for a process start: the start time in ns, zero-padded, then a random suffix,
+    so a later start's epoch sorts after an earlier one's (string order) and two starts in the same
+    nanosecond still differ."""
+    return f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"
+
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)
 
@@ -69,3 +116,8 @@ def encode_kv_event_batch(batch: KVEventBatch) -> bytes:
 
 def decode_kv_event_batch(data: bytes) -> KVEventBatch:
     return _decoder.decode(data)
+
+
+KV_EVENTS_MESSAGE = Codec[KVEventsMessage](KVEventsMessage)
+KV_SNAPSHOT_REQUEST = Codec[KVSnapshotRequest](KVSnapshotRequest)
+KV_CACHE_SNAPSHOT = Codec[KVCacheSnapshot](KVCacheSnapshot)

@@ -6,10 +6,9 @@ fast to encode). Pydantic appears only at the HTTP edge, never here.
 
 from __future__ import annotations
 
-from typing import Any, Generic, TypeVar
-
 import msgspec
 
+from shared.wire.codec import Codec
 from shared.wire.outputs import CompletionDelta, EngineStats, RequestOutput, TokenLogprobs
 from shared.wire.sampling_params import SamplingParams
 
@@ -103,6 +102,29 @@ class RequestProgress(msgspec.Struct, kw_only=True, frozen=True):
     state: str
 
 
+class ExecutorLoad(msgspec.Struct, kw_only=True, frozen=True):
+    """What an executor holds, as it counts it: the weight (sequences: n of each request) of the
+    requests it accepted and has not finished. ``version`` grows by one at every accept and every
+    finish within an epoch, so of two reports the one with the larger version is the newer.
+    It refuses a request that would take ``num_admitted`` past ``max_admitted`` (its max_num_seqs
+    plus the queue it advertises), unless it holds nothing."""
+
+    version: int
+    num_admitted: int
+    max_admitted: int
+
+
+class ExecuteReply(msgspec.Struct, kw_only=True, frozen=True):
+    """Executor → scheduler, the reply to an ExecuteRequest: taken (its output follows on the
+    request's stream) or refused because it is full (route it elsewhere or queue it); either way
+    with the executor's load after the decision."""
+
+    executor_id: str
+    epoch: str
+    accepted: bool
+    load: ExecutorLoad
+
+
 class ExecutorHeartbeat(msgspec.Struct, kw_only=True, frozen=True):
     """Executor → scheduler (and anyone else), every ~0.5 s. A new ``epoch`` means the executor
     restarted and its previous state (KV cache, requests) is gone."""
@@ -117,6 +139,40 @@ class ExecutorHeartbeat(msgspec.Struct, kw_only=True, frozen=True):
     sent_at: float
     max_num_seqs: int = 0  # the engine's batch limit: the scheduler's in-flight cap (0 = unknown)
     draining: bool = False  # shutting down: finishing what it holds, route nothing new to it
+    load: ExecutorLoad | None = None  # None: an executor that does not count its admissions
+
+
+class PrefixMatchRequest(msgspec.Struct, kw_only=True, frozen=True):
+    """Scheduler → prefix index: which executors of ``model`` hold how much of this prompt."""
+
+    model: str
+    block_hashes: list[int]  # the prompt's chained full-block hashes, first block first
+
+
+class PrefixMatchReply(msgspec.Struct, kw_only=True, frozen=True):
+    """``num_blocks[executor_id]``: how many leading blocks of the prompt it holds (executors that
+    hold none are absent). ``error``: the index could not answer (Redis unavailable); the caller
+    routes without it."""
+
+    num_blocks: dict[str, int]
+    error: str | None = None
+
+
+class PrefixIndexStatusRequest(msgspec.Struct, kw_only=True, frozen=True):
+    pass
+
+
+class PrefixIndexStatus(msgspec.Struct, kw_only=True, frozen=True):
+    """One index replica's view: the index's size in Redis and its own apply counters."""
+
+    redis_ok: bool
+    num_executors: int  # executors with entries in the index
+    num_block_entries: int  # (block hash, executor) pairs, over every model
+    num_batches_applied: int  # by this replica, replays excluded
+    num_replays: int  # batches this replica found already applied
+    num_resyncs: int  # snapshots this replica installed
+    num_purges: int  # executors this replica purged (silent, restarted or cleared)
+    last_apply_lag_s: float  # publish (stream timestamp) → applied, of the last batch applied
 
 
 class TokenizerStatusRequest(msgspec.Struct, kw_only=True, frozen=True):
@@ -149,24 +205,6 @@ class SchedulerStatus(msgspec.Struct, kw_only=True, frozen=True):
     max_queue_len: int
 
 
-T = TypeVar("T")
-
-
-class Codec(Generic[T]):
-    """msgpack encoder/decoder pair for one message type, built once."""
-
-    _encoder = msgspec.msgpack.Encoder()
-
-    def __init__(self, type_: Any) -> None:
-        self._decoder = msgspec.msgpack.Decoder(type_)
-
-    def encode(self, msg: T) -> bytes:
-        return self._encoder.encode(msg)
-
-    def decode(self, data: bytes) -> T:
-        return self._decoder.decode(data)
-
-
 GENERATE_REQUEST = Codec[GenerateRequest](GenerateRequest)
 TOKENIZED_REQUEST = Codec[TokenizedRequest](TokenizedRequest)
 EXECUTE_REQUEST = Codec[ExecuteRequest](ExecuteRequest)
@@ -178,12 +216,22 @@ TOKENIZER_STATUS_REQUEST = Codec[TokenizerStatusRequest](TokenizerStatusRequest)
 TOKENIZER_STATUS = Codec[TokenizerStatus](TokenizerStatus)
 SCHEDULER_STATUS_REQUEST = Codec[SchedulerStatusRequest](SchedulerStatusRequest)
 SCHEDULER_STATUS = Codec[SchedulerStatus](SchedulerStatus)
+EXECUTE_REPLY = Codec[ExecuteReply](ExecuteReply)
+PREFIX_MATCH_REQUEST = Codec[PrefixMatchRequest](PrefixMatchRequest)
+PREFIX_MATCH_REPLY = Codec[PrefixMatchReply](PrefixMatchReply)
+PREFIX_INDEX_STATUS_REQUEST = Codec[PrefixIndexStatusRequest](PrefixIndexStatusRequest)
+PREFIX_INDEX_STATUS = Codec[PrefixIndexStatus](PrefixIndexStatus)
 
 __all__ = [
     "ABORT_REQUEST",
+    "EXECUTE_REPLY",
     "EXECUTE_REQUEST",
     "EXECUTOR_HEARTBEAT",
     "GENERATE_REQUEST",
+    "PREFIX_INDEX_STATUS",
+    "PREFIX_INDEX_STATUS_REQUEST",
+    "PREFIX_MATCH_REPLY",
+    "PREFIX_MATCH_REQUEST",
     "REQUEST_PROGRESS",
     "SCHEDULER_STATUS",
     "SCHEDULER_STATUS_REQUEST",
@@ -194,10 +242,16 @@ __all__ = [
     "Codec",
     "CompletionDelta",
     "EngineStats",
+    "ExecuteReply",
     "ExecuteRequest",
     "ExecutorHeartbeat",
+    "ExecutorLoad",
     "ExecutorStatus",
     "GenerateRequest",
+    "PrefixIndexStatus",
+    "PrefixIndexStatusRequest",
+    "PrefixMatchReply",
+    "PrefixMatchRequest",
     "RequestOutput",
     "RequestProgress",
     "SamplingParams",

@@ -23,6 +23,12 @@ SCHEDULER_PROGRESS = f"{PREFIX}.scheduler.progress"
 SCHEDULER_STATUS = f"{PREFIX}.scheduler.status"
 # Gateway → everyone (publish, fan-out): AbortRequest.
 ABORT = f"{PREFIX}.abort"
+# Scheduler → prefix index (request/reply, queue group "prefix_index"): PrefixMatchRequest →
+# PrefixMatchReply, how many leading blocks of a prompt each executor holds.
+PREFIX_INDEX_MATCH = f"{PREFIX}.prefix_index.match"
+# Anyone → prefix index (request/reply, queue group "prefix_index"): PrefixIndexStatusRequest →
+# PrefixIndexStatus (size, apply lag, whether Redis answers).
+PREFIX_INDEX_STATUS = f"{PREFIX}.prefix_index.status"
 # Every executor's heartbeat, for wildcard subscribers.
 EXECUTOR_STATS_ALL = f"{PREFIX}.executor.*.stats"
 # Every executor's KV events, for wildcard subscribers (the prefix index): see kv_events().
@@ -32,6 +38,13 @@ STREAM_ALL = f"{PREFIX}.stream.*"
 
 QUEUE_TOKENIZER = "tokenizer"
 QUEUE_SCHEDULER = "scheduler"
+# The prefix index's queue group, and the name of its durable JetStream consumer (one consumer
+# group: every replica pulls from it, each batch is applied by one of them).
+QUEUE_PREFIX_INDEX = "prefix_index"
+
+# The JetStream stream that keeps every executor's KV event batches (subjects KV_EVENTS_ALL), so a
+# prefix index that restarts replays what it missed.
+KV_EVENTS_STREAM = "LLMSERVE_KV_EVENTS"
 
 
 def _token(value: str, what: str) -> str:
@@ -46,6 +59,12 @@ def executor_decode(executor_id: str) -> str:
     return f"{PREFIX}.executor.{_token(executor_id, 'executor id')}.decode"
 
 
+def executor_kv_snapshot(executor_id: str) -> str:
+    """Prefix index → one executor (request/reply): KVSnapshotRequest → KVCacheSnapshot, its whole
+    set of cached block hashes, to resynchronise after a gap in its event batches."""
+    return f"{PREFIX}.executor.{_token(executor_id, 'executor id')}.kv_snapshot"
+
+
 def executor_stats(executor_id: str) -> str:
     return f"{PREFIX}.executor.{_token(executor_id, 'executor id')}.stats"
 
@@ -57,6 +76,7 @@ def stream(request_id: str) -> str:
 
 
 def kv_events(executor_id: str) -> str:
-    """Executor → prefix index (publish): a KVEventBatch after every step that changed its cached
-    blocks; seq counts that executor's batches (a new epoch starts it again)."""
+    """Executor → prefix index (publish, kept by the KV_EVENTS_STREAM JetStream stream): a
+    KVEventsMessage after every step that changed its cached blocks; its batch's seq counts that
+    executor's batches (a new epoch starts it again at 1)."""
     return f"{PREFIX}.kv_events.{_token(executor_id, 'executor id')}"
