@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         max_model_len=engine.max_model_len,
         block_size=engine_config.block_size,
         max_num_seqs=engine_config.max_num_seqs,
+        max_queued=config.max_queued,
         heartbeat_interval_s=config.heartbeat_interval_s,
         drain_timeout_s=config.drain_timeout_s,
     )

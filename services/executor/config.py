@@ -7,7 +7,7 @@ import argparse
 import uuid
 from dataclasses import dataclass
 
-from services.runtime import env_bool, env_str, env_value
+from services.runtime import env_bool, env_int, env_str, env_value
 from shared.engine.config import EngineConfig, add_engine_arguments
 
 # The engine defaults of a served executor, here and in ``llmserve up``: the same as the engine's
@@ -24,6 +24,7 @@ class ExecutorProcessConfig:
     heartbeat_interval_s: float
     drain_timeout_s: float
     kv_events: bool = True  # publish each step's KV cache events (off: they are dropped)
+    max_queued: int | None = None  # accepted beyond max_num_seqs (None: max_num_seqs more)
 
     def __post_init__(self) -> None:
         if not self.nats_url:
@@ -32,6 +33,8 @@ class ExecutorProcessConfig:
             raise ValueError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.max_queued is not None and self.max_queued < 0:
+            raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="publish each step's KV cache events for the prefix index (off: they are dropped) "
         "[env LLMSERVE_KV_EVENTS]",
     )
+    p.add_argument(
+        "--max-queued",
+        type=int,
+        default=env_int("LLMSERVE_MAX_QUEUED", None),
+        help="requests (sequences) accepted beyond max_num_seqs, waiting in the engine; more are "
+        "refused and routed elsewhere (default: max_num_seqs) [env LLMSERVE_MAX_QUEUED]",
+    )
     add_engine_arguments(p, SERVED_ENGINE_DEFAULTS)
     return p
 
@@ -81,6 +91,7 @@ def parse_config(argv: list[str] | None = None) -> ExecutorProcessConfig:
             heartbeat_interval_s=a.heartbeat_interval,
             drain_timeout_s=a.drain_timeout,
             kv_events=a.kv_events,
+            max_queued=a.max_queued,
         )
     except ValueError as e:
         p.error(str(e))

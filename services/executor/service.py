@@ -1,19 +1,27 @@
 """The executor actor (role 'both'): ExecuteRequests in, token deltas out, heartbeats.
 
-Per request, on the wire, in this order (one publisher task keeps it):
+Admission: an ExecuteRequest is a NATS request; the reply (ExecuteReply) says whether it was taken,
+with the executor's load after the decision. It is refused, not queued without bound, when it would
+take the weight held (sequences of accepted, unfinished requests) past max_num_seqs + max_queued
+(unless nothing is held), and while draining: the scheduler routes it elsewhere. Several scheduler
+replicas may route here at once; this check is what keeps their sum within the cap.
+
+Per accepted request, on the wire, in this order (one publisher task keeps it):
     RequestProgress 'started' → StreamOutput × k (the last one finished)
         → RequestProgress 'finished'
 or, when it ends early: StreamError (400 rejected / 503 shutting down / 500 engine failure) or a
 final StreamOutput with finish_reason 'abort', then RequestProgress 'finished'. 'finished' is always
 sent, so the scheduler's in-flight count never leaks.
 
-KV events: every step that changed the engine's cached blocks is published as one KVEventBatch on
-``subjects.kv_events(executor_id)`` (for the prefix index), unless the worker was built with
-``kv_events=False``; either way the engine holds at most one step's events.
+KV events: every step that changed the engine's cached blocks is published as one KVEventsMessage
+on ``subjects.kv_events(executor_id)``, kept by the KV events JetStream stream for the prefix
+index, unless the worker was built with ``kv_events=False``; either way the engine holds at most one
+step's events. ``executor_kv_snapshot(id)`` answers with the whole cached set (KVCacheSnapshot) for
+an index that missed a batch.
 
 Drain (SIGTERM): heartbeats say ``draining`` at once so the scheduler routes nothing new here;
-requests that still arrive get 503; in-flight ones may finish for ``drain_timeout_s``, the rest are
-aborted with a 503 error event; then the engine thread stops and the connection drains.
+requests that still arrive are refused; in-flight ones may finish for ``drain_timeout_s``, the rest
+are aborted with a 503 error event; then the engine thread stops and the connection drains.
 """
 
 from __future__ import annotations
@@ -21,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from dataclasses import dataclass, field
 
 from services.executor.worker import (
@@ -34,11 +41,27 @@ from services.executor.worker import (
     KVEvents,
     Outputs,
     Rejected,
+    Snapshot,
+    SnapshotTaken,
 )
 from shared.wire import messages, subjects
 from shared.wire.bus import Bus, BusError, Msg
-from shared.wire.kv_events import encode_kv_event_batch
-from shared.wire.messages import CompletionDelta, RequestOutput, StreamError, StreamOutput
+from shared.wire.kv_events import (
+    KV_CACHE_SNAPSHOT,
+    KV_EVENTS_MESSAGE,
+    KVCacheSnapshot,
+    KVEventsMessage,
+    new_epoch,
+)
+from shared.wire.kv_stream import ensure_kv_events_stream
+from shared.wire.messages import (
+    CompletionDelta,
+    ExecuteReply,
+    ExecutorLoad,
+    RequestOutput,
+    StreamError,
+    StreamOutput,
+)
 
 log = logging.getLogger("llmserve.executor")
 
@@ -50,6 +73,7 @@ class ExecutorServiceConfig:
     max_model_len: int
     block_size: int
     max_num_seqs: int
+    max_queued: int | None = None  # accepted beyond max_num_seqs (None: as many as max_num_seqs)
     heartbeat_interval_s: float = 0.5
     drain_timeout_s: float = 5.0
     role: str = "both"
@@ -60,6 +84,14 @@ class ExecutorServiceConfig:
             raise ValueError(f"only role 'both' is implemented, got {self.role!r}")
         if self.heartbeat_interval_s <= 0 or self.drain_timeout_s < 0:
             raise ValueError("heartbeat_interval_s must be > 0 and drain_timeout_s >= 0")
+        if self.max_num_seqs < 1 or (self.max_queued is not None and self.max_queued < 0):
+            raise ValueError("max_num_seqs must be >= 1 and max_queued >= 0")
+
+    @property
+    def max_admitted(self) -> int:
+        """The weight this executor accepts at most: its batch plus the queue it advertises."""
+        queued = self.max_num_seqs if self.max_queued is None else self.max_queued
+        return self.max_num_seqs + queued
 
 
 @dataclass
@@ -75,11 +107,13 @@ class ExecutorService:
     bus: Bus
     worker: EngineWorker
     config: ExecutorServiceConfig
-    epoch: str = field(default_factory=lambda: uuid.uuid4().hex)  # fresh per process start
+    epoch: str = field(default_factory=new_epoch)  # fresh per process start
     draining: bool = False
 
     def __post_init__(self) -> None:
         self._live: dict[str, _Live] = {}
+        self._admitted_weight = 0  # sum of n over _live
+        self._load_version = 0  # +1 at every accept and every release
         self._events: asyncio.Queue[list[Event]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._idle = asyncio.Event()
@@ -93,6 +127,11 @@ class ExecutorService:
             subjects.executor_decode(self.config.executor_id), self._on_execute
         )
         await self.bus.subscribe(subjects.ABORT, self._on_abort)
+        if self.worker.kv_events:
+            await ensure_kv_events_stream(self.bus)
+            await self.bus.subscribe(
+                subjects.executor_kv_snapshot(self.config.executor_id), self._on_snapshot
+            )
         await self.bus.flush()
         self._tasks = [
             asyncio.create_task(self._publish_loop()),
@@ -105,17 +144,53 @@ class ExecutorService:
     async def _on_execute(self, msg: Msg) -> None:
         req = messages.EXECUTE_REQUEST.decode(msg.data)
         rid = req.request_id
+        weight = max(1, req.params.n)
         if rid in self._live:
             log.warning("ignoring a duplicate ExecuteRequest for %s", rid)
-            return
-        if self.draining:
-            await self._end_with_error(
-                rid, 503, f"executor {self.config.executor_id} is shutting down; retry the request"
+            accepted = True  # it is being served: a redelivery must not be routed again
+        elif self.draining or (
+            self._admitted_weight > 0 and self._admitted_weight + weight > self.config.max_admitted
+        ):
+            accepted = False
+        else:
+            accepted = True
+            self._live[rid] = _Live(n=weight, num_prompt_tokens=len(req.prompt_token_ids))
+            self._admitted_weight += weight
+            self._load_version += 1
+            self._idle.clear()
+            self.worker.submit(Add(req))
+        if msg.reply:
+            reply = ExecuteReply(
+                executor_id=self.config.executor_id,
+                epoch=self.epoch,
+                accepted=accepted,
+                load=self.load,
             )
-            return
-        self._live[rid] = _Live(n=req.params.n, num_prompt_tokens=len(req.prompt_token_ids))
-        self._idle.clear()
-        self.worker.submit(Add(req))
+            await msg.respond(messages.EXECUTE_REPLY.encode(reply))
+        elif not accepted:  # a bare publish has nobody to hear the refusal: end the request
+            await self._end_with_error(
+                rid, 503, f"executor {self.config.executor_id} cannot take the request; retry it"
+            )
+
+    @property
+    def load(self) -> ExecutorLoad:
+        return ExecutorLoad(
+            version=self._load_version,
+            num_admitted=self._admitted_weight,
+            max_admitted=self.config.max_admitted,
+        )
+
+    def _release(self, rid: str) -> _Live | None:
+        """Forget a request that ended (its 'finished' progress follows)."""
+        live = self._live.pop(rid, None)
+        if live is not None:
+            self._admitted_weight -= live.n
+            self._load_version += 1
+        return live
+
+    async def _on_snapshot(self, msg: Msg) -> None:
+        if msg.reply:
+            self.worker.submit(Snapshot(msg.reply))
 
     async def _on_abort(self, msg: Msg) -> None:
         rid = messages.ABORT_REQUEST.decode(msg.data).request_id
@@ -153,15 +228,15 @@ class ExecutorService:
                     ),
                 )
                 if out.finished:
-                    del self._live[out.request_id]
+                    self._release(out.request_id)
                     await self._progress(out.request_id, "finished")
         elif isinstance(event, Rejected):
-            if self._live.pop(event.request_id, None) is not None:
+            if self._release(event.request_id) is not None:
                 await self._end_with_error(
                     event.request_id, 400, event.message, "invalid_request_error"
                 )
         elif isinstance(event, Aborted):
-            live = self._live.pop(event.request_id, None)
+            live = self._release(event.request_id)
             if live is not None:
                 final = RequestOutput(
                     request_id=event.request_id,
@@ -182,12 +257,27 @@ class ExecutorService:
                 await self._progress(event.request_id, "finished")
         elif isinstance(event, Failed):
             for rid in event.request_ids:
-                if self._live.pop(rid, None) is not None:
+                if self._release(rid) is not None:
                     await self._end_with_error(rid, 500, event.message)
         elif isinstance(event, KVEvents):
-            await self.bus.publish(
-                subjects.kv_events(self.config.executor_id), encode_kv_event_batch(event.batch)
+            message = KVEventsMessage(
+                executor_id=self.config.executor_id,
+                epoch=self.epoch,
+                model=self.config.model_name,
+                batch=event.batch,
             )
+            await self.bus.publish(
+                subjects.kv_events(self.config.executor_id), KV_EVENTS_MESSAGE.encode(message)
+            )
+        elif isinstance(event, SnapshotTaken):
+            snapshot = KVCacheSnapshot(
+                executor_id=self.config.executor_id,
+                epoch=self.epoch,
+                model=self.config.model_name,
+                seq=event.seq,
+                block_hashes=event.block_hashes,
+            )
+            await self.bus.publish(event.reply_to, KV_CACHE_SNAPSHOT.encode(snapshot))
 
     async def _end_with_error(
         self, rid: str, status: int, message: str, type_: str = "server_error"
@@ -205,7 +295,7 @@ class ExecutorService:
             subjects.SCHEDULER_PROGRESS,
             messages.REQUEST_PROGRESS.encode(
                 messages.RequestProgress(
-                    request_id=rid, executor_id=self.config.executor_id, state=state
+                    request_id=rid, executor_id=self.config.executor_id, state=state, load=self.load
                 )
             ),
         )
@@ -225,6 +315,7 @@ class ExecutorService:
             sent_at=time.time(),
             max_num_seqs=c.max_num_seqs,
             draining=self.draining,
+            load=self.load,
         )
         await self.bus.publish(
             subjects.executor_stats(c.executor_id), messages.EXECUTOR_HEARTBEAT.encode(hb)
@@ -252,7 +343,7 @@ class ExecutorService:
             await asyncio.wait_for(self._idle.wait(), self.config.drain_timeout_s)
         except TimeoutError:
             for rid in list(self._live):
-                del self._live[rid]
+                self._release(rid)
                 self.worker.submit(Abort(rid))
                 await self._end_with_error(
                     rid,

@@ -47,6 +47,7 @@ class EngineLike(Protocol):
     def abort(self, request_id: str) -> bool: ...
     def has_unfinished(self) -> bool: ...
     def stats(self) -> EngineStats: ...
+    def kv_cache_snapshot(self) -> tuple[int, list[int]]: ...
 
 
 # -- commands (loop → thread) ----------------------------------------------------------------------
@@ -63,11 +64,18 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class Snapshot:
+    """Take the engine's KV cache snapshot between steps; ``reply_to`` comes back with it."""
+
+    reply_to: str
+
+
+@dataclass(frozen=True)
 class Stop:
     pass
 
 
-Command = Add | Abort | Stop
+Command = Add | Abort | Snapshot | Stop
 
 
 # -- events (thread → loop) ------------------------------------------------------------------------
@@ -107,7 +115,17 @@ class KVEvents:
     batch: KVEventBatch
 
 
-Event = Outputs | Rejected | Aborted | Failed | KVEvents
+@dataclass(frozen=True)
+class SnapshotTaken:
+    """The engine's cached block hashes and the seq of the last KV event batch they include. It
+    is emitted after that batch's KVEvents (same thread, same order)."""
+
+    reply_to: str
+    seq: int
+    block_hashes: list[int]
+
+
+Event = Outputs | Rejected | Aborted | Failed | KVEvents | SnapshotTaken
 
 
 class EngineWorker:
@@ -137,6 +155,11 @@ class EngineWorker:
     def stop(self, timeout: float | None = None) -> None:
         self.submit(Stop())
         self._thread.join(timeout)
+
+    @property
+    def kv_events(self) -> bool:
+        """Whether each step's KV events are handed on (else the engine drops them)."""
+        return self._kv_events
 
     @property
     def alive(self) -> bool:
@@ -186,6 +209,9 @@ class EngineWorker:
                 events.append(Rejected(req.request_id, str(e)))
                 return
             self._live.add(req.request_id)
+        elif isinstance(command, Snapshot):
+            seq, block_hashes = self.engine.kv_cache_snapshot()
+            events.append(SnapshotTaken(command.reply_to, seq, block_hashes))
         elif isinstance(command, Abort):
             was_running = command.request_id in self._live and self.engine.abort(command.request_id)
             self._live.discard(command.request_id)

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from services.runtime import env_float, env_int, env_str
+from services.scheduler.placement import ROUTING_POLICIES, CostWeights
 from services.scheduler.router import RouterConfig
 
 
@@ -15,12 +16,16 @@ class SchedulerConfig:
     router: RouterConfig
     tick_interval_s: float = 0.25
     name: str = "scheduler"
+    index_timeout_s: float = 0.05  # a prefix-index lookup slower than this is routed without it
+    index_retry_s: float = 1.0  # after a failed lookup, route by load alone this long
+    dispatch_timeout_s: float = 5.0  # an executor's answer to a dispatch
 
     def __post_init__(self) -> None:
         if not self.nats_url:
             raise ValueError("nats_url must not be empty")
-        if self.tick_interval_s <= 0:
-            raise ValueError(f"tick_interval_s must be > 0, got {self.tick_interval_s}")
+        for name in ("tick_interval_s", "index_timeout_s", "index_retry_s", "dispatch_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 def parse_config(argv: list[str] | None = None) -> SchedulerConfig:
@@ -54,6 +59,32 @@ def parse_config(argv: list[str] | None = None) -> SchedulerConfig:
         help="sequences routed to one executor at once (default: its max_num_seqs)",
     )
     p.add_argument("--retry-after", type=float, default=1.0, help="Retry-After seconds on 429")
+    p.add_argument(
+        "--routing",
+        choices=ROUTING_POLICIES,
+        default=env_str("LLMSERVE_ROUTING", "cache"),
+        help="placement: 'cache' (uncached prefill tokens plus load, from the prefix index), "
+        "'load' (least loaded) or 'round_robin' [env LLMSERVE_ROUTING]",
+    )
+    p.add_argument(
+        "--prefill-token-cost",
+        type=float,
+        default=env_float("LLMSERVE_PREFILL_TOKEN_COST", 1.0),
+        help="cache routing: cost of one uncached prompt token [env LLMSERVE_PREFILL_TOKEN_COST]",
+    )
+    p.add_argument(
+        "--sequence-cost-tokens",
+        type=float,
+        default=env_float("LLMSERVE_SEQUENCE_COST_TOKENS", 64.0),
+        help="cache routing: cost of one sequence an executor holds, in prompt tokens "
+        "[env LLMSERVE_SEQUENCE_COST_TOKENS]",
+    )
+    p.add_argument(
+        "--index-timeout",
+        type=float,
+        default=env_float("LLMSERVE_INDEX_TIMEOUT", 0.05),
+        help="seconds a prefix-index lookup may take before the request is routed by load alone",
+    )
     p.add_argument("--name", default="scheduler", help="connection name")
     a = p.parse_args(argv)
     try:
@@ -63,8 +94,15 @@ def parse_config(argv: list[str] | None = None) -> SchedulerConfig:
             no_executor_timeout_s=a.no_executor_timeout,
             max_in_flight_per_executor=a.max_in_flight,
             retry_after_s=a.retry_after,
+            routing=a.routing,
+            weights=CostWeights(
+                prefill_token_cost=a.prefill_token_cost,
+                sequence_cost_tokens=a.sequence_cost_tokens,
+            ),
         )
-        return SchedulerConfig(nats_url=a.nats_url, router=router, name=a.name)
+        return SchedulerConfig(
+            nats_url=a.nats_url, router=router, name=a.name, index_timeout_s=a.index_timeout
+        )
     except ValueError as e:
         p.error(str(e))
         raise

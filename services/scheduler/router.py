@@ -1,6 +1,7 @@
-"""The scheduler's pure logic: executor table, in-flight accounting, least-loaded routing, the
-bounded waiting queue, fail-over. No NATS, no asyncio: every method takes ``now`` and returns
-``Action``s that the service turns into publishes, so it is unit-tested synchronously.
+"""The scheduler's pure logic: executor table, in-flight accounting, cache- and load-aware
+placement (``placement``), the bounded waiting queue, fail-over. No NATS, no asyncio: every method
+takes ``now`` and returns ``Action``s that the service turns into messages, so it is unit-tested
+synchronously.
 
 Invariants:
 - A request goes only to an executor whose heartbeat names the request's model. A request for a
@@ -9,11 +10,16 @@ Invariants:
   nowhere (done, failed or aborted). Every request that enters ``submit`` leaves with a ``Dispatch``
   or a ``Fail`` (or an abort by the client): no client waits forever on a request the scheduler
   dropped.
-- In-flight load is counted from the moment of routing (in sequences: a request with n=4 weighs 4),
-  not from the executor's next heartbeat, so a burst is spread instead of piling on one executor.
+- Load is counted from the moment of routing (in sequences: a request with n=4 weighs 4), on top of
+  the load the executor last reported (``executors``), so a burst is spread instead of piling on
+  one executor, and several scheduler replicas see each other's work in the executors' reports.
 - An executor is routable while its heartbeat is younger than ``heartbeat_timeout_s``, it is not
-  draining, and its in-flight weight is below its cap (an idle executor always takes one request,
-  even one heavier than its cap, so nothing is stuck forever).
+  draining, a dispatch has not found it gone, and its load estimate leaves room for the request
+  under its capacity (an idle executor always takes one request, even one heavier than its
+  capacity, so nothing is stuck forever).
+- A dispatch is a request the executor answers: accepted (it is in flight there), refused because
+  it is full (it waits again, at its old place in the queue, and that executor counts as full
+  until it reports room), or nobody listening (the executor is gone: routed again, attempt + 1).
 - An executor that goes silent, or comes back with a new epoch (restarted), loses everything it
   held: requests that had not started are routed again (attempt + 1, ahead of the queue); started
   ones end with a 502 error, since their partial output cannot be taken back.
@@ -27,7 +33,10 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from services.scheduler.executors import ExecutorState, InFlight
+from services.scheduler.placement import ROUTING_POLICIES, CostWeights, choose
 from shared.wire.messages import (
+    ExecuteReply,
     ExecuteRequest,
     ExecutorHeartbeat,
     ExecutorStatus,
@@ -37,18 +46,18 @@ from shared.wire.messages import (
     TokenizedRequest,
 )
 
-ROLES_THAT_DECODE = ("decode", "both")
-
 
 @dataclass(frozen=True)
 class RouterConfig:
     max_queue_len: int = 256
     heartbeat_timeout_s: float = 2.0
     no_executor_timeout_s: float = 10.0  # queued requests wait this long for any executor → 503
-    max_in_flight_per_executor: int | None = None  # None: the executor's max_num_seqs
-    default_max_in_flight: int = 64  # when neither the flag nor the heartbeat says
+    max_in_flight_per_executor: int | None = None  # None: what the executor advertises
+    default_max_in_flight: int = 64  # when neither the flag nor the executor says
     retry_after_s: float = 1.0  # Retry-After on 429
     max_attempts: int = 3  # routing attempts of one request (fail-over included)
+    routing: str = "cache"  # see placement.ROUTING_POLICIES
+    weights: CostWeights = field(default_factory=CostWeights)
 
     def __post_init__(self) -> None:
         if self.max_queue_len < 0:
@@ -62,6 +71,8 @@ class RouterConfig:
             )
         if self.default_max_in_flight < 1 or self.max_attempts < 1:
             raise ValueError("default_max_in_flight and max_attempts must be >= 1")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
 
 
 @dataclass(frozen=True)
@@ -78,35 +89,10 @@ class Fail:
 Action = Dispatch | Fail
 
 
-@dataclass
-class _InFlight:
-    request: ExecuteRequest
-    weight: int
-    deadline: float | None
-    started: bool = False
-    aborted: bool = False
-
-
-@dataclass
-class ExecutorState:
-    heartbeat: ExecutorHeartbeat
-    last_seen: float
-    in_flight: dict[str, _InFlight] = field(default_factory=dict)
-
-    @property
-    def executor_id(self) -> str:
-        return self.heartbeat.executor_id
-
-    @property
-    def in_flight_weight(self) -> int:
-        return sum(f.weight for f in self.in_flight.values())
-
-
 @dataclass(order=True)
 class _Queued:
-    sort_key: tuple[int, int, int]  # (-attempt: retries first, priority, arrival sequence)
-    request: ExecuteRequest = field(compare=False)
-    deadline: float | None = field(compare=False, default=None)
+    sort_key: tuple[int, int, int]  # (-attempt: retries first, priority, arrival order)
+    entry: InFlight = field(compare=False)
     cancelled: bool = field(compare=False, default=False)
 
 
@@ -122,11 +108,12 @@ class Router:
         # requests); cancelled entries are skipped lazily, an empty heap is removed.
         self._queues: dict[str, list[_Queued]] = {}
         self._queued: dict[str, _Queued] = {}  # live entries by request id
-        self._seq = itertools.count()
+        self._order = itertools.count()
+        self._turns: dict[str, int] = {}  # round-robin picks per model
         self._started = now  # grace period from start: executors may be loading
-        self._model_seen: dict[
-            str, float
-        ] = {}  # model -> when an executor serving it last reported
+        # model -> when an executor serving it last reported
+        self._model_seen: dict[str, float] = {}
+        self.num_refused_dispatches = 0
 
     # -- inputs ------------------------------------------------------------------------------
 
@@ -134,7 +121,8 @@ class Router:
         actions: list[Action] = []
         old = self.executors.get(hb.executor_id)
         if old is not None and old.heartbeat.epoch == hb.epoch:
-            old.heartbeat, old.last_seen = hb, now
+            old.heartbeat, old.last_seen, old.unreachable = hb, now, False
+            old.report(hb.load)
         else:
             # New, or restarted (new epoch): whatever the old process held is gone. The new state
             # goes in first, so the lost requests may be routed to the restarted process.
@@ -144,7 +132,15 @@ class Router:
         self._model_seen[hb.model] = now
         return actions + self._drain_queue(now)
 
-    def submit(self, req: TokenizedRequest, now: float, wall_time: float) -> list[Action]:
+    def submit(
+        self,
+        req: TokenizedRequest,
+        now: float,
+        wall_time: float,
+        cached_blocks: dict[str, int] | None = None,
+    ) -> list[Action]:
+        """``cached_blocks``: the prefix index's answer for the prompt (executor id → leading
+        blocks held); None routes by load alone."""
         if req.request_id in self._queued or self._owner(req.request_id) is not None:
             return []  # a redelivered submit: the request is already being served
         if req.deadline is not None and wall_time >= req.deadline:
@@ -158,9 +154,7 @@ class Router:
                     )
                 )
             ]
-        if self._alive(now) and not any(
-            s.heartbeat.model == req.model for s in self.executors.values()
-        ):
+        if self._alive(now) and not any(s.serves(req.model) for s in self.executors.values()):
             served = ", ".join(sorted({s.heartbeat.model for s in self.executors.values()}))
             return [
                 Fail(
@@ -183,13 +177,45 @@ class Router:
             priority=req.priority,
             arrival_time=req.arrival_time,
         )
-        return self._admit(request, now, req.deadline)
+        entry = InFlight(request, _weight(request), req.deadline, cached_blocks, next(self._order))
+        return self._admit(entry, now)
+
+    def on_dispatch_reply(self, request_id: str, reply: ExecuteReply, now: float) -> list[Action]:
+        state = self.executors.get(reply.executor_id)
+        entry = state.in_flight.get(request_id) if state is not None else None
+        if state is None or entry is None or state.heartbeat.epoch != reply.epoch:
+            return []  # already failed over, or the executor restarted since: its heartbeat rules
+        state.report(reply.load)
+        if reply.accepted:
+            entry.ack_version = reply.load.version
+            return []
+        # Refused: it is full. Its report says so, so it is not picked again until it has room.
+        del state.in_flight[request_id]
+        self.num_refused_dispatches += 1
+        if entry.aborted:
+            return []
+        return self._admit(entry, now, is_retry=True)
+
+    def on_dispatch_unreachable(
+        self, request_id: str, executor_id: str, now: float
+    ) -> list[Action]:
+        """Nobody listens on the executor's subject: it is gone, whatever its heartbeats said."""
+        state = self.executors.get(executor_id)
+        entry = state.in_flight.pop(request_id, None) if state is not None else None
+        if state is None or entry is None:
+            return []
+        state.unreachable = True
+        return self._reroute(entry, state, now, "is unreachable")
 
     def on_progress(self, progress: RequestProgress, now: float) -> list[Action]:
         state = self.executors.get(progress.executor_id)
         entry = state.in_flight.get(progress.request_id) if state else None
+        if state is not None:
+            state.report(progress.load)
         if state is None or entry is None:
-            return []  # not ours (another scheduler routed it) or already failed over
+            # Not ours (another scheduler routed it) or already failed over; the room it freed
+            # may let a queued request go.
+            return self._drain_queue(now) if progress.state == "finished" else []
         if progress.state == "started":
             entry.started = True
             return []
@@ -216,22 +242,22 @@ class Router:
                 actions += self._lose_executor(state, now, "stopped sending heartbeats")
         for s in self._alive(now):
             self._model_seen[s.heartbeat.model] = now
-        for entry in list(self._queued.values()):
-            if entry.deadline is not None and wall_time >= entry.deadline:
+        for queued in list(self._queued.values()):
+            if queued.entry.deadline is not None and wall_time >= queued.entry.deadline:
                 actions.append(
                     self._drop_queued(
-                        entry,
+                        queued,
                         504,
                         "timeout_error",
                         "the request timed out while waiting in the queue",
                     )
                 )
-        for entry in list(self._queued.values()):
-            model = entry.request.model
+        for queued in list(self._queued.values()):
+            model = queued.entry.request.model
             if self._no_executor_for(model, now):
                 actions.append(
                     self._drop_queued(
-                        entry, 503, "server_error", self._no_executor_message(model, now)
+                        queued, 503, "server_error", self._no_executor_message(model, now)
                     )
                 )
         return actions + self._drain_queue(now)
@@ -241,6 +267,11 @@ class Router:
     @property
     def num_queued(self) -> int:
         return len(self._queued)
+
+    def num_candidates(self, model: str, now: float) -> int:
+        """Live executors serving ``model`` (with room or not): with fewer than two there is no
+        placement to choose, and no need to ask the prefix index."""
+        return sum(1 for s in self._alive(now) if s.serves(model))
 
     def status(self, now: float) -> SchedulerStatus:
         executors = [
@@ -253,27 +284,31 @@ class Router:
                 num_waiting=s.heartbeat.stats.num_waiting,
                 num_in_flight=len(s.in_flight),
                 last_heartbeat_age_s=now - s.last_seen,
+                load_estimate=s.load_estimate(),
+                capacity=self._capacity(s),
+                prefix_cache_queries_tokens=s.heartbeat.stats.prefix_cache_queries_tokens,
+                prefix_cache_hits_tokens=s.heartbeat.stats.prefix_cache_hits_tokens,
             )
             for s in self._alive(now)
         ]
         return SchedulerStatus(
-            executors=executors, num_queued=self.num_queued, max_queue_len=self.config.max_queue_len
+            executors=executors,
+            num_queued=self.num_queued,
+            max_queue_len=self.config.max_queue_len,
+            routing=self.config.routing,
+            num_refused_dispatches=self.num_refused_dispatches,
         )
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _cap(self, state: ExecutorState) -> int:
-        if self.config.max_in_flight_per_executor is not None:
-            return self.config.max_in_flight_per_executor
-        return state.heartbeat.max_num_seqs or self.config.default_max_in_flight
+    def _capacity(self, state: ExecutorState) -> int:
+        return state.capacity(
+            self.config.max_in_flight_per_executor, self.config.default_max_in_flight
+        )
 
     def _alive(self, now: float) -> list[ExecutorState]:
         return [
-            s
-            for s in self.executors.values()
-            if now - s.last_seen <= self.config.heartbeat_timeout_s
-            and not s.heartbeat.draining
-            and s.heartbeat.role in ROLES_THAT_DECODE
+            s for s in self.executors.values() if s.routable(now, self.config.heartbeat_timeout_s)
         ]
 
     def _last_seen(self, model: str) -> float:
@@ -281,7 +316,7 @@ class Router:
 
     def _no_executor_for(self, model: str, now: float) -> bool:
         return (
-            not any(s.heartbeat.model == model for s in self._alive(now))
+            not any(s.serves(model) for s in self._alive(now))
             and now - self._last_seen(model) >= self.config.no_executor_timeout_s
         )
 
@@ -291,31 +326,38 @@ class Router:
             f"{now - self._last_seen(model):.1f}s); try again later"
         )
 
-    def _pick(self, request: ExecuteRequest, now: float) -> ExecutorState | None:
-        """Among the executors serving the request's model, the least loaded: fewest in-flight
-        sequences, then most free KV blocks, then id (stable)."""
-        weight = _weight(request)
-        best: ExecutorState | None = None
-        best_key: tuple[int, int, str] | None = None
+    def _pick(self, entry: InFlight, now: float) -> ExecutorState | None:
+        """Among the live executors of the request's model with room for it, the placement
+        policy's choice; None when none has room."""
+        model = entry.request.model
+        candidates = []
         for s in self._alive(now):
-            if s.heartbeat.model != request.model:
+            if not s.serves(model):
                 continue
-            load = s.in_flight_weight
-            if load > 0 and load + weight > self._cap(s):
+            load = s.load_estimate()
+            if load > 0 and load + entry.weight > self._capacity(s):
                 continue
-            key = (load, -s.heartbeat.stats.num_free_blocks, s.executor_id)
-            if best_key is None or key < best_key:
-                best, best_key = s, key
-        return best
+            candidates.append(s)
+        if not candidates:
+            return None
+        turn = self._turns.get(model, 0)
+        self._turns[model] = turn + 1
+        return choose(
+            candidates,
+            entry.request,
+            entry.cached_blocks,
+            self.config.routing,
+            self.config.weights,
+            turn,
+        )
 
-    def _admit(
-        self, request: ExecuteRequest, now: float, deadline: float | None, is_retry: bool = False
-    ) -> list[Action]:
+    def _admit(self, entry: InFlight, now: float, is_retry: bool = False) -> list[Action]:
+        request = entry.request
         # Strict FIFO within a model and priority: a new request may not overtake its model's queue.
         if self._head(request.model) is None:
-            target = self._pick(request, now)
+            target = self._pick(entry, now)
             if target is not None:
-                return [self._dispatch(target, request, deadline)]
+                return [self._dispatch(target, entry)]
         if self._no_executor_for(request.model, now):
             return [
                 Fail(
@@ -339,16 +381,15 @@ class Router:
                     )
                 )
             ]
-        entry = _Queued((-request.attempt, request.priority, next(self._seq)), request, deadline)
-        heapq.heappush(self._queues.setdefault(request.model, []), entry)
-        self._queued[request.request_id] = entry
+        queued = _Queued((-request.attempt, request.priority, entry.order), entry)
+        heapq.heappush(self._queues.setdefault(request.model, []), queued)
+        self._queued[request.request_id] = queued
         return self._drain_queue(now)
 
-    def _dispatch(
-        self, target: ExecutorState, request: ExecuteRequest, deadline: float | None
-    ) -> Dispatch:
-        target.in_flight[request.request_id] = _InFlight(request, _weight(request), deadline)
-        return Dispatch(target.executor_id, request)
+    def _dispatch(self, target: ExecutorState, entry: InFlight) -> Dispatch:
+        entry.ack_version, entry.started, entry.aborted = None, False, False
+        target.in_flight[entry.request.request_id] = entry
+        return Dispatch(target.executor_id, entry.request)
 
     def _head(self, model: str) -> _Queued | None:
         """The first live entry of the model's queue; drops cancelled ones and an emptied queue."""
@@ -364,22 +405,19 @@ class Router:
         actions: list[Action] = []
         for model in list(self._queues):
             while (head := self._head(model)) is not None:
-                target = self._pick(head.request, now)
+                target = self._pick(head.entry, now)
                 if target is None:
                     break
                 heapq.heappop(self._queues[model])
-                del self._queued[head.request.request_id]
-                actions.append(self._dispatch(target, head.request, head.deadline))
+                del self._queued[head.entry.request.request_id]
+                actions.append(self._dispatch(target, head.entry))
         return actions
 
-    def _drop_queued(self, entry: _Queued, status: int, type_: str, message: str) -> Fail:
-        entry.cancelled = True
-        del self._queued[entry.request.request_id]
-        return Fail(
-            StreamError(
-                request_id=entry.request.request_id, status=status, type=type_, message=message
-            )
-        )
+    def _drop_queued(self, queued: _Queued, status: int, type_: str, message: str) -> Fail:
+        queued.cancelled = True
+        rid = queued.entry.request.request_id
+        del self._queued[rid]
+        return Fail(StreamError(request_id=rid, status=status, type=type_, message=message))
 
     def _owner(self, request_id: str) -> ExecutorState | None:
         for s in self.executors.values():
@@ -389,34 +427,39 @@ class Router:
 
     def _lose_executor(self, state: ExecutorState, now: float, why: str) -> list[Action]:
         actions: list[Action] = []
-        lost = list(state.in_flight.items())
+        lost = list(state.in_flight.values())
         state.in_flight.clear()
-        for rid, entry in lost:
-            if entry.aborted:
-                continue
-            if entry.started:
-                actions.append(
-                    Fail(
-                        StreamError(
-                            request_id=rid,
-                            status=502,
-                            message=f"executor {state.executor_id} {why} while generating this "
-                            f"response; the output is incomplete",
-                        )
-                    )
-                )
-            elif entry.request.attempt + 1 >= self.config.max_attempts:
-                actions.append(
-                    Fail(
-                        StreamError(
-                            request_id=rid,
-                            status=503,
-                            message=f"executor {state.executor_id} {why} before this request "
-                            f"started, after {entry.request.attempt + 1} attempts; try again later",
-                        )
-                    )
-                )
-            else:
-                retry = msgspec.structs.replace(entry.request, attempt=entry.request.attempt + 1)
-                actions += self._admit(retry, now, entry.deadline, is_retry=True)
+        for entry in lost:
+            actions += self._reroute(entry, state, now, why)
         return actions
+
+    def _reroute(self, entry: InFlight, state: ExecutorState, now: float, why: str) -> list[Action]:
+        """A request its executor lost: ended if it had started (its partial output cannot be
+        taken back) or if it ran out of attempts, else routed again ahead of the queue."""
+        rid = entry.request.request_id
+        if entry.aborted:
+            return []
+        if entry.started:
+            return [
+                Fail(
+                    StreamError(
+                        request_id=rid,
+                        status=502,
+                        message=f"executor {state.executor_id} {why} while generating this "
+                        f"response; the output is incomplete",
+                    )
+                )
+            ]
+        if entry.request.attempt + 1 >= self.config.max_attempts:
+            return [
+                Fail(
+                    StreamError(
+                        request_id=rid,
+                        status=503,
+                        message=f"executor {state.executor_id} {why} before this request "
+                        f"started, after {entry.request.attempt + 1} attempts; try again later",
+                    )
+                )
+            ]
+        entry.request = msgspec.structs.replace(entry.request, attempt=entry.request.attempt + 1)
+        return self._admit(entry, now, is_retry=True)

@@ -1,9 +1,16 @@
-"""The scheduler actor: feeds NATS messages into the pure ``Router`` and publishes its actions.
+"""The scheduler actor: feeds NATS messages into the pure ``Router`` and carries out its actions.
 
 Subscriptions: SCHEDULER_SUBMIT (queue group: each request is routed by one scheduler),
 EXECUTOR_STATS_ALL, SCHEDULER_PROGRESS and ABORT (fan-out: every scheduler instance keeps its own
 executor table and tracks the requests it routed), SCHEDULER_STATUS (queue group, request/reply).
 A ticker declares silent executors dead and expires queued requests.
+
+Before routing a request with a choice to make (two or more executors of its model, cache-aware
+routing, full blocks in the prompt), the prefix index is asked which executor holds how much of it
+(PREFIX_INDEX_MATCH, one round trip with a short timeout). If it does not answer, the request is
+routed by load alone, the outage is logged once and counted, and the index is asked again after
+``index_retry_s``: routing recovers by itself. A dispatch is a request/reply to the executor, whose
+answer (accepted or full) goes back to the router.
 """
 
 from __future__ import annotations
@@ -12,10 +19,13 @@ import asyncio
 import logging
 import time
 
+import msgspec
+
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.router import Action, Dispatch, Fail, Router
 from shared.wire import messages, subjects
-from shared.wire.bus import Bus, BusError, Msg
+from shared.wire.bus import Bus, BusError, BusNoResponders, BusTimeout, Msg
+from shared.wire.messages import PrefixMatchRequest, TokenizedRequest
 
 log = logging.getLogger("llmserve.scheduler")
 
@@ -26,6 +36,8 @@ class SchedulerService:
         self.config = config
         self.router = Router(config.router, time.monotonic())
         self._ticker: asyncio.Task[None] | None = None
+        self._index_down_since: float | None = None  # monotonic time of the failed lookup
+        self.num_index_fallbacks = 0
 
     async def start(self) -> None:
         await self.bus.subscribe(
@@ -49,7 +61,9 @@ class SchedulerService:
 
     async def _on_submit(self, msg: Msg) -> None:
         req = messages.TOKENIZED_REQUEST.decode(msg.data)
-        await self._apply(self.router.submit(req, time.monotonic(), time.time()), msg.headers)
+        cached_blocks = await self._match(req)
+        actions = self.router.submit(req, time.monotonic(), time.time(), cached_blocks)
+        await self._apply(actions, msg.headers)
         if msg.reply:  # the tokenizer waits for this ack: "a scheduler has routed it"
             await msg.respond(b"")
 
@@ -67,9 +81,49 @@ class SchedulerService:
 
     async def _on_status(self, msg: Msg) -> None:
         if msg.reply:
-            await msg.respond(
-                messages.SCHEDULER_STATUS.encode(self.router.status(time.monotonic()))
+            status = msgspec.structs.replace(
+                self.router.status(time.monotonic()),
+                index_available=self._index_down_since is None,
+                num_index_fallbacks=self.num_index_fallbacks,
             )
+            await msg.respond(messages.SCHEDULER_STATUS.encode(status))
+
+    # -- the prefix index ------------------------------------------------------------------------
+
+    async def _match(self, req: TokenizedRequest) -> dict[str, int] | None:
+        """The index's answer for the prompt, or None: nothing to choose, or no answer."""
+        now = time.monotonic()
+        if (
+            self.config.router.routing != "cache"
+            or not req.block_hashes
+            or self.router.num_candidates(req.model, now) < 2
+        ):
+            return None
+        down_since = self._index_down_since
+        if down_since is not None and now - down_since < self.config.index_retry_s:
+            self.num_index_fallbacks += 1
+            return None
+        query = PrefixMatchRequest(model=req.model, block_hashes=req.block_hashes)
+        try:
+            data = await self.bus.request(
+                subjects.PREFIX_INDEX_MATCH,
+                messages.PREFIX_MATCH_REQUEST.encode(query),
+                timeout=self.config.index_timeout_s,
+            )
+            reply = messages.PREFIX_MATCH_REPLY.decode(data)
+            error = reply.error
+        except BusError as e:
+            error = str(e)
+        if error is not None:
+            if down_since is None:
+                log.warning("prefix index unavailable (%s); routing by load alone", error)
+            self._index_down_since = time.monotonic()
+            self.num_index_fallbacks += 1
+            return None
+        if down_since is not None:
+            log.info("prefix index available again; routing by cache and load")
+            self._index_down_since = None
+        return reply.num_blocks
 
     async def _tick_loop(self) -> None:
         while True:
@@ -80,15 +134,14 @@ class SchedulerService:
                 log.exception("scheduler tick failed")
 
     async def _apply(self, actions: list[Action], headers: dict[str, str] | None = None) -> None:
+        dispatches = [a for a in actions if isinstance(a, Dispatch)]
+        if dispatches:
+            # Concurrently: each waits for its executor's reply, and what the replies lead to
+            # (a refusal re-routes) is applied in turn.
+            await asyncio.gather(*(self._dispatch(d, headers) for d in dispatches))
         for action in actions:
             try:
-                if isinstance(action, Dispatch):
-                    await self.bus.publish(
-                        subjects.executor_decode(action.executor_id),
-                        messages.EXECUTE_REQUEST.encode(action.request),
-                        headers=headers,
-                    )
-                elif isinstance(action, Fail):
+                if isinstance(action, Fail):
                     log.info(
                         "request %s failed: %d %s",
                         action.error.request_id,
@@ -101,6 +154,32 @@ class SchedulerService:
                     )
             except BusError:
                 log.exception("cannot publish a scheduler action")
+
+    async def _dispatch(self, action: Dispatch, headers: dict[str, str] | None) -> None:
+        rid, executor_id = action.request.request_id, action.executor_id
+        try:
+            data = await self.bus.request(
+                subjects.executor_decode(executor_id),
+                messages.EXECUTE_REQUEST.encode(action.request),
+                timeout=self.config.dispatch_timeout_s,
+                headers=headers,
+            )
+        except BusNoResponders:
+            log.warning("executor %s is unreachable; routing %s again", executor_id, rid)
+            await self._apply(
+                self.router.on_dispatch_unreachable(rid, executor_id, time.monotonic())
+            )
+            return
+        except BusTimeout:
+            # It may have taken it: it stays in flight there; if the executor is gone, its
+            # heartbeats stop and the request is routed again.
+            log.warning("executor %s did not answer the dispatch of %s in time", executor_id, rid)
+            return
+        except BusError:
+            log.exception("cannot dispatch %s to %s", rid, executor_id)
+            return
+        reply = messages.EXECUTE_REPLY.decode(data)
+        await self._apply(self.router.on_dispatch_reply(rid, reply, time.monotonic()), headers)
 
 
 async def serve(config: SchedulerConfig, stop: asyncio.Event) -> None:

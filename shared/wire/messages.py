@@ -93,15 +93,6 @@ class AbortRequest(msgspec.Struct, kw_only=True, frozen=True):
     reason: str = "client disconnected"
 
 
-class RequestProgress(msgspec.Struct, kw_only=True, frozen=True):
-    """Executor → scheduler. ``state``: 'started' (first delta is about to be published) or
-    'finished' (finished, aborted or failed; its in-flight slot is free)."""
-
-    request_id: str
-    executor_id: str
-    state: str
-
-
 class ExecutorLoad(msgspec.Struct, kw_only=True, frozen=True):
     """What an executor holds, as it counts it: the weight (sequences: n of each request) of the
     requests it accepted and has not finished. ``version`` grows by one at every accept and every
@@ -112,6 +103,18 @@ class ExecutorLoad(msgspec.Struct, kw_only=True, frozen=True):
     version: int
     num_admitted: int
     max_admitted: int
+
+
+class RequestProgress(msgspec.Struct, kw_only=True, frozen=True):
+    """Executor → scheduler. ``state``: 'started' (first delta is about to be published) or
+    'finished' (finished, aborted or failed; its in-flight slot is free). ``load``: the executor's
+    load after it, so every scheduler replica sees the freed room at once, not at the next
+    heartbeat."""
+
+    request_id: str
+    executor_id: str
+    state: str
+    load: ExecutorLoad | None = None
 
 
 class ExecuteReply(msgspec.Struct, kw_only=True, frozen=True):
@@ -195,14 +198,22 @@ class ExecutorStatus(msgspec.Struct, kw_only=True, frozen=True):
     num_total_blocks: int
     num_running: int
     num_waiting: int
-    num_in_flight: int
+    num_in_flight: int  # requests this scheduler replica routed there and has not seen finish
     last_heartbeat_age_s: float
+    load_estimate: int = 0  # sequences it holds, as this replica estimates (router/executors.py)
+    capacity: int = 0  # the most it accepts
+    prefix_cache_queries_tokens: int = 0  # cumulative, from its heartbeat
+    prefix_cache_hits_tokens: int = 0
 
 
 class SchedulerStatus(msgspec.Struct, kw_only=True, frozen=True):
     executors: list[ExecutorStatus]
     num_queued: int
     max_queue_len: int
+    routing: str = "cache"  # the placement policy
+    index_available: bool = True  # False: the prefix index did not answer; routing by load alone
+    num_index_fallbacks: int = 0  # requests routed without the index's answer because of that
+    num_refused_dispatches: int = 0  # dispatches an executor refused as full (then re-routed)
 
 
 GENERATE_REQUEST = Codec[GenerateRequest](GenerateRequest)

@@ -26,7 +26,16 @@ from services.executor.worker import (
 from shared.wire import messages, subjects
 from shared.wire.block_hash import hash_prompt_blocks
 from shared.wire.bus import Bus
-from shared.wire.kv_events import BlockStored, KVEventBatch, decode_kv_event_batch
+from shared.wire.kv_events import (
+    KV_CACHE_SNAPSHOT,
+    KV_EVENTS_MESSAGE,
+    KV_SNAPSHOT_REQUEST,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    KVSnapshotRequest,
+)
 from shared.wire.messages import (
     AbortRequest,
     CompletionDelta,
@@ -199,6 +208,7 @@ class Client:
         self.progress: list[tuple[str, str]] = []
         self.heartbeats: list[messages.ExecutorHeartbeat] = []
         self.kv_batches: list[KVEventBatch] = []
+        self.kv_senders: set[tuple[str, str, str]] = set()  # (executor_id, epoch, model)
 
     async def start(self) -> None:
         async def on_progress(msg) -> None:
@@ -210,12 +220,32 @@ class Client:
 
         async def on_kv_events(msg) -> None:
             assert msg.subject == subjects.kv_events("ex-test")
-            self.kv_batches.append(decode_kv_event_batch(msg.data))
+            message = KV_EVENTS_MESSAGE.decode(msg.data)
+            self.kv_senders.add((message.executor_id, message.epoch, message.model))
+            self.kv_batches.append(message.batch)
 
         await self.bus.subscribe(subjects.KV_EVENTS_ALL, on_kv_events)
         await self.bus.subscribe(subjects.SCHEDULER_PROGRESS, on_progress)
         await self.bus.subscribe(subjects.EXECUTOR_STATS_ALL, on_heartbeat)
         await self.bus.flush()
+
+    async def dispatch(
+        self, executor_id: str, rid: str, prompt: list[int], params: SamplingParams
+    ) -> messages.ExecuteReply:
+        """As the scheduler dispatches: a request the executor answers."""
+        request = ExecuteRequest(
+            request_id=rid,
+            model="m",
+            prompt_token_ids=prompt,
+            block_hashes=hash_prompt_blocks(prompt, 16),
+            params=params,
+        )
+        data = await self.bus.request(
+            subjects.executor_decode(executor_id),
+            messages.EXECUTE_REQUEST.encode(request),
+            timeout=5,
+        )
+        return messages.EXECUTE_REPLY.decode(data)
 
     async def run(
         self,
@@ -253,6 +283,20 @@ class Client:
                     return out
 
 
+def replay(batches: list[KVEventBatch]) -> set[int]:
+    """The cached set that applying the batches in order describes."""
+    held: set[int] = set()
+    for batch in batches:
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                held.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                held.difference_update(event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                held.clear()
+    return held
+
+
 async def wait_for(predicate, timeout: float = 5.0) -> None:
     for _ in range(int(timeout / 0.02)):
         if predicate():
@@ -277,6 +321,7 @@ def test_service_over_nats_matches_engine(nats_url, engine):
                 max_model_len=engine.max_model_len,
                 block_size=16,
                 max_num_seqs=4,
+                max_queued=1,
                 heartbeat_interval_s=0.1,
                 drain_timeout_s=0.5,
             ),
@@ -308,6 +353,7 @@ def test_service_over_nats_matches_engine(nats_url, engine):
                 for h in e.block_hashes
             ]
             assert stored[: len(prompt) // 16] == hash_prompt_blocks(prompt, 16)
+            assert client.kv_senders == {("ex-test", service.epoch, engine.model_name)}
 
             # Two at once: both complete with the same greedy tokens (batched together).
             r1, r2 = uuid.uuid4().hex, uuid.uuid4().hex
@@ -348,6 +394,34 @@ def test_service_over_nats_matches_engine(nats_url, engine):
             assert sum(len(o.output.deltas[0].token_ids) for o in outs) < 200
             await wait_for(lambda: (ab, "finished") in client.progress)
 
+            # Admission: 4 running + 1 queued are taken, the sixth is refused as full; each reply
+            # carries the load after its decision.
+            held = [uuid.uuid4().hex for _ in range(6)]
+            replies = [await client.dispatch("ex-test", rid, prompt, long) for rid in held]
+            assert [r.accepted for r in replies] == [True] * 5 + [False]
+            assert [r.load.num_admitted for r in replies] == [1, 2, 3, 4, 5, 5]
+            assert {r.load.max_admitted for r in replies} == {5}
+            versions = [r.load.version for r in replies[:5]]
+            assert versions == sorted(set(versions))
+            for rid in held[:5]:
+                await client.bus.publish(
+                    subjects.ABORT, messages.ABORT_REQUEST.encode(AbortRequest(request_id=rid))
+                )
+            for rid in held[:5]:
+                await wait_for(lambda rid=rid: (rid, "finished") in client.progress)
+
+            # The snapshot is the set the event batches describe, up to the last batch's seq.
+            await asyncio.sleep(0.3)  # the aborted requests' last steps' events are published
+            data = await client.bus.request(
+                subjects.executor_kv_snapshot("ex-test"),
+                KV_SNAPSHOT_REQUEST.encode(KVSnapshotRequest()),
+                timeout=5,
+            )
+            snapshot = KV_CACHE_SNAPSHOT.decode(data)
+            assert (snapshot.executor_id, snapshot.epoch) == ("ex-test", service.epoch)
+            assert snapshot.seq == client.kv_batches[-1].seq
+            assert sorted(snapshot.block_hashes) == sorted(replay(client.kv_batches))
+
             # Heartbeats: one epoch, the engine's numbers (nothing running once the abort is
             # applied).
             await wait_for(
@@ -375,6 +449,9 @@ def test_service_over_nats_matches_engine(nats_url, engine):
             assert client.heartbeats[-1].draining
             late = await client.run("ex-test", uuid.uuid4().hex, prompt, GREEDY)
             assert isinstance(late[-1], StreamError) and late[-1].status == 503
+            # Dispatched as the scheduler does, it is refused instead (routed elsewhere).
+            refused = await client.dispatch("ex-test", uuid.uuid4().hex, prompt, GREEDY)
+            assert not refused.accepted and refused.load.num_admitted == 0
         finally:
             await client.bus.close()
             await service_bus.close()

@@ -16,8 +16,10 @@ from shared.wire import messages, subjects
 from shared.wire.bus import Bus
 from shared.wire.messages import (
     AbortRequest,
+    ExecuteReply,
     ExecuteRequest,
     ExecutorHeartbeat,
+    ExecutorLoad,
     RequestProgress,
     SamplingParams,
     StreamError,
@@ -28,14 +30,30 @@ STATS = engine_stats()
 
 
 class FakeExecutor:
+    """Accepts every dispatch (as the real executor does while it has room) and reports its load:
+    what it accepted less what it said finished."""
+
     def __init__(self, bus: Bus, executor_id: str, max_num_seqs: int = 2) -> None:
         self.bus, self.executor_id, self.max_num_seqs = bus, executor_id, max_num_seqs
         self.received: asyncio.Queue[ExecuteRequest] = asyncio.Queue()
         self._beat: asyncio.Task[None] | None = None
+        self.load = ExecutorLoad(version=0, num_admitted=0, max_admitted=max_num_seqs)
+
+    def _count(self, delta: int) -> None:
+        self.load = ExecutorLoad(
+            version=self.load.version + 1,
+            num_admitted=self.load.num_admitted + delta,
+            max_admitted=self.max_num_seqs,
+        )
 
     async def start(self) -> None:
         async def on_execute(msg) -> None:
             self.received.put_nowait(messages.EXECUTE_REQUEST.decode(msg.data))
+            self._count(+1)
+            reply = ExecuteReply(
+                executor_id=self.executor_id, epoch="e", accepted=True, load=self.load
+            )
+            await msg.respond(messages.EXECUTE_REPLY.encode(reply))
 
         self._sub = await self.bus.subscribe(subjects.executor_decode(self.executor_id), on_execute)
         await self.bus.flush()
@@ -64,10 +82,14 @@ class FakeExecutor:
         self._beat.cancel()
 
     async def progress(self, rid: str, state: str) -> None:
+        if state == "finished":
+            self._count(-1)
         await self.bus.publish(
             subjects.SCHEDULER_PROGRESS,
             messages.REQUEST_PROGRESS.encode(
-                RequestProgress(request_id=rid, executor_id=self.executor_id, state=state)
+                RequestProgress(
+                    request_id=rid, executor_id=self.executor_id, state=state, load=self.load
+                )
             ),
         )
 
