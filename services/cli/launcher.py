@@ -38,6 +38,7 @@ from services.cli.servers import (
     start_redis,
 )
 from services.executor.config import SERVED_ENGINE_DEFAULTS
+from services.scheduler.placement import ROUTING_POLICIES
 from services.tokenizer.config import TOKENIZER_ENGINE_SETTINGS
 from shared.engine.config import ENGINE_SETTINGS, EngineConfig
 
@@ -83,6 +84,8 @@ class StackConfig:
     num_tokenizers: int = 1
     num_schedulers: int = 1
     max_queue_len: int = 256
+    routing: str = "cache"  # the schedulers' placement policy (services/scheduler/placement.py)
+    max_queued: int | None = None  # each executor accepts max_num_seqs + this (None: twice)
     heartbeat_timeout_s: float = 2.0
     no_executor_timeout_s: float = 10.0  # queued requests get 503 after this long without executors
     api_key: str | None = None
@@ -102,6 +105,10 @@ class StackConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_queue_len < 0:
             raise ValueError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
+        if self.max_queued is not None and self.max_queued < 0:
+            raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
         for name in ("heartbeat_timeout_s", "no_executor_timeout_s", "ready_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -340,6 +347,7 @@ def executor_args(config: StackConfig, index: int) -> list[str]:
         served_model_name(config),
         "--drain-timeout",
         str(config.drain_timeout_s),
+        *([] if config.max_queued is None else ["--max-queued", str(config.max_queued)]),
         *engine.to_argv(),
     ]
 
@@ -395,6 +403,8 @@ def launch(
                     str(config.heartbeat_timeout_s),
                     "--no-executor-timeout",
                     str(config.no_executor_timeout_s),
+                    "--routing",
+                    config.routing,
                 ],
                 env,
             )

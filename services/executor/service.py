@@ -114,6 +114,8 @@ class ExecutorService:
         self._live: dict[str, _Live] = {}
         self._admitted_weight = 0  # sum of n over _live
         self._load_version = 0  # +1 at every accept and every release
+        self._peak_admitted_weight = 0
+        self._num_refused = 0
         self._events: asyncio.Queue[list[Event]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._idle = asyncio.Event()
@@ -152,11 +154,13 @@ class ExecutorService:
             self._admitted_weight > 0 and self._admitted_weight + weight > self.config.max_admitted
         ):
             accepted = False
+            self._num_refused += 1
         else:
             accepted = True
             self._live[rid] = _Live(n=weight, num_prompt_tokens=len(req.prompt_token_ids))
             self._admitted_weight += weight
             self._load_version += 1
+            self._peak_admitted_weight = max(self._peak_admitted_weight, self._admitted_weight)
             self._idle.clear()
             self.worker.submit(Add(req))
         if msg.reply:
@@ -178,6 +182,8 @@ class ExecutorService:
             version=self._load_version,
             num_admitted=self._admitted_weight,
             max_admitted=self.config.max_admitted,
+            peak_num_admitted=self._peak_admitted_weight,
+            num_refused=self._num_refused,
         )
 
     def _release(self, rid: str) -> _Live | None:

@@ -103,6 +103,8 @@ class ExecutorLoad(msgspec.Struct, kw_only=True, frozen=True):
     version: int
     num_admitted: int
     max_admitted: int
+    peak_num_admitted: int = 0  # the most it has held at once in this epoch
+    num_refused: int = 0  # dispatches it refused as full in this epoch
 
 
 class RequestProgress(msgspec.Struct, kw_only=True, frozen=True):

@@ -12,6 +12,7 @@ from typing import Any
 
 from services.executor.config import SERVED_ENGINE_DEFAULTS
 from services.runtime import env_str, env_value
+from services.scheduler.placement import ROUTING_POLICIES
 from shared.engine.config import EngineConfig, add_engine_arguments
 
 
@@ -34,6 +35,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--executors", type=int, default=1, help="executor processes (each loads the model)"
     )
     p.add_argument("--tokenizers", type=int, default=1, help="tokenizer processes")
+    p.add_argument("--schedulers", type=int, default=1, help="scheduler processes")
+    p.add_argument(
+        "--routing",
+        choices=ROUTING_POLICIES,
+        default="cache",
+        help="how schedulers place requests: 'cache' (prefix index + load), 'load', 'round_robin'",
+    )
+    p.add_argument(
+        "--max-queued",
+        type=int,
+        default=None,
+        help="requests each executor accepts beyond --max-num-seqs (default: as many again)",
+    )
     p.add_argument(
         "--max-queue-len", type=int, default=256, help="waiting requests beyond this get 429"
     )
@@ -98,6 +112,9 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         num_executors=args.executors,
         num_tokenizers=args.tokenizers,
+        num_schedulers=args.schedulers,
+        routing=args.routing,
+        max_queued=args.max_queued,
         max_queue_len=args.max_queue_len,
         api_key=args.api_key,
         request_timeout_s=args.request_timeout,
