@@ -126,6 +126,7 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        await gw.refresh_stack_metrics()
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def model_card(name: str) -> dict[str, Any]:

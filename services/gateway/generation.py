@@ -25,11 +25,15 @@ import anyio
 from shared.wire import subjects
 from shared.wire.bus import Bus, BusError, BusTimeout
 from shared.wire.messages import (
+    PREFIX_INDEX_STATUS,
+    PREFIX_INDEX_STATUS_REQUEST,
     SCHEDULER_STATUS,
     SCHEDULER_STATUS_REQUEST,
     TOKENIZER_STATUS,
     TOKENIZER_STATUS_REQUEST,
     GenerateRequest,
+    PrefixIndexStatus,
+    PrefixIndexStatusRequest,
     SchedulerStatus,
     SchedulerStatusRequest,
     TokenizerStatus,
@@ -103,6 +107,25 @@ class Gateway:
             raise service_unavailable(f"The {service} did not answer.") from None
         except BusError as e:
             raise service_unavailable(f"The message bus is unavailable: {e}") from None
+
+    async def refresh_stack_metrics(self) -> None:
+        """Fetch the scheduler's and the prefix index's status for this scrape; one that does not
+        answer is left out."""
+        scheduler, index = await asyncio.gather(
+            self.scheduler_status(), self.prefix_index_status(), return_exceptions=True
+        )
+        self.metrics.stack.update(
+            scheduler if isinstance(scheduler, SchedulerStatus) else None,
+            index if isinstance(index, PrefixIndexStatus) else None,
+        )
+
+    async def prefix_index_status(self) -> PrefixIndexStatus:
+        data = await self._status_request(
+            subjects.PREFIX_INDEX_STATUS,
+            PREFIX_INDEX_STATUS_REQUEST.encode(PrefixIndexStatusRequest()),
+            "prefix index",
+        )
+        return PREFIX_INDEX_STATUS.decode(data)
 
     async def served_models(self, refresh: bool = False) -> list[str]:
         """The configured model name, or (none configured) the models live executors report."""

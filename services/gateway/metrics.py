@@ -14,6 +14,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from .stack_metrics import StackMetrics
+
 CLIENT_CLOSED = 499
 
 # vLLM's buckets for the same histograms.
@@ -137,6 +139,7 @@ class GatewayMetrics:
         self.generation_tokens = Counter(
             "llmserve:generation_tokens", "Generated tokens.", labels, registry=r
         )
+        self.stack = StackMetrics(r)
 
     def count(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()

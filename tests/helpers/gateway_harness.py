@@ -175,6 +175,8 @@ class FakeBackend:
                 num_waiting=0,
                 num_in_flight=0,
                 last_heartbeat_age_s=0.1,
+                prefix_cache_queries_tokens=100 + i,
+                prefix_cache_hits_tokens=50 + i,
             )
             for i in range(self.num_executors)
         ]

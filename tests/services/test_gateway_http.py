@@ -192,8 +192,14 @@ def test_models_health_metrics(client, gateway, backend):
         "llmserve:inter_token_latency_seconds_count",
         "llmserve:generation_tokens_total",
         'llmserve:gateway_requests_total{endpoint="completions",status="200"}',
+        # The stack's, from the scheduler's status: per executor, and the routing state.
+        f'llmserve:prefix_cache_queries_total{{executor="fake-0",model_name="{FAKE_MODEL}"}} 100.0',
+        f'llmserve:prefix_cache_hits_total{{executor="fake-0",model_name="{FAKE_MODEL}"}} 50.0',
+        "llmserve:routing_index_available 1.0",
     ):
         assert name in text, name
+    # No prefix index runs here: its metrics are left out, the scrape still answers.
+    assert "llmserve:prefix_index_up" not in text
 
 
 # ------------------------------------------------------------------------------------ errors
