@@ -16,7 +16,9 @@ answer (accepted or full) goes back to the router.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import statistics
 import time
 
 import msgspec
@@ -38,6 +40,7 @@ class SchedulerService:
         self._ticker: asyncio.Task[None] | None = None
         self._index_down_since: float | None = None  # monotonic time of the failed lookup
         self.num_index_fallbacks = 0
+        self._lookup_ms: collections.deque[float] = collections.deque(maxlen=1000)
 
     async def start(self) -> None:
         await self.bus.subscribe(
@@ -85,6 +88,7 @@ class SchedulerService:
                 self.router.status(time.monotonic()),
                 index_available=self._index_down_since is None,
                 num_index_fallbacks=self.num_index_fallbacks,
+                index_lookup_ms_p50=statistics.median(self._lookup_ms) if self._lookup_ms else 0.0,
             )
             await msg.respond(messages.SCHEDULER_STATUS.encode(status))
 
@@ -104,6 +108,7 @@ class SchedulerService:
             self.num_index_fallbacks += 1
             return None
         query = PrefixMatchRequest(model=req.model, block_hashes=req.block_hashes)
+        started = time.perf_counter()
         try:
             data = await self.bus.request(
                 subjects.PREFIX_INDEX_MATCH,
@@ -120,6 +125,7 @@ class SchedulerService:
             self._index_down_since = time.monotonic()
             self.num_index_fallbacks += 1
             return None
+        self._lookup_ms.append((time.perf_counter() - started) * 1e3)
         if down_since is not None:
             log.info("prefix index available again; routing by cache and load")
             self._index_down_since = None

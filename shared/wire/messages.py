@@ -215,6 +215,7 @@ class SchedulerStatus(msgspec.Struct, kw_only=True, frozen=True):
     routing: str = "cache"  # the placement policy
     index_available: bool = True  # False: the prefix index did not answer; routing by load alone
     num_index_fallbacks: int = 0  # requests routed without the index's answer because of that
+    index_lookup_ms_p50: float = 0.0  # median prefix-index round trip, of the last 1000 lookups
     num_refused_dispatches: int = 0  # dispatches an executor refused as full (then re-routed)
 
 

@@ -1,0 +1,302 @@
+"""Cache-aware routing against round robin, on the whole stack, in one run.
+
+    python -m loadtests.bench_prefix_routing [--conversations 16 --turns 4 --system-len 1000]
+
+Two executors serve a multi-turn chat workload: every conversation opens with the same system
+prompt (``--system-len`` tokens), and each turn's prompt is the previous turn's prompt plus a reply
+and a new user message, so it extends the last one. Conversations start ``--stagger`` seconds apart
+and run their turns one after another; every request streams ``--output-len`` tokens. The same
+workload runs once per routing policy on a fresh stack (``--policies``), and reports per policy:
+
+- TTFT (mean, median, p99) as the client sees it;
+- prefix hit rate: the cached prompt tokens the executors report (usage.prompt_tokens_details
+  .cached_tokens) over the ideal, the leading full blocks of each prompt that some request finished
+  before it was sent had in its prompt (what one executor with an unbounded cache would hit);
+- with cache routing, the index lookup the scheduler makes per request: the PREFIX_INDEX_MATCH
+  round trip timed by this client over NATS with each prompt's block hashes, and the scheduler's
+  own median.
+
+Prompts are token ids (random, seeded), so both runs see identical requests. Writes
+loadtests/results/bench_prefix_routing.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import httpx
+
+from loadtests.bench_serving import percentile
+from loadtests.results import write_json
+from services.cli.launcher import StackConfig, launch
+from services.scheduler.placement import ROUTING_POLICIES
+from shared.wire import messages, subjects
+from shared.wire.block_hash import hash_prompt_blocks
+from shared.wire.bus import Bus
+from shared.wire.messages import PrefixMatchRequest
+
+# Token ids drawn from here: ordinary vocabulary of the default model, no special tokens.
+TOKEN_RANGE = (1000, 40000)
+MODEL_NAME = "SmolLM2-135M-Instruct"
+BLOCK_SIZE = 16
+
+
+@dataclass
+class Turn:
+    conversation: int
+    turn: int
+    prompt: list[int]
+    sent_at: float = 0.0
+    finished_at: float = 0.0
+    ttft_s: float = 0.0
+    cached_tokens: int = 0
+    ideal_cached_tokens: int = 0
+    ok: bool = False
+    error: str = ""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--conversations", type=int, default=16)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system-len", type=int, default=1000, help="shared system prompt, tokens")
+    p.add_argument("--user-len", type=int, default=200, help="tokens each user turn adds")
+    p.add_argument("--reply-len", type=int, default=100, help="tokens of the prior reply per turn")
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--stagger", type=float, default=0.5, help="seconds between conversations")
+    p.add_argument("--executors", type=int, default=2)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--memory-budget", default="1GiB", help="per executor")
+    p.add_argument("--policies", default="cache,round_robin")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="loadtests/results/bench_prefix_routing.json")
+    args = p.parse_args(argv)
+    for policy in args.policies.split(","):
+        if policy not in ROUTING_POLICIES:
+            p.error(f"unknown policy {policy!r}; choose from {ROUTING_POLICIES}")
+    return args
+
+
+def build_conversations(args: argparse.Namespace) -> list[list[list[int]]]:
+    """prompts[c][t]: conversation c's turn t, each extending the one before."""
+    rng = random.Random(args.seed)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(*TOKEN_RANGE) for _ in range(n)]
+
+    system = ids(args.system_len)
+    conversations = []
+    for _ in range(args.conversations):
+        prompt = system + ids(args.user_len)
+        turns = [prompt]
+        for _ in range(args.turns - 1):
+            prompt = prompt + ids(args.reply_len) + ids(args.user_len)
+            turns.append(prompt)
+        conversations.append(turns)
+    return conversations
+
+
+def ideal_cached_tokens(turns: list[Turn], block_size: int) -> None:
+    """Fill each turn's ideal: the leading full blocks found among the prompts of the requests
+    that finished before it was sent (its own last block excluded: a prompt's final token is always
+    computed, as the engine does)."""
+    done = sorted(turns, key=lambda t: t.finished_at)
+    hashes = {id(t): hash_prompt_blocks(t.prompt, block_size) for t in turns}
+    for t in turns:
+        known: set[int] = set()
+        for d in done:
+            if d.finished_at <= t.sent_at:
+                known.update(hashes[id(d)])
+        usable = hashes[id(t)][: (len(t.prompt) - 1) // block_size]
+        n = 0
+        while n < len(usable) and usable[n] in known:
+            n += 1
+        t.ideal_cached_tokens = n * block_size
+
+
+async def send(client: httpx.AsyncClient, model: str, turn: Turn, output_len: int) -> None:
+    body = {
+        "model": model,
+        "prompt": turn.prompt,
+        "max_tokens": output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    turn.sent_at = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                turn.error = f"{r.status_code}: {(await r.aread())[:200]!r}"
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    turn.error = json.dumps(chunk["error"])[:200]
+                    return
+                if turn.ttft_s == 0.0 and any(c.get("text") for c in chunk.get("choices", [])):
+                    turn.ttft_s = time.perf_counter() - turn.sent_at
+                usage = chunk.get("usage")
+                if usage:
+                    details = usage.get("prompt_tokens_details") or {}
+                    turn.cached_tokens = details.get("cached_tokens") or 0
+        turn.ok = turn.ttft_s > 0
+    except httpx.HTTPError as e:
+        turn.error = f"{type(e).__name__}: {e}"[:200]
+    finally:
+        turn.finished_at = time.perf_counter()
+
+
+async def run_workload(base_url: str, args: argparse.Namespace) -> list[Turn]:
+    conversations = build_conversations(args)
+    turns = [Turn(c, t, p) for c, conv in enumerate(conversations) for t, p in enumerate(conv)]
+    async with httpx.AsyncClient(
+        base_url=base_url,
+        timeout=httpx.Timeout(600, connect=30),
+        limits=httpx.Limits(max_connections=args.conversations + 4),
+    ) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+
+        async def conversation(c: int) -> None:
+            await asyncio.sleep(c * args.stagger)
+            for t in range(args.turns):
+                await send(client, model, turns[c * args.turns + t], args.output_len)
+
+        await asyncio.gather(*(conversation(c) for c in range(args.conversations)))
+    return turns
+
+
+async def time_index_lookups(nats_url: str, prompts: list[list[int]]) -> list[float]:
+    """The scheduler's lookup, from here: one PREFIX_INDEX_MATCH round trip per prompt, in ms."""
+    bus = await Bus.connect(nats_url, "bench-prefix-routing")
+    samples = []
+    try:
+        for prompt in prompts:
+            query = PrefixMatchRequest(
+                model=MODEL_NAME, block_hashes=hash_prompt_blocks(prompt, BLOCK_SIZE)
+            )
+            data = messages.PREFIX_MATCH_REQUEST.encode(query)
+            t0 = time.perf_counter()
+            reply = messages.PREFIX_MATCH_REPLY.decode(
+                await bus.request(subjects.PREFIX_INDEX_MATCH, data, timeout=5)
+            )
+            samples.append((time.perf_counter() - t0) * 1e3)
+            if reply.error:
+                raise RuntimeError(f"the index could not answer: {reply.error}")
+    finally:
+        await bus.close()
+    return samples
+
+
+async def scheduler_status(nats_url: str) -> messages.SchedulerStatus:
+    bus = await Bus.connect(nats_url, "bench-prefix-routing-status")
+    try:
+        data = await bus.request(
+            subjects.SCHEDULER_STATUS,
+            messages.SCHEDULER_STATUS_REQUEST.encode(messages.SchedulerStatusRequest()),
+            timeout=5,
+        )
+        return messages.SCHEDULER_STATUS.decode(data)
+    finally:
+        await bus.close()
+
+
+def summarize(policy: str, turns: list[Turn], extra: dict[str, Any]) -> dict[str, Any]:
+    ok = [t for t in turns if t.ok]
+    ttft_ms = [t.ttft_s * 1e3 for t in ok]
+    cached = sum(t.cached_tokens for t in ok)
+    ideal = sum(t.ideal_cached_tokens for t in ok)
+    return {
+        "policy": policy,
+        "num_requests": len(turns),
+        "num_failed": len(turns) - len(ok),
+        "errors": sorted({t.error for t in turns if t.error})[:5],
+        "ttft_ms": {
+            "mean": statistics.fmean(ttft_ms) if ttft_ms else 0.0,
+            "median": percentile(ttft_ms, 50),
+            "p99": percentile(ttft_ms, 99),
+        },
+        "cached_tokens": cached,
+        "ideal_cached_tokens": ideal,
+        "hit_rate_of_ideal": cached / ideal if ideal else 0.0,
+        "prompt_tokens": sum(len(t.prompt) for t in ok),
+        **extra,
+        "requests": [asdict(t) | {"prompt": len(t.prompt)} for t in turns],
+    }
+
+
+def run_policy(policy: str, args: argparse.Namespace) -> dict[str, Any]:
+    print(f"[{policy}] starting a stack with {args.executors} executors...", file=sys.stderr)
+    config = StackConfig.of(
+        port=0,
+        num_executors=args.executors,
+        routing=policy,
+        model_name=MODEL_NAME,
+        dtype=args.dtype,
+        num_threads=1,
+        max_num_seqs=args.max_num_seqs,
+        memory_budget=args.memory_budget,
+        block_size=BLOCK_SIZE,
+    )
+    with launch(config) as stack:
+        t0 = time.perf_counter()
+        turns = asyncio.run(run_workload(stack.base_url, args))
+        duration = time.perf_counter() - t0
+        extra: dict[str, Any] = {"duration_s": duration}
+        if policy == "cache":
+            lookups = asyncio.run(time_index_lookups(stack.nats_url, [t.prompt for t in turns]))
+            status = asyncio.run(scheduler_status(stack.nats_url))
+            extra["index_lookup_ms"] = {
+                "median": percentile(lookups, 50),
+                "p99": percentile(lookups, 99),
+                "scheduler_median": status.index_lookup_ms_p50,
+            }
+            extra["index_fallbacks"] = status.num_index_fallbacks
+    ideal_cached_tokens(turns, BLOCK_SIZE)
+    return summarize(policy, turns, extra)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    results = {p: run_policy(p, args) for p in args.policies.split(",")}
+    print(f"\n{'policy':<12} {'ok':>4} {'TTFT med':>9} {'mean':>8} {'p99':>8} {'hit/ideal':>9}")
+    for r in results.values():
+        t = r["ttft_ms"]
+        print(
+            f"{r['policy']:<12} {r['num_requests'] - r['num_failed']:>4} {t['median']:>8.0f}m "
+            f"{t['mean']:>7.0f}m {t['p99']:>7.0f}m {r['hit_rate_of_ideal']:>9.1%}"
+        )
+    ratios: dict[str, float] = {}
+    if "cache" in results and "round_robin" in results:
+        ratios["median_ttft_cache_over_round_robin"] = (
+            results["cache"]["ttft_ms"]["median"] / results["round_robin"]["ttft_ms"]["median"]
+        )
+        ratio = ratios["median_ttft_cache_over_round_robin"]
+        print(f"median TTFT, cache / round robin: {ratio:.2f}")
+    if "cache" in results:
+        lk = results["cache"]["index_lookup_ms"]
+        print(
+            f"index lookup: median {lk['median']:.2f} ms, p99 {lk['p99']:.2f} ms (client); "
+            f"scheduler's median {lk['scheduler_median']:.2f} ms"
+        )
+    path = write_json(args.out, {"args": vars(args), "ratios": ratios, "results": results})
+    print(f"wrote {path}")
+    return 0 if all(r["num_failed"] == 0 for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
