@@ -332,8 +332,9 @@ class ExecutorService:
             await asyncio.sleep(self.config.heartbeat_interval_s)
             if not self.worker.alive:
                 # A dead engine thread must not look alive: stop heartbeating, the scheduler fails
-                # over.
-                log.error("the engine thread died; no more heartbeats")
+                # over. (During a drain the thread was stopped on purpose.)
+                if not self.draining:
+                    log.error("the engine thread died; no more heartbeats")
                 return
             try:
                 await self._heartbeat()
