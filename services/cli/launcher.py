@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -39,7 +40,8 @@ from services.cli.servers import (
 )
 from services.executor.config import SERVED_ENGINE_DEFAULTS
 from services.scheduler.placement import ROUTING_POLICIES
-from services.tokenizer.config import TOKENIZER_ENGINE_SETTINGS
+from services.served_models import ServedModel, check_unique, default_model_name
+from services.tokenizer.config import TOKENIZER_LIMIT_SETTINGS
 from shared.engine.config import ENGINE_SETTINGS, EngineConfig
 
 # How an executor's OpenMP threads wait between parallel regions (~10 per layer per step). Every
@@ -63,6 +65,7 @@ __all__ = [
     "executor_args",
     "launch",
     "served_model_name",
+    "served_models",
     "tokenizer_args",
 ]
 
@@ -78,6 +81,10 @@ class StackConfig:
     # (``_executor_threads``).
     engine: EngineConfig = SERVED_ENGINE_DEFAULTS
     model_name: str | None = None  # name served at /v1/models (default: from the model)
+    # Several models at once: each gets num_executors executors running ``engine`` with its path.
+    # Empty: the one model of engine.model / model_name. Given: those two stay None, so a stack
+    # names its models one way only (``served_models``).
+    models: tuple[ServedModel, ...] = ()
     host: str = LOOPBACK
     port: int = 8000  # 0 = a free port
     num_executors: int = 1
@@ -116,6 +123,17 @@ class StackConfig:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.models:
+            if self.engine.model is not None or self.model_name is not None:
+                raise ValueError(
+                    "give the served models either as models or as engine.model / model_name, "
+                    "not both"
+                )
+            # A tokenizer's command line pairs paths and names by position: no path may be left
+            # out unless it is the only model (then the default, resolved by each service).
+            if len(self.models) > 1 and any(m.path is None for m in self.models):
+                raise ValueError("with several models, every model needs its path")
+            check_unique(self.models)
 
     @classmethod
     def of(cls, **settings: Any) -> StackConfig:
@@ -219,8 +237,7 @@ class Stack:
                 )
 
     def wait_ready(self, progress: Callable[[str], None] | None = None) -> None:
-        """Until GET /health answers 200 (the gateway sees a live executor through the
-        scheduler)."""
+        """Until GET /health answers 200 with every served model ready (``_ready``)."""
         deadline = time.monotonic() + self.config.ready_timeout_s
         last_note = 0.0
         while True:
@@ -241,11 +258,21 @@ class Stack:
             time.sleep(0.2)
 
     def _ready(self) -> bool:
+        """The gateway is healthy (a tokenizer answers, an executor is live) and its health names
+        each served model with a live executor and a tokenizer that knows it: /health alone is
+        200 once any executor is live, while another model's executors may still be loading."""
         try:
             with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as r:
-                return int(r.status) == 200
-        except (urllib.error.URLError, OSError):
+                if int(r.status) != 200:
+                    return False
+                models = json.loads(r.read()).get("models", {})
+        except (urllib.error.URLError, OSError, ValueError):
             return False
+        return all(
+            models.get(m.name, {}).get("num_executors", 0) > 0
+            and models[m.name].get("max_model_len") is not None
+            for m in served_models(self.config)
+        )
 
     def stop(self, grace_s: float | None = None) -> None:
         """Drain and stop everything, gateway first and servers last; idempotent. After it returns,
@@ -314,37 +341,46 @@ def _relay(stream, tail: collections.deque[str]) -> None:
     sys.stderr.flush()
 
 
-DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
+def served_models(config: StackConfig) -> tuple[ServedModel, ...]:
+    """Every model the stack serves, in order: ``config.models``, else the one model of
+    ``engine.model`` named ``model_name`` (or after its file)."""
+    if config.models:
+        return config.models
+    name = config.model_name or default_model_name(config.engine.model)
+    return (ServedModel(name, config.engine.model),)
 
 
 def served_model_name(config: StackConfig) -> str:
-    """The name clients send in ``model`` and executors advertise: the flag, else the model file's
-    name without ``.gguf`` (the default model: its plain name)."""
-    if config.model_name:
-        return config.model_name
-    if config.engine.model is None:
-        return DEFAULT_SERVED_MODEL_NAME
-    base = os.path.basename(os.path.normpath(config.engine.model))
-    for suffix in (".gguf", ".GGUF"):
-        base = base.removesuffix(suffix)
-    return "-".join(base.split())
+    """The name clients send in ``model`` for the stack's (first) model."""
+    return served_models(config)[0].name
+
+
+def num_executors_total(config: StackConfig) -> int:
+    return config.num_executors * len(served_models(config))
 
 
 def _executor_threads(config: StackConfig) -> int:
     if config.engine.num_threads is not None:
         return config.engine.num_threads
     # Executors on one machine share its cores; they must not each take all of them.
-    return max(1, (os.cpu_count() or 1) // config.num_executors)
+    return max(1, (os.cpu_count() or 1) // num_executors_total(config))
 
 
 def executor_args(config: StackConfig, index: int) -> list[str]:
-    """Executor ``index``'s command line, less the NATS URL: its whole engine config included."""
-    engine = replace(config.engine, num_threads=_executor_threads(config))
+    """Executor ``index``'s command line, less the NATS URL: its whole engine config included.
+    Indices run over every model's executors in turn (model k has ``k * num_executors`` to
+    ``(k + 1) * num_executors - 1``), so ids are unique across models and carry no model name (a
+    name may hold a '.', which an id, part of NATS subjects, must not)."""
+    models = served_models(config)
+    if not 0 <= index < num_executors_total(config):
+        raise ValueError(f"executor index {index} out of range for {len(models)} model(s)")
+    model = models[index // config.num_executors]
+    engine = replace(config.engine, model=model.path, num_threads=_executor_threads(config))
     return [
         "--executor-id",
         f"executor-{index}",
         "--model-name",
-        served_model_name(config),
+        model.name,
         "--drain-timeout",
         str(config.drain_timeout_s),
         *([] if config.max_queued is None else ["--max-queued", str(config.max_queued)]),
@@ -353,8 +389,18 @@ def executor_args(config: StackConfig, index: int) -> list[str]:
 
 
 def tokenizer_args(config: StackConfig) -> list[str]:
-    """A tokenizer's command line, less the NATS URL: the executors' model and prompt limits."""
-    return config.engine.to_argv(include=TOKENIZER_ENGINE_SETTINGS)
+    """A tokenizer's command line, less the NATS URL: every served model (paths and names, paired
+    by position) and the prompt limits of the executors' engine."""
+    argv: list[str] = []
+    for m in served_models(config):
+        # No path only for a lone default model: the tokenizer resolves it as the executors do.
+        argv += ["--model", m.path] if m.path is not None else []
+        argv += ["--model-name", m.name]
+    return argv + config.engine.to_argv(include=TOKENIZER_LIMIT_SETTINGS)
+
+
+def gateway_model_args(config: StackConfig) -> list[str]:
+    return [arg for m in served_models(config) for arg in ("--model-name", m.name)]
 
 
 def launch(
@@ -387,7 +433,7 @@ def launch(
             env.pop(setting.env, None)
         common = ["--nats-url", nats_url]
 
-        for i in range(config.num_executors):
+        for i in range(num_executors_total(config)):
             stack.start_service(
                 f"executor-{i}", "services.executor", [*common, *executor_args(config, i)], env
             )
@@ -420,8 +466,7 @@ def launch(
             str(port),
             "--drain-timeout",
             str(config.drain_timeout_s),
-            "--model-name",
-            served_model_name(config),
+            *gateway_model_args(config),
         ]
         if config.request_timeout_s is not None:
             args += ["--request-timeout", str(config.request_timeout_s)]

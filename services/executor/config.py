@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass
 
 from services.runtime import env_bool, env_int, env_str, env_value
+from services.served_models import default_model_name
 from shared.engine.config import EngineConfig, add_engine_arguments
 
 # The engine defaults of a served executor, here and in ``llmserve up``: the same as the engine's
@@ -51,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model-name",
         default=env_str("LLMSERVE_MODEL_NAME", None),
-        help="the model name advertised to the gateway (default: the model file's name)",
+        help="the model name advertised to the gateway (default: the model file's name without "
+        ".gguf, as the tokenizer and llmserve up name it)",
     )
     p.add_argument("--heartbeat-interval", type=float, default=0.5)
     p.add_argument(
@@ -86,7 +88,8 @@ def parse_config(argv: list[str] | None = None) -> ExecutorProcessConfig:
         return ExecutorProcessConfig(
             nats_url=a.nats_url,
             executor_id=a.executor_id or f"executor-{uuid.uuid4().hex[:8]}",
-            model_name=a.model_name,
+            # The one naming rule of the stack, so a tokenizer started without names agrees.
+            model_name=a.model_name or default_model_name(engine.model),
             engine=engine,
             heartbeat_interval_s=a.heartbeat_interval,
             drain_timeout_s=a.drain_timeout,

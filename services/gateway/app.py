@@ -4,7 +4,9 @@
     GET  /v1/models              GET  /v1/models/{model}
     WS   /v1/ws                  (see websocket.py)
     GET  /health                 200 iff NATS is connected, a tokenizer answers and the scheduler
-                                 reports >= 1 executor
+                                 reports >= 1 executor; the body's "models" says, per model, how
+                                 many executors serve it and the context the tokenizer checks
+                                 (null: no tokenizer serves it; see health.py)
     GET  /metrics                Prometheus text
 
 Every error is an OpenAI error body (errors.py). Auth (when an API key is configured) guards /v1/*;
@@ -34,6 +36,7 @@ from . import protocol
 from .config import GatewayConfig
 from .errors import APIError, unauthorized
 from .generation import ClientDisconnected, Gateway, Prepared
+from .health import model_health
 from .metrics import CLIENT_CLOSED, GatewayMetrics, RequestTracker
 from .sse import DONE, EventStreamResponse, sse_event
 from .streams import GenerationStream
@@ -69,7 +72,7 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
         )
         log.info(
             "gateway serving %s on %s:%d (nats %s, auth %s)",
-            config.model_name or "(any model)",
+            ", ".join(config.model_names) or "(the executors' models)",
             config.host,
             config.port,
             config.nats_url,
@@ -112,6 +115,7 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
             if isinstance(answer, BaseException):
                 raise answer
         assert not isinstance(status, BaseException)  # raised or answered above
+        assert not isinstance(tokenizer, BaseException)
         if not status.executors:
             return JSONResponse(
                 {"status": "unavailable", "reason": "no live executor"}, status_code=503
@@ -121,6 +125,7 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
                 "status": "ok",
                 "num_executors": len(status.executors),
                 "num_queued": status.num_queued,
+                "models": model_health(config.model_names, status, tokenizer),
             }
         )
 

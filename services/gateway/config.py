@@ -7,6 +7,7 @@ import argparse
 from dataclasses import dataclass
 
 from services.runtime import env_bool, env_int, env_str
+from services.served_models import split_names
 
 
 @dataclass(frozen=True)
@@ -14,9 +15,9 @@ class GatewayConfig:
     nats_url: str = "nats://127.0.0.1:4222"
     host: str = "127.0.0.1"
     port: int = 8000
-    # The model name requests must send and /v1/models lists. None: whatever model names the live
+    # The model names requests may send and /v1/models lists. Empty: whatever model names the live
     # executors report in their heartbeats (learnt from the scheduler), so it follows the stack.
-    model_name: str | None = None
+    model_names: tuple[str, ...] = ()
     api_key: str | None = None  # None: no auth
     request_timeout_s: float = 600.0  # whole request, first byte to last; then abort + 504
     max_tokens_default: int | None = None  # None: 16 for completions (OpenAI), unlimited for chat
@@ -32,12 +33,11 @@ class GatewayConfig:
             raise ValueError("host must not be empty")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.model_name is not None and (
-            not self.model_name or any(c.isspace() for c in self.model_name)
-        ):
-            raise ValueError(
-                f"model_name must be a non-empty name without spaces, got {self.model_name!r}"
-            )
+        for name in self.model_names:
+            if not name or any(c.isspace() for c in name):
+                raise ValueError(f"a model name must be non-empty without spaces, got {name!r}")
+        if len(set(self.model_names)) != len(self.model_names):
+            raise ValueError(f"model names must be distinct, got {list(self.model_names)}")
         if self.api_key is not None and (
             not self.api_key or any(c.isspace() for c in self.api_key)
         ):
@@ -61,9 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=env_int("LLMSERVE_GATEWAY_PORT", 8000))
     p.add_argument(
         "--model-name",
-        default=env_str("LLMSERVE_MODEL_NAME", None),
-        help="the model name clients must send and /v1/models lists (default: the "
-        "names the live executors report)",
+        action="append",
+        default=None,
+        help="a model name clients may send and /v1/models lists; repeat it for several models "
+        "(default: $LLMSERVE_MODEL_NAME, comma-separated, else the names the live executors "
+        "report)",
     )
     p.add_argument(
         "--api-key",
@@ -103,11 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    # The flag's list, else the variable's names (an appending flag cannot default to them:
+    # argparse would append to the default).
+    names = args.model_name or split_names(env_str("LLMSERVE_MODEL_NAME", None))
     return GatewayConfig(
         nats_url=args.nats_url,
         host=args.host,
         port=args.port,
-        model_name=args.model_name,
+        model_names=tuple(names),
         api_key=args.api_key,
         request_timeout_s=args.request_timeout,
         max_tokens_default=args.max_tokens_default,

@@ -39,7 +39,10 @@ def _default_type(status: int) -> str:
     return INVALID_REQUEST if 400 <= status < 500 else "server_error"
 
 
-@dataclass(frozen=True)
+# Not frozen, and compared by identity like any exception: Starlette clears the traceback of an
+# exception its handler answered (``exc.__traceback__ = None``), which a frozen dataclass refuses;
+# that error, raised after the response, closed the client's keep-alive connection.
+@dataclass(eq=False)
 class APIError(Exception):
     """An error for the client. ``retry_after_s`` becomes the Retry-After header (whole seconds,
     rounded up: the header takes no fractions and rounding down would invite an early retry)."""

@@ -128,9 +128,9 @@ class Gateway:
         return PREFIX_INDEX_STATUS.decode(data)
 
     async def served_models(self, refresh: bool = False) -> list[str]:
-        """The configured model name, or (none configured) the models live executors report."""
-        if self.config.model_name is not None:
-            return [self.config.model_name]
+        """The configured model names, or (none configured) the models live executors report."""
+        if self.config.model_names:
+            return list(self.config.model_names)
         if refresh or time.monotonic() - self._models_at > MODELS_TTL_S:
             status = await self.scheduler_status()
             self._models = sorted({e.model for e in status.executors})

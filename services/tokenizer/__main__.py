@@ -12,8 +12,8 @@ from shared.engine.tokenizer import Tokenizer
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(argv)
-    tokenizer = Tokenizer.from_path(config.model)
-    return run_service("tokenizer", lambda stop: serve(config, tokenizer, stop))
+    tokenizers = {m.name: Tokenizer.from_path(m.path) for m in config.models}
+    return run_service("tokenizer", lambda stop: serve(config, tokenizers, stop))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
 """The tokenizer process's config, from flags over the environment (a flag beats its variable).
 
-Its model, context length and block size are engine settings, declared once in
-``shared.engine.config``: the tokenizer takes those flags from there, and the launcher gives it the
-same values it gives the executors."""
+A tokenizer serves every model of its stack: ``--model PATH`` repeated, each named by
+``--model-name NAME`` repeated in the same order (``services.served_models``; default: the file's
+name), or, without ``--model``, the one model of ``LLMSERVE_MODEL`` or the bundled default. The
+context length and block size are engine settings, declared once in ``shared.engine.config``; the
+launcher gives the tokenizer the values it gives the executors, and each model's context length is
+capped by the model's own, as the engine caps it."""
 
 from __future__ import annotations
 
@@ -10,52 +13,91 @@ import argparse
 from dataclasses import dataclass
 
 from services.runtime import env_str, env_value
+from services.served_models import pair_models, split_names
 from services.tokenizer.prompts import PromptLimits, model_context_len
 from shared.engine.config import EngineConfig, add_engine_arguments
 
 # The engine settings a tokenizer needs: which model, and the prompt limits it checks.
-TOKENIZER_ENGINE_SETTINGS = ("model", "max_model_len", "block_size")
+TOKENIZER_LIMIT_SETTINGS = ("max_model_len", "block_size")
+TOKENIZER_ENGINE_SETTINGS = ("model", *TOKENIZER_LIMIT_SETTINGS)
+
+
+@dataclass(frozen=True)
+class TokenizerModel:
+    name: str  # the served name requests select it by
+    path: str  # GGUF file or Hugging Face directory
+    limits: PromptLimits  # its context length and block size
 
 
 @dataclass(frozen=True)
 class TokenizerConfig:
     nats_url: str
-    model: str  # GGUF file or Hugging Face directory
-    limits: PromptLimits  # validates the context length and block size
+    models: tuple[TokenizerModel, ...]
     name: str = "tokenizer"
 
     def __post_init__(self) -> None:
         if not self.nats_url:
             raise ValueError("nats_url must not be empty")
+        if not self.models:
+            raise ValueError("a tokenizer serves at least one model")
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two models share a name: {names}")
 
 
-def parse_config(argv: list[str] | None = None) -> TokenizerConfig:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m services.tokenizer",
         description="Chat template, encoding and prompt validation (queue group).",
     )
     p.add_argument("--nats-url", default=env_str("NATS_URL", "nats://127.0.0.1:4222"))
     p.add_argument("--name", default="tokenizer", help="connection name")
+    p.add_argument(
+        "--model-name",
+        action="append",
+        default=None,
+        help="the name requests select a model by: once per --model, in the same order "
+        "(default: $LLMSERVE_MODEL_NAME, comma-separated, else each model's file name)",
+    )
     add_engine_arguments(
         p,
         include=TOKENIZER_ENGINE_SETTINGS,
-        help={"max_model_len": "context length prompts are checked against (default: the model's)"},
+        repeatable=("model",),
+        help={
+            "model": "GGUF file or Hugging Face directory, repeated for several models (default: "
+            "the bundled SmolLM2-135M-Instruct)",
+            "max_model_len": "context length prompts are checked against (default: the model's)",
+        },
     )
+    return p
+
+
+def parse_config(argv: list[str] | None = None) -> TokenizerConfig:
+    p = build_parser()
     a = p.parse_args(argv)
     try:
         engine = EngineConfig.from_args(
-            a, EngineConfig.from_env(env_value, include=TOKENIZER_ENGINE_SETTINGS)
+            a,
+            EngineConfig.from_env(env_value, include=TOKENIZER_ENGINE_SETTINGS),
+            exclude=("model",),
         )
-        model = engine.model
-        if model is None:
-            from shared.engine.default_model import default_model_path
+        # Names from the flags, else from the variable the executor reads too (one per model).
+        names = a.model_name or split_names(env_str("LLMSERVE_MODEL_NAME", None))
+        served = pair_models(getattr(a, "model", None) or [engine.model], names)
+        models = []
+        for m in served:
+            path = m.path
+            if path is None:
+                from shared.engine.default_model import default_model_path
 
-            model = default_model_path()
-        limits = PromptLimits(
-            max_model_len=engine.max_model_len or model_context_len(model),
-            block_size=engine.block_size,
-        )
-        return TokenizerConfig(nats_url=a.nats_url, model=model, limits=limits, name=a.name)
+                path = default_model_path()
+            context_len = model_context_len(path)
+            limits = PromptLimits(
+                max_model_len=min(engine.max_model_len or context_len, context_len),
+                block_size=engine.block_size,
+            )
+            models.append(TokenizerModel(m.name, path, limits))
+        return TokenizerConfig(nats_url=a.nats_url, models=tuple(models), name=a.name)
     except ValueError as e:
         p.error(str(e))
         raise

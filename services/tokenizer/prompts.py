@@ -1,14 +1,17 @@
-"""Turn a ``GenerateRequest`` into a validated ``TokenizedRequest``: render chat messages with the
-model's template, encode, check the length against the context, hash the full blocks.
+"""Turn a ``GenerateRequest`` into a validated ``TokenizedRequest``: pick the requested model's
+tokenizer, render chat messages with its template, encode, check the length against its context,
+hash the full blocks with its block size.
 
 Pure logic (no NATS, no asyncio); every rejection is a ``PromptError`` carrying the OpenAI error
-fields the gateway returns (400 ``invalid_request_error`` and the offending parameter).
+fields the gateway returns (400 ``invalid_request_error`` and the offending parameter; 404 for a
+model this tokenizer does not serve, as the scheduler answers for one no executor serves).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +21,8 @@ from shared.wire.messages import GenerateRequest, StreamError, TokenizedRequest
 
 
 class PromptError(ValueError):
+    status = 400
+
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
@@ -25,10 +30,22 @@ class PromptError(ValueError):
     def to_stream_error(self, request_id: str) -> StreamError:
         return StreamError(
             request_id=request_id,
-            status=400,
+            status=self.status,
             type="invalid_request_error",
             message=str(self),
             param=self.param,
+        )
+
+
+class UnknownModelError(PromptError):
+    """A model this tokenizer does not serve: the scheduler's 404, in the same words."""
+
+    status = 404
+
+    def __init__(self, model: str, served: list[str]) -> None:
+        super().__init__(
+            f"The model '{model}' does not exist. This server serves '{', '.join(served)}'.",
+            "model",
         )
 
 
@@ -42,6 +59,21 @@ class PromptLimits:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+
+@dataclass(frozen=True)
+class ModelTokenizer:
+    """One served model's tokenizer and the limits its executors enforce."""
+
+    tokenizer: Tokenizer
+    limits: PromptLimits
+
+
+def select_model(models: Mapping[str, ModelTokenizer], model: str) -> ModelTokenizer:
+    found = models.get(model)
+    if found is None:
+        raise UnknownModelError(model, sorted(models))
+    return found
 
 
 def model_context_len(model: str) -> int:

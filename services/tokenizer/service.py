@@ -1,6 +1,8 @@
-"""The tokenizer actor: GenerateRequest (queue group) → TokenizedRequest to the scheduler, or a 400
-StreamError straight to the request's stream. Trace headers are passed along unchanged. It also
-answers TOKENIZER_STATUS, which the gateway's /health asks.
+"""The tokenizer actor: GenerateRequest (queue group) → TokenizedRequest to the scheduler, or a 4xx
+StreamError straight to the request's stream. It serves every model of its stack, each with its own
+tokenizer, chat template and limits, chosen by the request's ``model`` (one it does not serve: 404
+on the stream). Trace headers are passed along unchanged. It also answers TOKENIZER_STATUS, which
+the gateway's /health asks: every model it serves, with its limits.
 
 Both hand-offs are acknowledged: the tokenizer acks the gateway's request on receipt, and the
 scheduler acks each submit. So a request meets a missing service at once (NATS's "no responders"),
@@ -12,11 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 
 import msgspec
 
 from services.tokenizer.config import TokenizerConfig
-from services.tokenizer.prompts import PromptError, PromptLimits, tokenize_request
+from services.tokenizer.prompts import ModelTokenizer, PromptError, select_model, tokenize_request
 from shared.engine.tokenizer import Tokenizer
 from shared.wire import messages, subjects
 from shared.wire.bus import Bus, BusError, BusNoResponders, BusTimeout, Msg
@@ -28,10 +31,11 @@ SUBMIT_ACK_TIMEOUT_S = 5.0
 
 
 class TokenizerService:
-    def __init__(self, bus: Bus, tokenizer: Tokenizer, limits: PromptLimits) -> None:
+    def __init__(self, bus: Bus, models: Mapping[str, ModelTokenizer]) -> None:
+        if not models:
+            raise ValueError("a tokenizer serves at least one model")
         self.bus = bus
-        self.tokenizer = tokenizer
-        self.limits = limits
+        self.models = dict(models)  # served name → its tokenizer and limits
         self._subscriptions: list = []
         self._submits: set[asyncio.Task] = set()  # submits waiting for the scheduler's ack
 
@@ -56,13 +60,15 @@ class TokenizerService:
             await asyncio.wait(set(self._submits))
 
     async def _on_status(self, msg: Msg) -> None:
-        await msg.respond(
-            messages.TOKENIZER_STATUS.encode(
-                messages.TokenizerStatus(
-                    max_model_len=self.limits.max_model_len, block_size=self.limits.block_size
+        status = messages.TokenizerStatus(
+            models=[
+                messages.TokenizerModelStatus(
+                    name=name, max_model_len=m.limits.max_model_len, block_size=m.limits.block_size
                 )
-            )
+                for name, m in self.models.items()
+            ]
         )
+        await msg.respond(messages.TOKENIZER_STATUS.encode(status))
 
     async def _on_generate(self, msg: Msg) -> None:
         try:
@@ -73,7 +79,8 @@ class TokenizerService:
         if msg.reply:  # the gateway waits for this ack: "a tokenizer has the request"
             await msg.respond(b"")
         try:
-            tokenized = tokenize_request(req, self.tokenizer, self.limits)
+            model = select_model(self.models, req.model)
+            tokenized = tokenize_request(req, model.tokenizer, model.limits)
         except PromptError as e:
             await self._fail(e.to_stream_error(req.request_id))
             return
@@ -139,14 +146,22 @@ class TokenizerService:
         )
 
 
-async def serve(config: TokenizerConfig, tokenizer: Tokenizer, stop: asyncio.Event) -> None:
+async def serve(
+    config: TokenizerConfig, tokenizers: Mapping[str, Tokenizer], stop: asyncio.Event
+) -> None:
+    """``tokenizers``: each of ``config.models``' tokenizer, by served name."""
     bus = await Bus.connect(config.nats_url, config.name)
-    limits = config.limits
-    service = TokenizerService(bus, tokenizer, limits)
-    await service.start()
-    log.info(
-        "tokenizer ready (max_model_len=%d, block_size=%d)", limits.max_model_len, limits.block_size
+    service = TokenizerService(
+        bus, {m.name: ModelTokenizer(tokenizers[m.name], m.limits) for m in config.models}
     )
+    await service.start()
+    for m in config.models:
+        log.info(
+            "tokenizer ready for %s (max_model_len=%d, block_size=%d)",
+            m.name,
+            m.limits.max_model_len,
+            m.limits.block_size,
+        )
     await stop.wait()
     await service.stop()
     await bus.drain()

@@ -106,10 +106,21 @@ class EngineConfig:
     # ---- derived from the settings ---------------------------------------------------------------
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, base: EngineConfig | None = None) -> EngineConfig:
+    def from_args(
+        cls,
+        args: argparse.Namespace,
+        base: EngineConfig | None = None,
+        *,
+        exclude: Collection[str] = (),
+    ) -> EngineConfig:
         """``base`` with every setting given on a command line built by ``add_engine_arguments``
-        (a setting not given is absent from ``args``, so ``base`` keeps it)."""
-        given = {s.name: getattr(args, s.name) for s in ENGINE_SETTINGS if hasattr(args, s.name)}
+        (a setting not given is absent from ``args``, so ``base`` keeps it). ``exclude``: settings
+        the command reads itself (a ``repeatable`` flag's list, say)."""
+        given = {
+            s.name: getattr(args, s.name)
+            for s in settings(exclude=exclude)
+            if hasattr(args, s.name)
+        }
         return dataclasses.replace(base or cls(), **given)
 
     @classmethod
@@ -201,11 +212,16 @@ def add_engine_arguments(
     include: Collection[str] | None = None,
     exclude: Collection[str] = (),
     help: Mapping[str, str] | None = None,
+    repeatable: Collection[str] = (),
 ) -> None:
     """Add the engine settings' flags to ``parser`` (``help`` replaces a setting's help text for
     this command). Their argparse default is SUPPRESS, so ``from_args`` can tell a flag given from
-    one left to the environment or to ``defaults``, which only the help shows."""
+    one left to the environment or to ``defaults``, which only the help shows. A ``repeatable``
+    setting's flag may be given several times (``--model`` of a stack serving several models): its
+    values come as a list, which the command reads itself (``from_args(..., exclude=...)``); its
+    variable still holds one value."""
     defaults = defaults or EngineConfig()
+    settings(repeatable)  # a name that is no setting is an error here too
     group = parser.add_argument_group("engine settings")
     for s in settings(include, exclude):
         value = getattr(defaults, s.name)
@@ -218,6 +234,8 @@ def add_engine_arguments(
         )
         if s.type is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif s.name in repeatable:
+            kwargs.update(type=s.type, choices=s.choices, action="append")
         else:
             kwargs.update(type=s.type, choices=s.choices)
         group.add_argument(s.flag, **kwargs)

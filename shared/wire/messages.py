@@ -184,9 +184,16 @@ class TokenizerStatusRequest(msgspec.Struct, kw_only=True, frozen=True):
     pass
 
 
-class TokenizerStatus(msgspec.Struct, kw_only=True, frozen=True):
+class TokenizerModelStatus(msgspec.Struct, kw_only=True, frozen=True):
+    name: str  # the served model name requests select it by
     max_model_len: int  # prompts longer than this (plus max_tokens) are refused with 400
     block_size: int
+
+
+class TokenizerStatus(msgspec.Struct, kw_only=True, frozen=True):
+    # Every model the tokenizer serves, each with its own limits; a request for any other model
+    # ends with 404.
+    models: list[TokenizerModelStatus]
 
 
 class SchedulerStatusRequest(msgspec.Struct, kw_only=True, frozen=True):

@@ -36,12 +36,12 @@ class Reference:
     """Greedy generation by the offline engine (``LLM``), one prompt at a time (batch of one: the
     canonical greedy output, independent of how the server happened to batch)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: str | None = None, **engine: Any) -> None:
+        """``model``: its path (default: the default model); ``engine``: settings over these."""
         from shared.engine.llm import LLM
 
-        self.llm = LLM(
-            dtype="float32", num_kv_blocks=256, max_num_seqs=4, num_threads=1, progress=False
-        )
+        settings = dict(dtype="float32", num_kv_blocks=256, max_num_seqs=4, num_threads=1)
+        self.llm = LLM(model=model, **{**settings, **engine}, progress=False)
         self.tokenizer = self.llm.tokenizer
         self._cache: dict[tuple[Any, ...], Expected] = {}
 

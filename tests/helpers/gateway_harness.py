@@ -49,6 +49,7 @@ from shared.wire.messages import (
     SchedulerStatus,
     StreamError,
     StreamOutput,
+    TokenizerModelStatus,
     TokenizerStatus,
 )
 from shared.wire.outputs import CompletionDelta, RequestOutput, TokenLogprobs
@@ -188,7 +189,13 @@ class FakeBackend:
 
     async def _on_tokenizer_status(self, msg: Any) -> None:
         await msg.respond(
-            TOKENIZER_STATUS.encode(TokenizerStatus(max_model_len=2048, block_size=16))
+            TOKENIZER_STATUS.encode(
+                TokenizerStatus(
+                    models=[
+                        TokenizerModelStatus(name=FAKE_MODEL, max_model_len=2048, block_size=16)
+                    ]
+                )
+            )
         )
 
     async def _on_abort(self, msg: Any) -> None:

@@ -282,6 +282,15 @@ def test_unknown_route_is_an_openai_error(client):
     assert_openai_error(client.get("/v1/nothing"), 404)
 
 
+def test_an_error_from_a_route_keeps_the_connection_serving(client):
+    """An APIError raised in a route reaches the app's exception handler; the client's keep-alive
+    connection then serves the next request (it was closed when Starlette's clean-up of the
+    exception failed on a frozen APIError)."""
+    err = assert_openai_error(client.get("/v1/models/gpt-5"), 404, "model")
+    assert err["code"] == "model_not_found"
+    assert client.get(f"/v1/models/{FAKE_MODEL}").json()["id"] == FAKE_MODEL
+
+
 # ---------------------------------------------------------------------- disconnect and timeout
 
 

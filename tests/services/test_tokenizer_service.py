@@ -12,15 +12,21 @@ import sys
 import uuid
 from typing import Any
 
+import msgspec
 import pytest
 
+from helpers.tiny_llama import save_tiny_tokenizer
 from services.tokenizer.prompts import (
+    ModelTokenizer,
     PromptError,
     PromptLimits,
+    UnknownModelError,
     model_context_len,
+    select_model,
     tokenize_request,
 )
 from services.tokenizer.service import TokenizerService
+from shared.engine.tokenizer import Tokenizer
 from shared.wire import messages, subjects
 from shared.wire.block_hash import hash_prompt_blocks
 from shared.wire.bus import Bus
@@ -114,6 +120,19 @@ def test_model_context_len_from_metadata(smollm2_path):
     assert model_context_len(smollm2_path) == 8192
 
 
+def test_an_unknown_model_is_the_schedulers_404(smollm2_tokenizer):
+    models = {
+        "b": ModelTokenizer(smollm2_tokenizer, LIMITS),
+        "a": ModelTokenizer(smollm2_tokenizer, LIMITS),
+    }
+    assert select_model(models, "a") is models["a"]
+    with pytest.raises(UnknownModelError) as e:
+        select_model(models, "gpt-5")
+    error = e.value.to_stream_error("r1")
+    assert (error.status, error.type, error.param) == (404, "invalid_request_error", "model")
+    assert error.message == "The model 'gpt-5' does not exist. This server serves 'a, b'."
+
+
 # -- over NATS -----------------------------------------------------------------------------------
 
 
@@ -148,7 +167,9 @@ async def _roundtrip(bus: Bus, req: GenerateRequest) -> tuple[str, Any]:
 def test_service_over_nats(nats_url, smollm2_tokenizer):
     async def main() -> None:
         service_bus = await Bus.connect(nats_url, "tokenizer-test")
-        await TokenizerService(service_bus, smollm2_tokenizer, LIMITS).start()
+        await TokenizerService(
+            service_bus, {"m": ModelTokenizer(smollm2_tokenizer, LIMITS)}
+        ).start()
         client = await Bus.connect(nats_url, "gateway-test")
         try:
             where, out = await _roundtrip(
@@ -178,10 +199,11 @@ def test_service_over_nats(nats_url, smollm2_tokenizer):
                     timeout=5,
                 )
             )
-            assert (status.max_model_len, status.block_size) == (
-                LIMITS.max_model_len,
-                LIMITS.block_size,
-            )
+            assert status.models == [
+                messages.TokenizerModelStatus(
+                    name="m", max_model_len=LIMITS.max_model_len, block_size=LIMITS.block_size
+                )
+            ]
             # No scheduler listening: the request ends at once with a 503 on its stream.
             req = gen(prompt="nobody routes this")
             async with await client.subscribe_iter(subjects.stream(req.request_id)) as stream:
@@ -200,6 +222,73 @@ def test_service_over_nats(nats_url, smollm2_tokenizer):
     asyncio.run(main())
 
 
+def test_each_model_has_its_own_tokenizer_template_and_limits(
+    nats_url, smollm2_tokenizer, tmp_path
+):
+    """Two models in one tokenizer: the request's ``model`` picks the vocabulary, the chat template,
+    the context length and the block size; the status lists both; any other model is a 404 on the
+    request's stream."""
+    save_tiny_tokenizer(tmp_path)
+    tiny = Tokenizer.from_path(tmp_path)
+    tiny_limits = PromptLimits(max_model_len=40, block_size=2)
+    models = {
+        "smol": ModelTokenizer(smollm2_tokenizer, LIMITS),
+        "tiny": ModelTokenizer(tiny, tiny_limits),
+    }
+    chat = [ChatMessage(role="user", content="Hi")]
+
+    def for_model(model: str, **kw: Any) -> GenerateRequest:
+        return msgspec.structs.replace(gen(**kw), model=model)
+
+    async def main() -> None:
+        service_bus = await Bus.connect(nats_url, "tokenizer-test")
+        await TokenizerService(service_bus, models).start()
+        client = await Bus.connect(nats_url, "gateway-test")
+        try:
+            where, out = await _roundtrip(client, for_model("tiny", prompt="Hello"))
+            assert where == "submit" and out.model == "tiny"
+            assert out.prompt_token_ids == tiny.encode("Hello") == [0, 41, 70, 77, 77, 80]
+            assert out.block_hashes == hash_prompt_blocks(out.prompt_token_ids, 2)
+            where, out = await _roundtrip(client, for_model("smol", prompt="Hello"))
+            assert (where, out.model) == ("submit", "smol")
+            assert out.prompt_token_ids == smollm2_tokenizer.encode("Hello")
+            assert out.block_hashes == hash_prompt_blocks(out.prompt_token_ids, 4)
+            where, out = await _roundtrip(client, for_model("tiny", messages=chat))
+            assert where == "submit"
+            assert tiny.decode(out.prompt_token_ids, skip_special_tokens=False) == (
+                "<s>[user] Hi\n[assistant] "
+            )
+            # 40 byte tokens for tiny, past its context of 40; far fewer and within 64 for smol.
+            where, out = await _roundtrip(client, for_model("smol", prompt="x" * 39))
+            assert where == "submit"
+            where, out = await _roundtrip(client, for_model("tiny", prompt="x" * 39))
+            assert where == "stream" and isinstance(out, StreamError) and out.status == 400
+            assert "maximum context length is 40 tokens" in out.message
+            where, out = await _roundtrip(client, for_model("gpt-5", prompt="Hello"))
+            assert where == "stream" and isinstance(out, StreamError)
+            assert (out.status, out.param, out.message) == (
+                404,
+                "model",
+                "The model 'gpt-5' does not exist. This server serves 'smol, tiny'.",
+            )
+            status = messages.TOKENIZER_STATUS.decode(
+                await client.request(
+                    subjects.TOKENIZER_STATUS,
+                    messages.TOKENIZER_STATUS_REQUEST.encode(messages.TokenizerStatusRequest()),
+                    timeout=5,
+                )
+            )
+            assert {(m.name, m.max_model_len, m.block_size) for m in status.models} == {
+                ("smol", 64, 4),
+                ("tiny", 40, 2),
+            }
+        finally:
+            await client.close()
+            await service_bus.close()
+
+    asyncio.run(main())
+
+
 def test_a_slow_scheduler_ack_does_not_hold_back_the_next_requests(nats_url, smollm2_tokenizer):
     """Eight requests in a burst, against a scheduler that reads submits only after the burst and
     acks each 0.4 s after it arrives: the tokenizer takes all eight and they reach the scheduler
@@ -210,7 +299,7 @@ def test_a_slow_scheduler_ack_does_not_hold_back_the_next_requests(nats_url, smo
 
     async def main() -> None:
         service_bus = await Bus.connect(nats_url, "tokenizer-test")
-        service = TokenizerService(service_bus, smollm2_tokenizer, LIMITS)
+        service = TokenizerService(service_bus, {"m": ModelTokenizer(smollm2_tokenizer, LIMITS)})
         await service.start()
         scheduler = await Bus.connect(nats_url, "scheduler-test")
         client = await Bus.connect(nats_url, "gateway-test")
@@ -260,7 +349,7 @@ def test_a_slow_scheduler_ack_does_not_hold_back_the_next_requests(nats_url, smo
 def test_process_serves_and_drains_on_sigterm(nats_url):
     env = {**os.environ, "NATS_URL": nats_url}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.tokenizer", "--max-model-len", "32"],
+        [sys.executable, "-m", "services.tokenizer", "--max-model-len", "32", "--model-name", "m"],
         env=env,
         stderr=subprocess.PIPE,
     )

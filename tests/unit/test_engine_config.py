@@ -20,6 +20,7 @@ from services.executor.config import build_parser as executor_parser
 from services.executor.config import parse_config as parse_executor_config
 from services.runtime import env_value
 from services.tokenizer.config import TOKENIZER_ENGINE_SETTINGS
+from services.tokenizer.config import build_parser as tokenizer_parser
 from shared.engine.config import ENGINE_SETTINGS, WEIGHT_DTYPES, EngineConfig, settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,10 +143,13 @@ def test_the_launcher_gives_each_executor_the_whole_engine_config():
     assert executor.engine == replace(engine, num_threads=executor.engine.num_threads)
     assert executor.engine.num_threads is not None
     assert executor.engine.num_threads >= 1  # the cores divided among the executors
-    assert EngineConfig.from_argv(
-        tokenizer_args(StackConfig(engine=replace(engine, model="m.gguf")))
-    ) == EngineConfig(model="m.gguf")
-    assert {a for a in tokenizer_args(config) if a.startswith("--")} == {
+    # The tokenizer gets the model (path and served name) and the limits settings, nothing else.
+    args = tokenizer_parser().parse_args(
+        tokenizer_args(StackConfig(engine=replace(engine, model="m.gguf", max_model_len=99)))
+    )
+    assert (args.model, args.model_name) == (["m.gguf"], ["m"])
+    assert EngineConfig.from_args(args, exclude=("model",)) == EngineConfig(max_model_len=99)
+    assert {a for a in tokenizer_args(config) if a.startswith("--")} == {"--model-name"} | {
         s.flag for s in settings(TOKENIZER_ENGINE_SETTINGS) if getattr(engine, s.name) is not None
     }
 

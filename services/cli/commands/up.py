@@ -8,12 +8,17 @@ import os
 import signal
 import sys
 import time
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from services.executor.config import SERVED_ENGINE_DEFAULTS
 from services.runtime import env_str, env_value
 from services.scheduler.placement import ROUTING_POLICIES
+from services.served_models import pair_models
 from shared.engine.config import EngineConfig, add_engine_arguments
+
+if TYPE_CHECKING:
+    from services.cli.launcher import StackConfig
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -25,14 +30,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "as its own process. Ctrl-C drains and stops everything.",
     )
     p.add_argument(
-        "--model-name", default=None, help="name clients send as 'model' (default: the model's)"
+        "--model-name",
+        action="append",
+        default=None,
+        help="name clients send as 'model': once per --model, in the same order (default: each "
+        "model's file name)",
     )
     p.add_argument("--host", default="127.0.0.1", help="HTTP host of the gateway")
     p.add_argument(
         "--port", type=int, default=8000, help="HTTP port of the gateway (0: a free port)"
     )
     p.add_argument(
-        "--executors", type=int, default=1, help="executor processes (each loads the model)"
+        "--executors",
+        type=int,
+        default=1,
+        help="executor processes per model (each loads its model)",
     )
     p.add_argument("--tokenizers", type=int, default=1, help="tokenizer processes")
     p.add_argument("--schedulers", type=int, default=1, help="scheduler processes")
@@ -76,10 +88,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_engine_arguments(
         p,
         SERVED_ENGINE_DEFAULTS,
+        repeatable=("model",),
         help={
+            "model": "GGUF file or Hugging Face directory; repeat it to serve several models at "
+            "once (default: the bundled SmolLM2-135M-Instruct)",
             "num_threads": (
                 "torch threads per executor (default: the cores divided among the executors)"
-            )
+            ),
         },
     )
     p.set_defaults(func=run)
@@ -100,14 +115,19 @@ def _curl_example(base_url: str, model: str, api_key: str | None) -> str:
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    from services.cli.launcher import StackConfig, StackStartError, launch, served_model_name
-    from services.cli.servers import ServerStartError
+def stack_config(args: argparse.Namespace) -> StackConfig:
+    """The stack the command line asks for; ValueError for a bad combination of flags."""
+    from services.cli.launcher import StackConfig
 
-    engine = EngineConfig.from_args(args, EngineConfig.from_env(env_value, SERVED_ENGINE_DEFAULTS))
-    config = StackConfig(
-        engine=engine,
-        model_name=args.model_name,
+    engine = EngineConfig.from_args(
+        args, EngineConfig.from_env(env_value, SERVED_ENGINE_DEFAULTS), exclude=("model",)
+    )
+    # Without --model, the one model of $LLMSERVE_MODEL or the default; the engine keeps no model
+    # of its own, so each executor gets its model's path alone.
+    models = pair_models(getattr(args, "model", None) or [engine.model], args.model_name or [])
+    return StackConfig(
+        engine=replace(engine, model=None),
+        models=models,
         host=args.host,
         port=args.port,
         num_executors=args.executors,
@@ -124,6 +144,18 @@ def run(args: argparse.Namespace) -> int:
         ready_timeout_s=args.ready_timeout,
         drain_timeout_s=args.drain_timeout,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    from services.cli.launcher import StackStartError, launch, served_models
+    from services.cli.servers import ServerStartError
+
+    try:
+        config = stack_config(args)
+    except ValueError as e:
+        _note(f"error: {e}")
+        return 2
+    models = served_models(config)
     if args.log_dir:
         os.makedirs(args.log_dir, exist_ok=True)
 
@@ -136,17 +168,18 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_stop_signal)
     signal.signal(signal.SIGINT, on_stop_signal)
 
-    _note(
-        f"starting {args.executors} executor(s) with {engine.model or 'the default model'}; "
-        f"the model loads in each executor (progress below)"
-    )
+    for m in models:
+        _note(
+            f"starting {args.executors} executor(s) with {m.path or 'the default model'} as "
+            f"{m.name}; the model loads in each executor (progress below)"
+        )
     stack = None
     try:
         stack = launch(config, progress=_note)
-        model = served_model_name(config)
         print(
-            f"\nllmserve is ready at {stack.base_url}  (Ctrl-C to stop)\n\n"
-            f"{_curl_example(stack.base_url, model, args.api_key)}\n",
+            f"\nllmserve is ready at {stack.base_url}  (Ctrl-C to stop), serving "
+            f"{', '.join(m.name for m in models)}\n\n"
+            f"{_curl_example(stack.base_url, models[0].name, args.api_key)}\n",
             flush=True,
         )
         while True:
