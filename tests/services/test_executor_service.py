@@ -98,6 +98,9 @@ class FakeEngine:
         self.thread_ids.add(threading.get_ident())
         return None
 
+    def kv_cache_snapshot(self) -> tuple[int, list[int]]:
+        return 0, []
+
     def abort(self, request_id):
         return self.requests.pop(request_id, None) is not None
 

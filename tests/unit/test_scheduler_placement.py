@@ -5,12 +5,15 @@ old place, unreachable executors, round robin, and several replicas sharing exec
 
 from __future__ import annotations
 
+import collections
+import itertools
+
 import msgspec
 import pytest
 from test_scheduler_router import dispatched, failed, hb, make, progress
 
 from services.scheduler.placement import CostWeights
-from services.scheduler.router import Router
+from services.scheduler.router import Dispatch, Router
 from shared.wire.messages import (
     ExecuteReply,
     ExecutorLoad,
@@ -110,7 +113,7 @@ def test_unreachable_executor_is_skipped_until_it_heartbeats():
     assert dispatched(r.submit(prompt_req("r0"), 0.0, 0.0)) == [("a", "r0")]
     rerouted = r.on_dispatch_unreachable("r0", "a", 0.0)
     assert dispatched(rerouted) == [("b", "r0")]
-    assert rerouted[0].request.attempt == 1
+    assert isinstance(rerouted[0], Dispatch) and rerouted[0].request.attempt == 1
     assert dispatched(r.submit(prompt_req("r1"), 0.0, 0.0)) == [("b", "r1")]
     r.on_heartbeat(with_load("a", load(0, 0)), 0.1)
     assert dispatched(r.submit(prompt_req("r2"), 0.1, 0.0)) == [("a", "r2")]
@@ -124,23 +127,27 @@ def test_reply_of_a_restarted_executor_is_ignored():
     assert "r0" in r.executors["a"].in_flight
 
 
-def _replica_round(replicas: list[Router], executor_load: dict[str, int], cap: int) -> None:
+def _replica_round(
+    replicas: list[Router], executor_load: dict[str, int], cap: int, ids: itertools.count
+) -> None:
     """Every replica submits a request; the executors answer as the real one does (refuse past
     ``cap``); no executor ever holds more than ``cap``."""
-    pending = []
-    for i, r in enumerate(replicas):
-        actions = r.submit(prompt_req(f"q{i}-{len(executor_load)}-{id(r)}"), 0.0, 0.0)
-        pending += [(r, a) for a in actions]
-    for r, a in pending:
+    pending: collections.deque[tuple[Router, Dispatch]] = collections.deque()
+
+    def queue(r: Router, actions) -> None:
+        for action in actions:
+            assert isinstance(action, Dispatch)
+            pending.append((r, action))
+
+    for r in replicas:
+        queue(r, r.submit(prompt_req(f"q{next(ids)}"), 0.0, 0.0))
+    while pending:  # a refusal may place the request on the other executor: answered in turn
+        r, a = pending.popleft()
         held = executor_load[a.executor_id]
         accepted = held + 1 <= cap
         executor_load[a.executor_id] = held + accepted
-        ver = sum(executor_load.values()) + len(pending)
-        r.on_dispatch_reply(
-            a.request.request_id,
-            reply(a.executor_id, accepted, load(ver, executor_load[a.executor_id], cap)),
-            0.0,
-        )
+        answer = reply(a.executor_id, accepted, load(next(ids), executor_load[a.executor_id], cap))
+        queue(r, r.on_dispatch_reply(a.request.request_id, answer, 0.0))
         assert executor_load[a.executor_id] <= cap
 
 
@@ -152,7 +159,10 @@ def test_three_replicas_never_push_an_executor_past_its_cap(rounds):
     for r in replicas:
         for e in held:
             r.on_heartbeat(with_load(e, load(0, 0, cap)), 0.0)
+    ids = itertools.count()
     for _ in range(rounds):
-        _replica_round(replicas, held, cap)
-    assert all(v <= cap for v in held.values())
+        _replica_round(replicas, held, cap, ids)
+    # Filled to the cap on both, the rest waits in the replicas' queues.
+    assert held == {"a": cap, "b": cap} if rounds * 3 >= 2 * cap else sum(held.values()) == 3
+    assert sum(r.num_queued for r in replicas) == max(0, rounds * 3 - 2 * cap)
     assert not any(failed(r.tick(0.0, 0.0)) for r in replicas)
