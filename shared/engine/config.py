@@ -39,6 +39,14 @@ WEIGHT_DTYPES = ("bfloat16", "float16", "float32")
 
 ENV_PREFIX = "LLMSERVE_"
 
+# Prefill fairness defaults (scheduler.PrefillLimits), sized on the 2-core CPU host
+# (loadtests/bench_long_prefill.py, loadtests/RESULTS.md): chunks of 128 tokens cost the offline
+# throughput of a 512-token step budget nothing measurable, and cut a step deep in a 4k-token
+# prompt from about a second to a quarter of one: what a short request waits for is that step,
+# not the rest of the long prompt.
+LONG_PREFILL_TOKEN_THRESHOLD = 128
+MAX_NUM_PARTIAL_PREFILLS = 8
+
 
 def _setting(
     default: Any, help: str, *, type: type = str, choices: tuple[Any, ...] | None = None
@@ -64,6 +72,23 @@ class EngineConfig:
     )
     max_num_batched_tokens: int = _setting(512, "token budget of one engine step", type=int)
     max_num_seqs: int = _setting(64, "sequences one engine batches at once", type=int)
+    # Fairness between prompts (scheduler.PrefillLimits): a step that carries a long prompt stays
+    # short, and a short prompt that arrives meanwhile runs in the next step.
+    long_prefill_token_threshold: int = _setting(
+        LONG_PREFILL_TOKEN_THRESHOLD,
+        "a prompt with more tokens than this left to prefill is long; no prompt prefills more "
+        "than this many tokens in one step",
+        type=int,
+    )
+    max_num_partial_prefills: int = _setting(
+        MAX_NUM_PARTIAL_PREFILLS, "prompts prefilled in one engine step", type=int
+    )
+    max_long_partial_prefills: int = _setting(
+        1,
+        "long prompts prefilled in one engine step; a later long prompt waits, and shorter ones "
+        "may pass it",
+        type=int,
+    )
     max_model_len: int | None = _setting(None, "context length (default: the model's)", type=int)
     enable_prefix_caching: bool = _setting(
         True, "reuse the KV cache blocks of prompt prefixes already computed", type=bool
@@ -82,9 +107,21 @@ class EngineConfig:
             raise ValueError(
                 f"unsupported dtype {self.dtype!r}; choose one of {', '.join(WEIGHT_DTYPES)}"
             )
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+        for name in (
+            "block_size",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "long_prefill_token_threshold",
+            "max_num_partial_prefills",
+            "max_long_partial_prefills",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_long_partial_prefills > self.max_num_partial_prefills:
+            raise ValueError(
+                f"max_long_partial_prefills ({self.max_long_partial_prefills}) cannot exceed "
+                f"max_num_partial_prefills ({self.max_num_partial_prefills})"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(
                 f"num_kv_blocks must be at least 2 (block 0 is padding), got {self.num_kv_blocks}"

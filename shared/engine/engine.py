@@ -26,7 +26,7 @@ from shared.engine.models.runtime import load_runtime
 from shared.engine.output_processor import OutputProcessor
 from shared.engine.quantization import kv_dtype_name
 from shared.engine.sampler import SamplingBatch, make_generator, sample
-from shared.engine.scheduler import Scheduler
+from shared.engine.scheduler import PrefillLimits, Scheduler
 from shared.engine.sequence import Request, Sequence, SequenceStatus
 from shared.engine.tokenizer import Tokenizer
 from shared.wire.kv_events import KVEventBatch
@@ -101,6 +101,11 @@ class Engine:
             self.block_manager,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
+            prefill_limits=PrefillLimits(
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
+                max_num_partial_prefills=config.max_num_partial_prefills,
+                max_long_partial_prefills=config.max_long_partial_prefills,
+            ),
         )
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}

@@ -35,9 +35,15 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
+    # long_prefill_token_threshold = the step budget: a prompt prefills in one step when it fits
+    # (test_chunked_prefill_matches_single_shot's reference); the capped default has its own tests.
     return LLM(
         EngineConfig(
-            dtype="float32", num_kv_blocks=512, max_num_seqs=32, max_num_batched_tokens=256
+            dtype="float32",
+            num_kv_blocks=512,
+            max_num_seqs=32,
+            max_num_batched_tokens=256,
+            long_prefill_token_threshold=256,
         ),
         progress=False,
     )

@@ -4,7 +4,9 @@ for a stack to serve beside SmolLM2, different from it in every way a model can 
     save_tiny_tokenizer(directory)      tokenizer.json (byte-level, 256 byte tokens + <s> </s>) and
                                         tokenizer_config.json (BOS added; its own chat template)
     save_tiny_llama(directory, seed)    the above, plus config.json and model.safetensors: 2 layers,
-                                        GQA, an untied head, a 256-token context
+                                        GQA, an untied head, a 256-token context (keywords give
+                                        another context or width: head_dim 64 runs the CPU
+                                        kernels' attention, the default 16 torch's)
 
 Written by hand (safetensors under the Hugging Face tensor names, and the config keys the loader
 reads) rather than with transformers, whose import alone takes seconds.
@@ -47,24 +49,31 @@ def save_tiny_tokenizer(directory: str | Path) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def save_tiny_llama(directory: str | Path, seed: int = 0) -> str:
+def save_tiny_llama(
+    directory: str | Path,
+    seed: int = 0,
+    *,
+    context: int = TINY_CONTEXT,
+    hidden_size: int = _HIDDEN,
+    num_heads: int = _HEADS,
+) -> str:
     """A random tiny Llama with its tokenizer in ``directory``; returns the directory's path."""
     import torch
     from safetensors.torch import save_file
 
     directory = Path(directory)
     save_tiny_tokenizer(directory)
-    head_dim = _HIDDEN // _HEADS
+    head_dim = hidden_size // num_heads
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": TINY_VOCAB,
-        "hidden_size": _HIDDEN,
+        "hidden_size": hidden_size,
         "intermediate_size": _INTERMEDIATE,
         "num_hidden_layers": _LAYERS,
-        "num_attention_heads": _HEADS,
+        "num_attention_heads": num_heads,
         "num_key_value_heads": _KV_HEADS,
-        "max_position_embeddings": TINY_CONTEXT,
+        "max_position_embeddings": context,
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
         "tie_word_embeddings": False,
@@ -78,25 +87,25 @@ def save_tiny_llama(directory: str | Path, seed: int = 0) -> str:
         return torch.randn(*shape, generator=g) * std
 
     def norm_scale() -> torch.Tensor:  # not all ones, so a scale the loader drops would show
-        return 1 + normal(_HIDDEN, std=0.2)
+        return 1 + normal(hidden_size, std=0.2)
 
     tensors = {
-        "model.embed_tokens.weight": normal(TINY_VOCAB, _HIDDEN),
+        "model.embed_tokens.weight": normal(TINY_VOCAB, hidden_size),
         "model.norm.weight": norm_scale(),
-        "lm_head.weight": normal(TINY_VOCAB, _HIDDEN),
+        "lm_head.weight": normal(TINY_VOCAB, hidden_size),
     }
     for i in range(_LAYERS):
         p = f"model.layers.{i}."
         tensors |= {
             p + "input_layernorm.weight": norm_scale(),
             p + "post_attention_layernorm.weight": norm_scale(),
-            p + "self_attn.q_proj.weight": normal(_HEADS * head_dim, _HIDDEN),
-            p + "self_attn.k_proj.weight": normal(_KV_HEADS * head_dim, _HIDDEN),
-            p + "self_attn.v_proj.weight": normal(_KV_HEADS * head_dim, _HIDDEN),
-            p + "self_attn.o_proj.weight": normal(_HIDDEN, _HEADS * head_dim),
-            p + "mlp.gate_proj.weight": normal(_INTERMEDIATE, _HIDDEN),
-            p + "mlp.up_proj.weight": normal(_INTERMEDIATE, _HIDDEN),
-            p + "mlp.down_proj.weight": normal(_HIDDEN, _INTERMEDIATE),
+            p + "self_attn.q_proj.weight": normal(num_heads * head_dim, hidden_size),
+            p + "self_attn.k_proj.weight": normal(_KV_HEADS * head_dim, hidden_size),
+            p + "self_attn.v_proj.weight": normal(_KV_HEADS * head_dim, hidden_size),
+            p + "self_attn.o_proj.weight": normal(hidden_size, num_heads * head_dim),
+            p + "mlp.gate_proj.weight": normal(_INTERMEDIATE, hidden_size),
+            p + "mlp.up_proj.weight": normal(_INTERMEDIATE, hidden_size),
+            p + "mlp.down_proj.weight": normal(hidden_size, _INTERMEDIATE),
         }
     save_file(tensors, str(directory / "model.safetensors"))
     return str(directory)

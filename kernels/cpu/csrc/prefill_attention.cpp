@@ -1,4 +1,6 @@
 // Causal attention of prefill chunks over the paged KV cache.
+#include <atomic>
+
 #include "common.h"
 #include "ops.h"
 
@@ -185,14 +187,24 @@ void prefill_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cac
   constexpr int64_t D = NV * 16, kTile = 32, head_row = cache_row_len<C>(D), kQPass = Block::kQUnits * kLanes;
   const int64_t group = heads / kv_heads, kv_row = kv_heads * head_row;
   const int64_t passes_max = (kTile * group + kLanes - 1) / kLanes;
-  struct Item { int64_t seq, kh, tok0; };
+  struct Item { int64_t seq, kh, tok0, cost; };
   std::vector<Item> items;
-  for (int64_t s = 0; s < num_seqs; ++s)
-    for (int64_t t0 = 0; t0 < query_start[s + 1] - query_start[s]; t0 += kTile)
-      for (int64_t kh = 0; kh < kv_heads; ++kh) items.push_back({s, kh, t0});
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = query_start[s + 1] - query_start[s], first_pos = seq_lens[s] - q_len;
+    for (int64_t t0 = 0; t0 < q_len; t0 += kTile) {
+      // Query rows x keys the tile reads (up to its last position): the item's work.
+      const int64_t ntok = std::min(kTile, q_len - t0), cost = ntok * (first_pos + t0 + ntok);
+      for (int64_t kh = 0; kh < kv_heads; ++kh) items.push_back({s, kh, t0, cost});
+    }
+  }
+  // Costliest first, each thread taking the next item when it is done with one (longest processing
+  // time first): the threads end together even when items differ a lot (a chunk deep in a long prompt
+  // beside a short prompt) or a core is shared with another process, which a fixed split of the items
+  // leaves waiting on the slowest thread. Each item's arithmetic is the same whichever thread runs it.
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
-  // Later tiles see more keys: threads take items round-robin so each gets a mix of costs.
-  at::parallel_for(0, num_threads, 1, [&](int64_t tbegin, int64_t tend) {
+  std::atomic<size_t> next_item{0};
+  at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
     // Per pass: queries in lanes, the accumulators [D][16], each lane's position, max and sum.
     // Scratch from torch's CPU allocator, which aligns to 64 bytes: aligned vector loads, and none
     // straddles a cache line. Q is 4 bytes (fp32 or a bf16 pair).
@@ -207,85 +219,83 @@ void prefill_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cac
     const T* k_rows[kKeys];
     const T* v_rows[kKeys];
     Block block;
-    for (int64_t tid = tbegin; tid < tend; ++tid) {
-      for (size_t it = tid; it < items.size(); it += num_threads) {
-        const Item item = items[it];
-        const int64_t s = item.seq, kh = item.kh, len = seq_lens[s];
-        const int64_t q_len = query_start[s + 1] - query_start[s], first_pos = len - q_len;
-        const int64_t ntok = std::min(kTile, q_len - item.tok0), rows = ntok * group;
-        const int64_t passes = (rows + kLanes - 1) / kLanes, pos0 = first_pos + item.tok0;
-        const int64_t* table = block_tables + s * max_blocks;
-        // Row r = token r / group, head r % group of the KV head's group; padding lanes repeat the
-        // last row's position (their results are never stored).
+    for (size_t it = next_item.fetch_add(1); it < items.size(); it = next_item.fetch_add(1)) {
+      const Item item = items[it];
+      const int64_t s = item.seq, kh = item.kh, len = seq_lens[s];
+      const int64_t q_len = query_start[s + 1] - query_start[s], first_pos = len - q_len;
+      const int64_t ntok = std::min(kTile, q_len - item.tok0), rows = ntok * group;
+      const int64_t passes = (rows + kLanes - 1) / kLanes, pos0 = first_pos + item.tok0;
+      const int64_t* table = block_tables + s * max_blocks;
+      // Row r = token r / group, head r % group of the KV head's group; padding lanes repeat the
+      // last row's position (their results are never stored).
+      for (int64_t pass = 0; pass < passes; ++pass) {
+        const T* q_rows[kLanes];
+        for (int64_t lane = 0; lane < kLanes; ++lane) {
+          const int64_t r = pass * kLanes + lane, rc = std::min(r, rows - 1);
+          q_rows[lane] = r < rows ? q + (query_start[s] + item.tok0 + r / group) * heads * D + (kh * group + r % group) * D
+                                  : nullptr;
+          row_pos[pass * kLanes + lane] = static_cast<int32_t>(pos0 + rc / group);
+        }
+        Block::load_queries(qt + pass * kQPass, q_rows);
+      }
+      std::fill(acc, acc + passes * D * kLanes, 0.f);
+      std::fill(row_max.begin(), row_max.begin() + passes * kLanes, -INFINITY);
+      std::fill(row_sum.begin(), row_sum.begin() + passes * kLanes, 0.f);
+      const int64_t last_pos = pos0 + (rows - 1) / group;  // keys 0..last_pos are needed
+      const vf vscale = set1(scale), neg_inf = set1(-INFINITY);
+      for (int64_t k0 = 0; k0 <= last_pos; k0 += kKeys) {
+        const int64_t nk = std::min(kKeys, last_pos + 1 - k0);
+        for (int64_t t = 0; t < nk; ++t) {
+          const int64_t row_at = slot_of(table, k0 + t, block_size) * kv_row + kh * head_row;
+          if constexpr (std::is_same_v<C, int8_t>) {
+            T* kd = dequantized.data() + t * D;
+            T* vd = kd + kKeys * D;
+            dequantize_row(kd, k_cache + row_at, D);
+            dequantize_row(vd, v_cache + row_at, D);
+            k_rows[t] = kd;
+            v_rows[t] = vd;
+          } else {
+            k_rows[t] = k_cache + row_at;
+            v_rows[t] = v_cache + row_at;
+          }
+        }
+        block.load(k_rows, v_rows, nk);
         for (int64_t pass = 0; pass < passes; ++pass) {
-          const T* q_rows[kLanes];
-          for (int64_t lane = 0; lane < kLanes; ++lane) {
-            const int64_t r = pass * kLanes + lane, rc = std::min(r, rows - 1);
-            q_rows[lane] = r < rows ? q + (query_start[s] + item.tok0 + r / group) * heads * D + (kh * group + r % group) * D
-                                    : nullptr;
-            row_pos[pass * kLanes + lane] = static_cast<int32_t>(pos0 + rc / group);
+          const int64_t last_row = std::min(rows, (pass + 1) * kLanes) - 1;
+          if (pos0 + last_row / group < k0) continue;  // every row of the pass ends before the block
+          const vi pos = loadu_i32(row_pos.data() + pass * kLanes);
+          vf sc[kKeys];
+          block.scores(sc, qt + pass * kQPass);
+          const vf old_max = loadu(row_max.data() + pass * kLanes);
+          vf m = old_max;
+          vm valid[kKeys];
+          for (int64_t k = 0; k < kKeys; ++k) {  // key k0 + k counts for lanes at or after it
+            valid[k] = k < nk ? greater_equal_i32(pos, set1_i32(static_cast<int32_t>(k0 + k))) : no_lanes();
+            sc[k] = where(valid[k], mul(sc[k], vscale), neg_inf);
+            m = max(m, sc[k]);
           }
-          Block::load_queries(qt + pass * kQPass, q_rows);
+          // Every lane has seen key 0 by now, so m is finite; on the first block old_max is -inf and
+          // corr ~0 multiplies zeros.
+          const vf corr = exp16(sub(old_max, m));
+          vf sum = mul(loadu(row_sum.data() + pass * kLanes), corr);
+          for (int64_t k = 0; k < kKeys; ++k) {
+            sc[k] = maskz(valid[k], exp16(sub(sc[k], m)));
+            sum = add(sum, sc[k]);
+          }
+          storeu(row_max.data() + pass * kLanes, m);
+          storeu(row_sum.data() + pass * kLanes, sum);
+          block.add_pv(acc + pass * D * kLanes, sc, corr);
         }
-        std::fill(acc, acc + passes * D * kLanes, 0.f);
-        std::fill(row_max.begin(), row_max.begin() + passes * kLanes, -INFINITY);
-        std::fill(row_sum.begin(), row_sum.begin() + passes * kLanes, 0.f);
-        const int64_t last_pos = pos0 + (rows - 1) / group;  // keys 0..last_pos are needed
-        const vf vscale = set1(scale), neg_inf = set1(-INFINITY);
-        for (int64_t k0 = 0; k0 <= last_pos; k0 += kKeys) {
-          const int64_t nk = std::min(kKeys, last_pos + 1 - k0);
-          for (int64_t t = 0; t < nk; ++t) {
-            const int64_t row_at = slot_of(table, k0 + t, block_size) * kv_row + kh * head_row;
-            if constexpr (std::is_same_v<C, int8_t>) {
-              T* kd = dequantized.data() + t * D;
-              T* vd = kd + kKeys * D;
-              dequantize_row(kd, k_cache + row_at, D);
-              dequantize_row(vd, v_cache + row_at, D);
-              k_rows[t] = kd;
-              v_rows[t] = vd;
-            } else {
-              k_rows[t] = k_cache + row_at;
-              v_rows[t] = v_cache + row_at;
-            }
-          }
-          block.load(k_rows, v_rows, nk);
-          for (int64_t pass = 0; pass < passes; ++pass) {
-            const int64_t last_row = std::min(rows, (pass + 1) * kLanes) - 1;
-            if (pos0 + last_row / group < k0) continue;  // every row of the pass ends before the block
-            const vi pos = loadu_i32(row_pos.data() + pass * kLanes);
-            vf sc[kKeys];
-            block.scores(sc, qt + pass * kQPass);
-            const vf old_max = loadu(row_max.data() + pass * kLanes);
-            vf m = old_max;
-            vm valid[kKeys];
-            for (int64_t k = 0; k < kKeys; ++k) {  // key k0 + k counts for lanes at or after it
-              valid[k] = k < nk ? greater_equal_i32(pos, set1_i32(static_cast<int32_t>(k0 + k))) : no_lanes();
-              sc[k] = where(valid[k], mul(sc[k], vscale), neg_inf);
-              m = max(m, sc[k]);
-            }
-            // Every lane has seen key 0 by now, so m is finite; on the first block old_max is -inf and
-            // corr ~0 multiplies zeros.
-            const vf corr = exp16(sub(old_max, m));
-            vf sum = mul(loadu(row_sum.data() + pass * kLanes), corr);
-            for (int64_t k = 0; k < kKeys; ++k) {
-              sc[k] = maskz(valid[k], exp16(sub(sc[k], m)));
-              sum = add(sum, sc[k]);
-            }
-            storeu(row_max.data() + pass * kLanes, m);
-            storeu(row_sum.data() + pass * kLanes, sum);
-            block.add_pv(acc + pass * D * kLanes, sc, corr);
-          }
-        }
-        for (int64_t pass = 0; pass < passes; ++pass) {  // normalized, then back from lanes to rows
-          const vf inv = div(set1(1.f), loadu(row_sum.data() + pass * kLanes));
-          for (int64_t d0 = 0; d0 < D; d0 += 16) {
-            vf r[kLanes];
-            for (int64_t j = 0; j < 16; ++j) r[j] = mul(load(acc + (pass * D + d0 + j) * kLanes), inv);
-            transpose16(r);
-            for (int64_t lane = 0; lane < kLanes && pass * kLanes + lane < rows; ++lane) {
-              const int64_t row = pass * kLanes + lane;
-              store16(out + (query_start[s] + item.tok0 + row / group) * heads * D + (kh * group + row % group) * D + d0, r[lane]);
-            }
+      }
+      for (int64_t pass = 0; pass < passes; ++pass) {  // normalized, then back from lanes to rows
+        const vf inv = div(set1(1.f), loadu(row_sum.data() + pass * kLanes));
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+          vf r[kLanes];
+          for (int64_t j = 0; j < 16; ++j) r[j] = mul(load(acc + (pass * D + d0 + j) * kLanes), inv);
+          transpose16(r);
+          for (int64_t lane = 0; lane < kLanes && pass * kLanes + lane < rows; ++lane) {
+            const int64_t row = pass * kLanes + lane;
+            store16(out + (query_start[s] + item.tok0 + row / group) * heads * D + (kh * group + row % group) * D + d0, r[lane]);
           }
         }
       }
