@@ -39,13 +39,13 @@ WEIGHT_DTYPES = ("bfloat16", "float16", "float32")
 
 ENV_PREFIX = "LLMSERVE_"
 
-# Prefill fairness defaults (scheduler.PrefillLimits), sized on the 2-core CPU host
-# (loadtests/bench_long_prefill.py, loadtests/RESULTS.md): chunks of 128 tokens cost the offline
-# throughput of a 512-token step budget nothing measurable, and cut a step deep in a 4k-token
-# prompt from about a second to a quarter of one: what a short request waits for is that step,
-# not the rest of the long prompt.
+# Long prefills (scheduler.LongPrefill, engine.py), sized on the 2-core CPU host: a request that
+# arrives while a long prompt prefills waits for the slice in flight (or one layer of a chunk, if
+# longer) before its own step; both must stay under a 5-token request's idle time to first token
+# for its TTFT to stay within twice that (loadtests/bench_long_prefill.py, loadtests/RESULTS.md).
+# Chunks of 128 tokens cost a long prompt's prefill little against larger ones.
 LONG_PREFILL_TOKEN_THRESHOLD = 128
-MAX_NUM_PARTIAL_PREFILLS = 8
+PREFILL_SLICE_MS = 20
 
 
 def _setting(
@@ -72,21 +72,19 @@ class EngineConfig:
     )
     max_num_batched_tokens: int = _setting(512, "token budget of one engine step", type=int)
     max_num_seqs: int = _setting(64, "sequences one engine batches at once", type=int)
-    # Fairness between prompts (scheduler.PrefillLimits): a step that carries a long prompt stays
-    # short, and a short prompt that arrives meanwhile runs in the next step.
+    # Fairness between prompts: a long prefill runs in a forward of its own, a slice at a time
+    # between the batches of everything else (scheduler.LongPrefill, engine.py).
     long_prefill_token_threshold: int = _setting(
         LONG_PREFILL_TOKEN_THRESHOLD,
-        "a prompt with more tokens than this left to prefill is long; no prompt prefills more "
-        "than this many tokens in one step",
+        "a prompt with more tokens than this left to prefill is long: it prefills in chunks of "
+        "this many tokens, each in a forward of its own run a slice at a time between the other "
+        "requests' steps, one long prompt at a time",
         type=int,
     )
-    max_num_partial_prefills: int = _setting(
-        MAX_NUM_PARTIAL_PREFILLS, "prompts prefilled in one engine step", type=int
-    )
-    max_long_partial_prefills: int = _setting(
-        1,
-        "long prompts prefilled in one engine step; a later long prompt waits, and shorter ones "
-        "may pass it",
+    prefill_slice_ms: int = _setting(
+        PREFILL_SLICE_MS,
+        "milliseconds a long prefill runs (whole layers, at least one) before other requests "
+        "get a step",
         type=int,
     )
     max_model_len: int | None = _setting(None, "context length (default: the model's)", type=int)
@@ -112,16 +110,11 @@ class EngineConfig:
             "max_num_batched_tokens",
             "max_num_seqs",
             "long_prefill_token_threshold",
-            "max_num_partial_prefills",
-            "max_long_partial_prefills",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.max_long_partial_prefills > self.max_num_partial_prefills:
-            raise ValueError(
-                f"max_long_partial_prefills ({self.max_long_partial_prefills}) cannot exceed "
-                f"max_num_partial_prefills ({self.max_num_partial_prefills})"
-            )
+        if self.prefill_slice_ms < 0:
+            raise ValueError(f"prefill_slice_ms cannot be negative, got {self.prefill_slice_ms}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(
                 f"num_kv_blocks must be at least 2 (block 0 is padding), got {self.num_kv_blocks}"

@@ -5,12 +5,21 @@ Per step: the scheduler picks tokens under the batch budget, pending copy-on-wri
 applied, one forward runs over the flattened batch, computed blocks are committed to the prefix
 cache, the sampler draws one token per sequence that reached its end, and the output processor
 turns those into deltas. Not thread-safe: one thread owns an Engine.
+
+A long prefill's chunk (``scheduler.LongPrefill``) runs in a forward of its own, advanced for
+``prefill_slice_ms`` at a time (whole layers) in steps of its own: while anything else has tokens to
+run, steps alternate between that batch and a slice, so a request that arrives mid-prefill waits
+for at most one slice (plus a layer) before its own step. Only after its last layer is the chunk
+counted computed, committed and (at the prompt's end) sampled, exactly as a batch's chunk is; the
+forward is dropped if its sequence is preempted or aborted meanwhile.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import time
+from dataclasses import dataclass
 
 import torch
 
@@ -19,14 +28,14 @@ from shared.engine.config import EngineConfig
 from shared.engine.cpu_backend import CpuBackend
 from shared.engine.kv_cache import KVCache
 from shared.engine.memory import parse_bytes, plan_memory
-from shared.engine.model_runner import ModelRunner, ScheduledChunk
+from shared.engine.model_runner import Forward, ModelRunner, ScheduledChunk
 from shared.engine.models.int8_linear import calibration_text, int8_supported, quantize_model_int8
 from shared.engine.models.loader import resolve_dtype, resolve_model_path
 from shared.engine.models.runtime import load_runtime
 from shared.engine.output_processor import OutputProcessor
 from shared.engine.quantization import kv_dtype_name
 from shared.engine.sampler import SamplingBatch, make_generator, sample
-from shared.engine.scheduler import PrefillLimits, Scheduler
+from shared.engine.scheduler import LongPrefill, Scheduler
 from shared.engine.sequence import Request, Sequence, SequenceStatus
 from shared.engine.tokenizer import Tokenizer
 from shared.wire.kv_events import KVEventBatch
@@ -36,6 +45,16 @@ from shared.wire.sampling_params import SamplingParams
 
 class PromptTooLongError(ValueError):
     """The prompt (plus the requested output) does not fit the context or the KV pool."""
+
+
+@dataclass
+class _LayeredPrefill:
+    """A long prefill's chunk in flight: its sequence, tokens, chunk and forward."""
+
+    seq: Sequence
+    num_new: int
+    chunk: ScheduledChunk
+    forward: Forward
 
 
 class Engine:
@@ -101,12 +120,10 @@ class Engine:
             self.block_manager,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
-            prefill_limits=PrefillLimits(
-                long_prefill_token_threshold=config.long_prefill_token_threshold,
-                max_num_partial_prefills=config.max_num_partial_prefills,
-                max_long_partial_prefills=config.max_long_partial_prefills,
-            ),
+            long_prefill=LongPrefill(config.long_prefill_token_threshold),
         )
+        self._layered: _LayeredPrefill | None = None
+        self._slice_due = False  # a batch ran while a long prefill is in flight: slice next
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._kv_events: KVEventBatch | None = None
@@ -202,6 +219,7 @@ class Engine:
             return False
         for seq in request.sequences:
             self.scheduler.remove(seq)
+        self._layered_in_flight()  # drops the forward of an aborted long prefill
         return True
 
     def has_unfinished(self) -> bool:
@@ -230,29 +248,74 @@ class Engine:
         return self.block_manager.snapshot()
 
     def _step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
         self._counters["num_steps"] += 1
-        self._counters["last_step_num_tokens"] = sched.num_tokens
-        if not sched.scheduled:
-            return []
+        self._counters["last_step_num_tokens"] = 0
+        if self._layered_in_flight() and self._slice_due:
+            return self._advance_layered()
+        sched = self.scheduler.schedule()
+        # Copy-on-write copies of this schedule's allocations, before any forward writes.
         self.kv_cache.copy_blocks(self.block_manager.take_pending_copies())
-        chunks = []
-        for seq, num_new in sched.scheduled:
-            start = seq.num_computed_tokens
-            chunks.append(
-                ScheduledChunk(
-                    token_ids=seq.token_ids[start : start + num_new],
-                    num_computed=start,
-                    block_table=self.block_manager.block_table(seq.seq_id),
-                    need_logits=start + num_new == len(seq.token_ids),
-                    decode_from=seq.num_prompt_tokens,
-                )
-            )
-        logits = self.runner.execute(chunks)
-        self._counters["num_computed_tokens"] += sched.num_tokens
+        self._layered_in_flight()  # drops a forward whose sequence this schedule preempted
+        if sched.layered is not None:
+            seq, num_new = sched.layered
+            chunk = self._chunk(seq, num_new)
+            self._layered = _LayeredPrefill(seq, num_new, chunk, self.runner.start([chunk]))
+        if sched.scheduled:
+            self._slice_due = self._layered_in_flight()
+            self._counters["last_step_num_tokens"] = sched.num_tokens
+            return self._run_batch(sched.scheduled)
+        if self._layered_in_flight():
+            return self._advance_layered()
+        return []
 
-        for seq, num_new in sched.scheduled:
+    def _layered_in_flight(self) -> bool:
+        """Whether a long prefill's forward is in flight, dropping one whose sequence the scheduler
+        no longer runs layered (preempted or aborted: its chunk is recomputed or forgotten)."""
+        s = self.scheduler
+        if self._layered is not None and (self._layered.seq is not s.layered or not s.in_flight):
+            self._layered = None
+        return self._layered is not None
+
+    def _advance_layered(self) -> list[RequestOutput]:
+        """One slice of the long prefill in flight; once its last layer has run, the chunk is done
+        like a batch's."""
+        layered = self._layered
+        assert layered is not None
+        self._slice_due = False
+        until = time.perf_counter() + self.config.prefill_slice_ms / 1000
+        if not layered.forward.advance(until):
+            return []
+        self._layered = None
+        self.scheduler.end_layered(layered.seq, layered.num_new)
+        self._counters["last_step_num_tokens"] = layered.num_new
+        return self._finish([(layered.seq, layered.num_new)], [layered.chunk], layered.forward)
+
+    def _chunk(self, seq: Sequence, num_new: int) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        return ScheduledChunk(
+            token_ids=seq.token_ids[start : start + num_new],
+            num_computed=start,
+            block_table=self.block_manager.block_table(seq.seq_id),
+            need_logits=start + num_new == len(seq.token_ids),
+            decode_from=seq.num_prompt_tokens,
+        )
+
+    def _run_batch(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
+        chunks = [self._chunk(seq, num_new) for seq, num_new in scheduled]
+        forward = self.runner.start(chunks)
+        forward.advance()
+        for seq, num_new in scheduled:
             seq.num_computed_tokens += num_new
+        return self._finish(scheduled, chunks, forward)
+
+    def _finish(
+        self, scheduled: list[tuple[Sequence, int]], chunks: list[ScheduledChunk], forward: Forward
+    ) -> list[RequestOutput]:
+        """After ``forward`` over ``chunks`` (their tokens counted computed): commit the computed
+        blocks, sample the sequences whose chunk reached their end, and collect the deltas."""
+        logits = forward.logits()
+        self._counters["num_computed_tokens"] += sum(n for _, n in scheduled)
+        for seq, _ in scheduled:
             self.block_manager.commit(
                 seq.seq_id, seq.token_ids, seq.num_computed_tokens, self.scheduler.block_hashes(seq)
             )
@@ -260,7 +323,7 @@ class Engine:
         to_sample: list[Sequence] = []
         rows: list[int] = []
         row = 0
-        for (seq, _), chunk in zip(sched.scheduled, chunks, strict=True):
+        for (seq, _), chunk in zip(scheduled, chunks, strict=True):
             if not chunk.need_logits:
                 continue
             to_sample.append(seq)

@@ -1,7 +1,10 @@
-"""Runs one forward pass over a batch of scheduled chunks against the paged KV cache."""
+"""Runs one forward pass over a batch of scheduled chunks against the paged KV cache, whole
+(``execute``) or a few layers at a time (``start``, then ``Forward.advance``)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +47,54 @@ class ScheduledChunk:
         return num_prefill, n - num_prefill
 
 
+class Forward:
+    """A forward pass in flight: ``advance`` runs its layers, ``logits`` gives its result. It holds
+    its own inputs, metadata and hidden states, and writes the KV cache only in its chunks' slots,
+    so other forwards may run between two of its layers; dropping it unfinished leaves nothing
+    behind but K/V in slots that are written again before anything reads them."""
+
+    def __init__(
+        self,
+        model: ModelRuntime | LlamaModel,
+        layers: Generator[None, None, torch.Tensor],
+        rows: list[int],
+    ) -> None:
+        self._model = model
+        self._layers = layers
+        self._rows = rows
+        self._hidden: torch.Tensor | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._hidden is not None
+
+    def advance(self, until: float | None = None) -> bool:
+        """Run layers until the last is done, or until the next would end past ``until`` (a
+        ``time.perf_counter()`` reading), judged by the last one's time: layers of one forward cost
+        alike. At least one layer runs; None: to the end. True once the forward is done."""
+        start = time.perf_counter()
+        while self._hidden is None:
+            try:
+                next(self._layers)
+            except StopIteration as finished:
+                self._hidden = finished.value
+                break
+            now = time.perf_counter()
+            if until is not None and now + (now - start) > until:
+                break
+            start = now
+        return self._hidden is not None
+
+    def logits(self) -> torch.Tensor:
+        """Logits [chunks with need_logits, vocab] (fp32), in the order of the chunks."""
+        if self._hidden is None:
+            raise RuntimeError("the forward has layers left to run")
+        if not self._rows:
+            return torch.empty(0, self._model.config.vocab_size)
+        rows = torch.tensor(self._rows, device=self._hidden.device)
+        return self._model.compute_logits(self._hidden[rows])
+
+
 class ModelRunner:
     """``model``: a model on its backend (``ModelRuntime``), or a bare ``LlamaModel`` (the torch
     path)."""
@@ -55,6 +106,12 @@ class ModelRunner:
 
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Logits [num chunks with need_logits, vocab] (fp32), in the order of ``chunks``."""
+        forward = self.start(chunks)
+        forward.advance()
+        return forward.logits()
+
+    def start(self, chunks: list[ScheduledChunk]) -> Forward:
+        """The forward over ``chunks``, no layer run yet (``execute`` is this run to the end)."""
         if not chunks:
             raise ValueError("execute() needs at least one chunk")
         max_len = self.model.config.max_position_embeddings
@@ -95,12 +152,10 @@ class ModelRunner:
         input_ids = torch.tensor(
             [t for ids, _, _ in items for t in ids], dtype=torch.int64, device=self.device
         )
-        hidden = self.model(input_ids, self.kv_cache.layers, meta)
         rows = [
             meta.query_start_loc[index + (0 if is_decode else len(decodes)) + 1] - 1
             for (is_decode, index), c in zip(last_item, chunks, strict=True)
             if c.need_logits
         ]
-        if not rows:
-            return torch.empty(0, self.model.config.vocab_size)
-        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        layers = self.model.forward_layers(input_ids, self.kv_cache.layers, meta)
+        return Forward(self.model, layers, rows)

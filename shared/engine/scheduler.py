@@ -7,10 +7,11 @@ Invariants:
 - When the KV pool cannot hold a running sequence's next tokens, the lowest-priority, latest
   running sequence is preempted (blocks freed, recomputed later from its tokens, which keep its
   output unchanged); no waiting request is admitted in a step that preempted.
-- Prefills share a step under ``PrefillLimits`` (see there): no prompt takes more than
-  ``long_prefill_token_threshold`` tokens of a step, and at most ``max_long_partial_prefills`` long
-  prompts prefill in one, so a short prompt that arrives during a long prefill runs in the next
-  step, not after the whole long prompt.
+- Long prefills (``LongPrefill``) never join a step's batch: one at a time is under way, granted
+  chunk by chunk with a forward of its own (``layered``); while a chunk is in flight its sequence is
+  not scheduled again. A later long prompt waits for it; shorter ones pass it. Its sequence stays
+  running and may be preempted or removed mid-forward (``layered`` is then cleared: the engine
+  drops the forward, and the chunk is recomputed, since nothing of it was counted computed).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ class SchedulerOutput:
         default_factory=list
     )  # (sequence, num new tokens)
     preempted: list[Sequence] = field(default_factory=list)
+    # A long prefill's chunk to start as a layered forward (``LongPrefill``): its blocks are
+    # allocated; it is not in ``scheduled`` and not in ``num_tokens``.
+    layered: tuple[Sequence, int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -35,65 +39,28 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True)
-class PrefillLimits:
-    """How the prompts being prefilled share one step. None: no limit (every prompt takes what the
-    budget leaves, first come first served: a long prompt then holds every step until it is done).
+class LongPrefill:
+    """Which prefills are *long*. A sequence with more than ``threshold`` tokens still to prefill
+    is long (None: none is). A long prefill does not join the step's batch: the scheduler grants it
+    chunk by chunk (``threshold`` tokens each) as ``SchedulerOutput.layered``, which the engine
+    runs in a forward of its own, a slice of layers at a time between the batches of everything
+    else. So what a short request waits for is a slice of that forward, never a whole chunk deep in
+    a long context. Once a prefill has started long, every chunk of it runs so, its last (shorter)
+    one included: a tail deep in the context would cost a shared step as much as a full chunk."""
 
-    - ``long_prefill_token_threshold``: a prompt with more tokens than this still to compute is
-      *long*; no prompt gets more than this many tokens in one step. Long prompts are chunked at
-      it, so a step that carries one stays short, and the rest of the budget is left to others.
-    - ``max_num_partial_prefills``: prompts prefilled in one step (long and short).
-    - ``max_long_partial_prefills``: long prompts prefilled in one step. A long prompt that would
-      exceed it waits, and shorter prompts queued behind it may pass it.
-    """
-
-    long_prefill_token_threshold: int | None = None
-    max_num_partial_prefills: int | None = None
-    max_long_partial_prefills: int | None = None
+    threshold: int | None = None
 
     def __post_init__(self) -> None:
-        for name in (
-            "long_prefill_token_threshold",
-            "max_num_partial_prefills",
-            "max_long_partial_prefills",
-        ):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be positive (or None), got {value}")
+        if self.threshold is not None and self.threshold < 1:
+            raise ValueError(f"threshold must be positive (or None), got {self.threshold}")
 
     def is_long(self, num_uncomputed: int) -> bool:
-        t = self.long_prefill_token_threshold
-        return t is not None and num_uncomputed > t
+        return self.threshold is not None and num_uncomputed > self.threshold
 
     def chunk(self, num_uncomputed: int) -> int:
-        """Tokens a prompt with ``num_uncomputed`` left may take in one step."""
-        t = self.long_prefill_token_threshold
-        return num_uncomputed if t is None else min(num_uncomputed, t)
-
-
-class _PrefillSlots:
-    """The prefills granted so far in one step, against ``PrefillLimits``."""
-
-    def __init__(self, limits: PrefillLimits) -> None:
-        self.limits = limits
-        self.num_prefills = 0
-        self.num_long = 0
-
-    @property
-    def full(self) -> bool:
-        cap = self.limits.max_num_partial_prefills
-        return cap is not None and self.num_prefills >= cap
-
-    def admits(self, num_uncomputed: int) -> bool:
-        if self.full:
-            return False
-        cap = self.limits.max_long_partial_prefills
-        long_slots_taken = cap is not None and self.num_long >= cap
-        return not (long_slots_taken and self.limits.is_long(num_uncomputed))
-
-    def take(self, num_uncomputed: int) -> None:
-        self.num_prefills += 1
-        self.num_long += self.limits.is_long(num_uncomputed)
+        """Tokens of a long prefill's next chunk."""
+        assert self.threshold is not None
+        return min(num_uncomputed, self.threshold)
 
 
 class Scheduler:
@@ -103,14 +70,19 @@ class Scheduler:
         *,
         max_num_batched_tokens: int,
         max_num_seqs: int,
-        prefill_limits: PrefillLimits | None = None,
+        long_prefill: LongPrefill | None = None,
     ) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         self.bm = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.prefill_limits = prefill_limits or PrefillLimits()
+        self.long_prefill = long_prefill or LongPrefill()
+        # The sequence whose long prefill is under way (each of its chunks is granted layered until
+        # its last token is computed), and whether one of its chunks is in flight (granted, not
+        # yet ended by ``end_layered``).
+        self.layered: Sequence | None = None
+        self.in_flight = False
         self.waiting: list[Sequence] = []  # kept sorted by Sequence.sort_key
         self.running: list[Sequence] = []  # kept sorted by Sequence.sort_key
         self.num_preemptions = 0
@@ -124,8 +96,18 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         bisect.insort(self.running, seq, key=lambda s: s.sort_key)
 
+    def end_layered(self, seq: Sequence, num_new: int) -> None:
+        """The forward of ``seq``'s chunk has run its last layer: its tokens are computed."""
+        assert self.layered is seq and self.in_flight, "no chunk of this sequence is in flight"
+        self.in_flight = False
+        seq.num_computed_tokens += num_new
+        if seq.num_uncomputed == 0:  # the prefill is done; the sequence decodes in the batch
+            self.layered = None
+
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and free its blocks."""
+        if self.layered is seq:
+            self.layered, self.in_flight = None, False
         for queue in (self.running, self.waiting):
             if seq in queue:
                 queue.remove(seq)
@@ -143,48 +125,50 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        slots = _PrefillSlots(self.prefill_limits)
+        long = self.long_prefill
         decodes = [s for s in self.running if s.num_uncomputed == 1]
         chunks = [s for s in self.running if s.num_uncomputed > 1]
         for seq in decodes + chunks:
-            if budget == 0:
-                break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_uncomputed = seq.num_uncomputed
-            is_prefill = num_uncomputed > 1
-            if is_prefill and not slots.admits(num_uncomputed):
-                continue  # keeps its blocks; runs in a later step
-            num_new = min(self.prefill_limits.chunk(num_uncomputed), budget)
+            if seq is self.layered:
+                if self.in_flight:
+                    continue  # not scheduled again until its chunk's forward ends
+                is_long = True
+            else:
+                is_long = long.is_long(seq.num_uncomputed)
+                if is_long and self.layered is not None:
+                    continue  # keeps its blocks; waits for the long prefill under way
+            if not is_long and budget == 0:
+                continue
+            num_new = long.chunk(seq.num_uncomputed) if is_long else min(seq.num_uncomputed, budget)
             while self.bm.allocate(seq.seq_id, seq.token_ids, num_new) is None:
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is seq:
                     break
-            if seq.status is SequenceStatus.RUNNING:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            if is_long:
+                out.layered, self.layered, self.in_flight = (seq, num_new), seq, True
+            else:
                 out.scheduled.append((seq, num_new))
                 budget -= num_new
-                if is_prefill:
-                    slots.take(num_uncomputed)
         if out.preempted:
             return out
         index = 0  # waiting[:index] are long prompts passed over this step
-        while (
-            index < len(self.waiting)
-            and budget > 0
-            and len(self.running) < self.max_num_seqs
-            and not slots.full
-        ):
+        while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[index]
             hashes = self.block_hashes(seq)
             num_cached = (
                 self.bm.match_prefix(seq.token_ids, hashes) if seq.seq_id not in self.bm else 0
             )
             num_uncomputed = len(seq.token_ids) - num_cached
-            if not slots.admits(num_uncomputed):
-                index += 1  # a long prompt while the long slots are taken: shorter ones may pass
+            is_long = long.is_long(num_uncomputed)
+            if is_long and self.layered is not None:
+                index += 1  # a long prefill is under way: shorter prompts behind this one pass it
                 continue
-            num_new = min(self.prefill_limits.chunk(num_uncomputed), budget)
+            num_new = long.chunk(num_uncomputed) if is_long else min(num_uncomputed, budget)
             got = self.bm.allocate(seq.seq_id, seq.token_ids, num_new, hashes)
             if got is None:
                 break  # FCFS: a later request does not jump a head that does not fit
@@ -194,9 +178,11 @@ class Scheduler:
                 seq.request.num_cached_tokens = num_cached
             self.waiting.pop(index)
             self.add_running(seq)
-            out.scheduled.append((seq, num_new))
-            budget -= num_new
-            slots.take(num_uncomputed)
+            if is_long:
+                out.layered, self.layered, self.in_flight = (seq, num_new), seq, True
+            else:
+                out.scheduled.append((seq, num_new))
+                budget -= num_new
         return out
 
     def block_hashes(self, seq: Sequence) -> list[int] | None:
@@ -210,6 +196,10 @@ class Scheduler:
         self.running.remove(seq)
         self.bm.free(seq.seq_id)
         seq.num_computed_tokens = 0
+        if self.layered is seq:  # its forward is dropped; the chunk is recomputed with the rest
+            self.layered, self.in_flight = None, False
+            if out.layered is not None and out.layered[0] is seq:
+                out.layered = None
         self.add(seq)
         self.num_preemptions += 1
         out.preempted.append(seq)

@@ -36,7 +36,8 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     # long_prefill_token_threshold = the step budget: a prompt prefills in one step when it fits
-    # (test_chunked_prefill_matches_single_shot's reference); the capped default has its own tests.
+    # (test_chunked_prefill_matches_single_shot's reference); long prefills have their own tests
+    # (test_prefill_fairness.py).
     return LLM(
         EngineConfig(
             dtype="float32",

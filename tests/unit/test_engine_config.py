@@ -54,8 +54,7 @@ EXAMPLES = [
         max_num_batched_tokens=64,
         max_num_seqs=3,
         long_prefill_token_threshold=32,
-        max_num_partial_prefills=3,
-        max_long_partial_prefills=2,
+        prefill_slice_ms=5,
         max_model_len=100,
         num_threads=2,
         seed=7,
@@ -187,23 +186,18 @@ def test_engine_config_is_validated_without_torch():
     "kwargs, message",
     [
         (dict(long_prefill_token_threshold=0), "long_prefill_token_threshold must be positive"),
-        (dict(max_num_partial_prefills=0), "max_num_partial_prefills must be positive"),
-        (dict(max_long_partial_prefills=0), "max_long_partial_prefills must be positive"),
-        (
-            dict(max_num_partial_prefills=2, max_long_partial_prefills=3),
-            r"max_long_partial_prefills \(3\) cannot exceed max_num_partial_prefills \(2\)",
-        ),
+        (dict(prefill_slice_ms=-1), "prefill_slice_ms cannot be negative"),
     ],
 )
-def test_prefill_fairness_settings_are_validated(kwargs, message):
+def test_long_prefill_settings_are_validated(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**kwargs)
 
 
-def test_prefill_fairness_settings_reach_the_executor_command_line(monkeypatch):
-    monkeypatch.setenv("LLMSERVE_MAX_LONG_PARTIAL_PREFILLS", "2")
-    config = parse_executor_config(["--long-prefill-token-threshold", "128"]).engine
-    assert (config.long_prefill_token_threshold, config.max_long_partial_prefills) == (128, 2)
+def test_long_prefill_settings_reach_the_executor_command_line(monkeypatch):
+    monkeypatch.setenv("LLMSERVE_PREFILL_SLICE_MS", "40")
+    config = parse_executor_config(["--long-prefill-token-threshold", "96"]).engine
+    assert (config.long_prefill_token_threshold, config.prefill_slice_ms) == (96, 40)
 
 
 def test_weight_dtypes_are_the_loaders():

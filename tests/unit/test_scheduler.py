@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shared.engine.block_manager import BlockManager
-from shared.engine.scheduler import PrefillLimits, Scheduler
+from shared.engine.scheduler import LongPrefill, Scheduler
 from shared.engine.sequence import Request, Sequence, SequenceStatus
 from shared.wire.sampling_params import SamplingParams
 
@@ -109,26 +109,43 @@ def test_preempted_sequence_resumes_when_blocks_return():
     assert c.num_computed_tokens == 17
 
 
-# ---- prefill fairness (PrefillLimits) ---------------------------------------------------------
+# ---- long prefills (LongPrefill): a forward of their own, one at a time ------------------------
 
 
-def fair_scheduler(
-    *, threshold: int = 6, max_prefills: int = 8, max_long: int = 1, budget: int = 16
-) -> Scheduler:
+def long_scheduler(*, threshold: int = 6, budget: int = 16, num_blocks: int = 128) -> Scheduler:
     return Scheduler(
-        BlockManager(128, 4),
+        BlockManager(num_blocks, 4, enable_prefix_caching=False),
         max_num_batched_tokens=budget,
         max_num_seqs=8,
-        prefill_limits=PrefillLimits(
-            long_prefill_token_threshold=threshold,
-            max_num_partial_prefills=max_prefills,
-            max_long_partial_prefills=max_long,
-        ),
+        long_prefill=LongPrefill(threshold),
     )
 
 
-def test_without_limits_a_long_prompt_holds_every_step_until_it_is_done():
-    """The head-of-line blocking the limits remove: a short prompt waits out the long one."""
+def step_with_layered(sched: Scheduler) -> dict[str, int]:
+    """``run_step``, and a long-prefill chunk granted this step shows as ``"layered:<id>"`` (its
+    forward stays in flight until ``end_layered``)."""
+    out = sched.schedule()
+    batch = {seq.request.request_id: n for seq, n in out.scheduled}
+    for seq, n in out.scheduled:
+        seq.num_computed_tokens += n
+        if seq.num_computed_tokens == len(seq.token_ids):
+            seq.token_ids.append(7)
+    if out.layered is not None:
+        seq, n = out.layered
+        batch[f"layered:{seq.request.request_id}"] = n
+    return batch
+
+
+def end_layered(sched: Scheduler, n: int) -> None:
+    seq = sched.layered
+    assert seq is not None
+    sched.end_layered(seq, n)
+    if seq.num_computed_tokens == len(seq.token_ids):
+        seq.token_ids.append(7)
+
+
+def test_without_a_threshold_a_long_prompt_holds_every_step_until_it_is_done():
+    """The head-of-line blocking long prefills remove: a short prompt waits out the long one."""
     sched = Scheduler(BlockManager(128, 4), max_num_batched_tokens=16, max_num_seqs=8)
     sched.add(make_seq("long", 100))
     run_step(sched)
@@ -138,86 +155,79 @@ def test_without_limits_a_long_prompt_holds_every_step_until_it_is_done():
     assert steps[5] == {"long": 4, "short": 3}  # only once the long prompt's 100 tokens are done
 
 
-def test_a_short_prompt_arriving_during_a_long_prefill_runs_in_the_next_step():
-    sched = fair_scheduler()
-    sched.add(make_seq("long", 100))
-    assert run_step(sched) == {"long": 6}  # capped at the threshold, not the budget of 16
+def test_a_long_prompt_prefills_in_chunks_of_its_own_and_a_short_one_runs_meanwhile():
+    sched = long_scheduler()
+    long = make_seq("long", 100)
+    sched.add(long)
+    # Chunks of the threshold (6), outside the batch.
+    assert step_with_layered(sched) == {"layered:long": 6}
+    assert sched.layered is long and sched.in_flight and long.num_computed_tokens == 0
     sched.add(make_seq("short", 3, order=1, first_token=500))
-    assert run_step(sched) == {"long": 6, "short": 3}
-    # The short one decodes from then on, before the long prompt's chunks.
-    assert list(run_step(sched).items()) == [("short", 1), ("long", 6)]
+    # The long chunk is in flight: the next batches are the short request's alone.
+    assert step_with_layered(sched) == {"short": 3}
+    assert step_with_layered(sched) == {"short": 1}
+    end_layered(sched, 6)
+    assert long.num_computed_tokens == 6 and sched.layered is long and not sched.in_flight
+    assert step_with_layered(sched) == {"short": 1, "layered:long": 6}
 
 
-def test_a_second_long_prompt_waits_and_a_shorter_one_behind_it_passes():
-    sched = fair_scheduler()
-    for i, (rid, n) in enumerate([("long-a", 20), ("long-b", 30), ("short", 5)]):
+def test_the_tail_of_a_long_prefill_stays_layered_and_then_it_decodes_in_the_batch():
+    sched = long_scheduler()
+    long = make_seq("long", 15)
+    sched.add(long)
+    for n in (6, 6, 3):  # 3 tokens left is not long, but the prefill under way is
+        assert step_with_layered(sched) == {"layered:long": n}
+        end_layered(sched, n)
+    assert sched.layered is None and long.num_uncomputed == 1
+    assert step_with_layered(sched) == {"long": 1}
+
+
+def test_one_long_prefill_at_a_time_and_shorter_prompts_pass_a_waiting_long_one():
+    sched = long_scheduler()
+    for i, (rid, n) in enumerate([("long-a", 10), ("long-b", 30), ("short", 5)]):
         sched.add(make_seq(rid, n, order=i, first_token=100 * i))
-    # One long prompt at a time (max_long_partial_prefills=1); the short one is not long.
-    assert run_step(sched) == {"long-a": 6, "short": 5}
-    assert run_step(sched) == {"short": 1, "long-a": 6}
-    assert run_step(sched) == {"short": 1, "long-a": 6}
-    # long-a has 2 left: no longer long, so long-b may start beside it.
-    assert run_step(sched) == {"short": 1, "long-a": 2, "long-b": 6}
-    assert [s.request.request_id for s in sched.waiting] == []
+    assert step_with_layered(sched) == {"layered:long-a": 6, "short": 5}
+    assert [s.request.request_id for s in sched.waiting] == ["long-b"]
+    assert step_with_layered(sched) == {"short": 1}  # long-b waits for long-a's prefill
+    end_layered(sched, 6)
+    assert step_with_layered(sched) == {"short": 1, "layered:long-a": 4}
+    end_layered(sched, 4)  # long-a's prompt is done: it samples, and decodes in the batch
+    assert step_with_layered(sched) == {"short": 1, "long-a": 1, "layered:long-b": 6}
 
 
-def test_long_prompts_share_steps_up_to_max_long_partial_prefills():
-    sched = fair_scheduler(max_long=2)
-    for i in range(3):
-        sched.add(make_seq(f"long{i}", 40, order=i, first_token=100 * i))
-    assert run_step(sched) == {"long0": 6, "long1": 6}
-    assert sched.num_waiting == 1
-
-
-def test_max_num_partial_prefills_caps_the_prompts_of_one_step():
-    sched = fair_scheduler(max_prefills=2, max_long=1)
-    for i in range(4):
-        sched.add(make_seq(f"r{i}", 3, order=i, first_token=10 * i))
-    assert run_step(sched) == {"r0": 3, "r1": 3}
-    # r0 and r1 decode now; decodes are not prefills, so two more prompts start.
-    assert run_step(sched) == {"r0": 1, "r1": 1, "r2": 3, "r3": 3}
-
-
-def test_limits_keep_decodes_first_and_within_the_budget():
-    sched = fair_scheduler(threshold=6, budget=8)
-    for i in range(3):
-        sched.add(make_seq(f"d{i}", 2, order=i, first_token=10 * i))
-    run_step(sched)
-    sched.add(make_seq("long", 50, order=3, first_token=500))
-    # Three decodes first; the long prompt gets its threshold only if the budget leaves it.
-    assert run_step(sched) == {"d0": 1, "d1": 1, "d2": 1, "long": 5}
-    assert run_step(sched) == {"d0": 1, "d1": 1, "d2": 1, "long": 5}
-
-
-def test_a_preempted_long_sequence_is_recomputed_in_capped_chunks():
-    sched = Scheduler(
-        BlockManager(8, 4, enable_prefix_caching=False),  # 7 usable blocks of 4 tokens
-        max_num_batched_tokens=64,
-        max_num_seqs=8,
-        prefill_limits=PrefillLimits(long_prefill_token_threshold=8, max_long_partial_prefills=1),
-    )
-    a, b = make_seq("a", 8), make_seq("b", 16, order=1, first_token=40)
+def test_preempting_the_in_flight_long_prefill_drops_its_chunk_and_frees_its_blocks():
+    # 5 usable blocks of 4 tokens. "a" (3 tokens, short) takes 1; "long" (20) gets 10 tokens in
+    # flight (3 blocks); a's decodes take the last block (positions 4-7), then need another: long,
+    # the youngest, is preempted with its chunk still in flight.
+    sched = long_scheduler(threshold=10, num_blocks=6)
+    a, long = make_seq("a", 3), make_seq("long", 20, order=1, first_token=40)
     sched.add(a)
-    sched.add(b)
-    assert run_step(sched) == {"a": 8, "b": 8}  # b is long (16 > 8): chunked
-    assert run_step(sched) == {"a": 1, "b": 8}  # a 3 blocks, b 4: the pool is full
-    assert run_step(sched) == {"a": 1}  # b's sampled token needs a 5th block: b is preempted
-    assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0
+    sched.add(long)
+    assert step_with_layered(sched) == {"a": 3, "layered:long": 10}
+    for _ in range(5):  # positions 3 to 7
+        assert step_with_layered(sched) == {"a": 1}
+    assert sched.bm.num_free_blocks == 0 and sched.layered is long
+    out = sched.schedule()  # position 8: a needs a block
+    assert out.preempted == [long] and out.layered is None
+    assert sched.layered is None and not sched.in_flight
+    assert long.status is SequenceStatus.WAITING and long.num_computed_tokens == 0
+    assert long.seq_id not in sched.bm and sched.bm.num_free_blocks == 2
     sched.remove(a)
-    assert run_step(sched) == {"b": 8}  # its 17 tokens again, 8 at a time
-    assert run_step(sched) == {"b": 8}
-    assert run_step(sched) == {"b": 1}
-    assert b.num_computed_tokens == 17
+    assert sched.bm.num_free_blocks == 5
+    # It starts over from its first chunk.
+    assert step_with_layered(sched) == {"layered:long": 10}
 
 
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        dict(long_prefill_token_threshold=0),
-        dict(max_num_partial_prefills=0),
-        dict(max_long_partial_prefills=-1),
-    ],
-)
-def test_prefill_limits_must_be_positive(kwargs):
+def test_removing_the_in_flight_sequence_clears_it():
+    sched = long_scheduler()
+    long = make_seq("long", 40)
+    sched.add(long)
+    assert step_with_layered(sched) == {"layered:long": 6}
+    sched.remove(long)
+    assert sched.layered is None and not sched.in_flight and sched.bm.num_free_blocks == 127
+    assert step_with_layered(sched) == {}
+
+
+def test_long_prefill_threshold_must_be_positive():
     with pytest.raises(ValueError, match="must be positive"):
-        PrefillLimits(**kwargs)
+        LongPrefill(0)

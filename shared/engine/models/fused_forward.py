@@ -8,7 +8,7 @@ the kernels (tests/test_cpu_kernels.py holds them to that).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable
 from typing import Any, NamedTuple, cast
 
 import torch
@@ -61,7 +61,7 @@ def fused_layers(model: LlamaModel) -> list[FusedLayer]:
     ]
 
 
-def fused_forward(
+def fused_forward_layers(
     model: LlamaModel,
     layers: list[FusedLayer],
     attention: AttentionBackend,
@@ -69,11 +69,12 @@ def fused_forward(
     input_ids: torch.Tensor,
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     meta: AttentionMetadata,
-) -> torch.Tensor:
+) -> Generator[None, None, torch.Tensor]:
     """``model.forward`` on the kernels ``ops``, through ``layers`` (``fused_layers(model)``) and
-    ``attention`` (whose ``attend`` reads the cache the RoPE-and-cache kernel wrote). The residual
-    stream is kept apart, as the add+norm kernel wants it: a layer's input is ``residual + x``
-    (``residual`` None before the first)."""
+    ``attention`` (whose ``attend`` reads the cache the RoPE-and-cache kernel wrote), a layer at a
+    time as ``LlamaModel.forward_layers`` runs: it yields between two decoder layers and returns
+    the final-normed hidden states. The residual stream is kept apart, as the add+norm kernel wants
+    it: a layer's input is ``residual + x`` (``residual`` None before the first)."""
     x = model.embed_tokens(input_ids)
     c = model.config
     # The kernel reads fp32 tables (a no-op unless the model was cast after loading).
@@ -82,7 +83,9 @@ def fused_forward(
     qkv_sizes = [c.q_size, c.kv_size, c.kv_size]
     positions, slot_mapping = meta.positions, meta.slot_mapping
     residual = None
-    for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
+    for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches, strict=True)):
+        if i:
+            yield
         if residual is None:
             residual = x
             h = rms_norm(x, layer.input_norm, layer.input_eps, None)

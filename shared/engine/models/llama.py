@@ -8,7 +8,7 @@ matmuls.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +16,15 @@ from torch import nn
 
 from shared.engine.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from shared.engine.models.config import ModelConfig, rope_inv_freq
+
+
+def run_to_end(forward: Generator[None, None, torch.Tensor]) -> torch.Tensor:
+    """The result of a layer-by-layer forward (``LlamaModel.forward_layers``), all layers run."""
+    while True:
+        try:
+            next(forward)
+        except StopIteration as done:
+            return done.value
 
 
 class RMSNorm(nn.Module):
@@ -155,16 +164,31 @@ class LlamaModel(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden] final-normed hidden states
+        return run_to_end(self.forward_layers(input_ids, kv_caches, meta))
+
+    @torch.inference_mode()
+    def forward_layers(
+        self,
+        input_ids: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> Generator[None, None, torch.Tensor]:
+        """``forward`` one decoder layer at a time: yields between two layers and returns the
+        final-normed hidden states after the last. Between two layers the forward holds only its
+        own tensors, so other forwards may run on the same cache meanwhile (they write other
+        slots); abandoned, it leaves K/V in its own slots only, which nothing reads before they
+        are written again."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(meta.positions, x.dtype)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if i:
+                yield
             x = layer(x, cos, sin, k_cache, v_cache, meta)
         return self.norm(x)
 

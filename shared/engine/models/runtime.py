@@ -8,6 +8,7 @@ drop-ins for ``nn.Linear``), so one model has one runtime at a time.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from typing import cast
 
 import torch
@@ -16,9 +17,9 @@ from torch import nn
 from shared.engine import huge_pages
 from shared.engine.attention import AttentionMetadata, TorchAttentionBackend
 from shared.engine.cpu_backend import KERNEL_DTYPES, CpuBackend
-from shared.engine.models.fused_forward import FusedLayer, fused_forward, fused_layers
+from shared.engine.models.fused_forward import FusedLayer, fused_forward_layers, fused_layers
 from shared.engine.models.int8_linear import Int8Linear
-from shared.engine.models.llama import LlamaModel
+from shared.engine.models.llama import LlamaModel, run_to_end
 from shared.engine.models.loader import load_model, resolve_dtype
 from shared.engine.models.packed_linear import PackedLinear, can_prepack, prepack_linears
 
@@ -94,18 +95,32 @@ class ModelRuntime(nn.Module):
                 )  # each takes the kernels where they fit its weight
         self.relocate()
 
-    @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden] final-normed hidden states
+        return run_to_end(self.forward_layers(input_ids, kv_caches, meta))
+
+    @torch.inference_mode()
+    def forward_layers(
+        self,
+        input_ids: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> Generator[None, None, torch.Tensor]:
+        """``forward`` one decoder layer at a time (``LlamaModel.forward_layers``); ``forward`` is
+        this run to the end, so the two compute the same thing by construction."""
         ops = self.backend.ops
         if ops is None:
-            return self.model(input_ids, kv_caches, meta)
+            return (yield from self.model.forward_layers(input_ids, kv_caches, meta))
         layers = self._layers or self._build_layers()
-        return fused_forward(self.model, layers, self.attention, ops, input_ids, kv_caches, meta)
+        return (
+            yield from fused_forward_layers(
+                self.model, layers, self.attention, ops, input_ids, kv_caches, meta
+            )
+        )
 
     def _build_layers(self) -> list[FusedLayer]:
         self._layers = fused_layers(self.model)
