@@ -1,293 +1,260 @@
-"""Long prompts on the engine (real SmolLM2-135M, in process): how prefill time grows with the
-prompt and where it goes, and what a long prefill does to a short request's time to first token.
+"""A short request while a long prompt prefills (real SmolLM2-135M, in process): its time to first
+token against the same request on an idle engine, and what that fairness costs the long prompt.
 
-    python -m loadtests.bench_long_prefill --baseline TREE [--num-threads 1] \\
-        [--lengths 1024,2048,4096,8000] [--dtypes float32,bfloat16] [--chunks 512,128,64] \\
-        [--thresholds 512,128] [--skip steps,kernel,prefill,ttft] \\
+    python -m loadtests.bench_long_prefill [--dtypes bfloat16,float32] [--long-len 4000] \\
+        [--repeats 3] [--arms layered,off] [--set prefill_slice_ms=10 ...] \\
         [--out loadtests/results/bench_long_prefill.json]
 
-(a) Prefill. "steps": one chunk of each ``--chunks`` size after each ``--contexts`` length,
-through the model runner, the fastest of ``--repeats`` (min, not mean: the host's noise only ever
-adds), with its attention time and attention's GFLOP/s; from them, each lone prompt's prefill,
-chunk by chunk (a chunk's cost is linear in the context before it). "kernel": the prefill
-attention kernel alone on both cores, quiet and beside a spinning process. "prefill": lone prompts
-of ``--lengths`` through the engine, end to end (one run each: noisy).
+The engine steps in a thread of its own, fed between steps through a queue, as the executor's
+engine thread runs it: a request sent mid-step waits for that step to end. Per dtype and arm:
 
-(b) Head-of-line blocking ("ttft"): the engine steps in its own thread, fed between steps through a
-queue, as the executor runs it. A 5-token request's TTFT alone ("idle"), then sent at a random
-moment while a ``--ttft-long-len``-token prompt prefills; the long prompt's own TTFT (what fairness
-costs it), its greedy tokens against its solo run, and the longest gap of a stream decoding
-meanwhile. Wall time and the engine's CPU time, which other tenants of the host do not inflate.
+- idle: a 5-token request alone (``2 * repeats + 1`` times; the median is the reference);
+- solo: the ``--long-len``-token prompt alone: its TTFT and greedy tokens;
+- busy (``repeats`` times): the long prompt, and the 5-token request sent at a random moment of its
+  prefill: the short one's TTFT and its ratio to the idle median (the goal: under 2), the long
+  one's TTFT against solo, and whether its greedy tokens are unchanged;
+- stream (``repeats`` times): the same with a stream decoding throughout: its longest gap between
+  tokens while the long prompt prefills, and the long prompt's TTFT beside it.
 
-Each measurement runs in its own process (``long_prefill_workers.py``) with one tree's code:
-``--baseline`` names a checkout of the code before the change ("before"), this checkout is "after";
-``--thresholds`` are this tree's ``long_prefill_token_threshold`` arms (512, the step budget: the
-old first-come behaviour). ``--num-threads 1``: no thread waits on another that a neighbour
-descheduled, so the numbers move less on this shared 2-core host. Load averages are saved too.
+Arms: ``layered`` is the engine's defaults (long prefills in forwards of their own, a slice at a
+time); ``off`` sets ``long_prefill_token_threshold`` above the prompt, so the long prompt shares
+every step's batch first come first served, as before. ``--set`` overrides engine settings in
+every arm. TTFTs are wall time and the engine process's CPU time (which other tenants of this
+shared host do not inflate); load averages are saved beside them.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
+import queue
+import random
 import statistics
-import subprocess
-import sys
+import threading
+import time
+from datetime import date
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-WORKERS = os.path.join(HERE, "long_prefill_workers.py")
-DEFAULT_OUT = os.path.join(HERE, "results", "bench_long_prefill.json")
-SHORT_LEN = 5  # as long_prefill_workers.SHORT_LEN
-NUM_THREADS = 2
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+TOKEN_RANGE = (1000, 40000)  # ordinary vocabulary of SmolLM2: no special tokens
+SHORT_LEN = 5
+ARMS = {"layered": {}, "off": {"long_prefill_token_threshold": 1_000_000}}
 
 
-# ---- the parent: alternates trees and configurations, prints and saves -------------------------
+def greedy(max_tokens: int):
+    from shared.wire.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def spawn(tree: str, job: dict[str, Any]) -> Any:
-    """Run one job with ``tree``'s code (its own process, so nothing is shared with other
-    configurations but the host)."""
-    env = dict(os.environ, PYTHONPATH=tree)
-    proc = subprocess.run(
-        [sys.executable, WORKERS, json.dumps(job)],
-        cwd=tree,
-        env=env,
-        capture_output=True,
-        text=True,
+class EngineLoop:
+    """The engine stepped in a thread of its own, fed between steps (as the executor's is)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.inbox: queue.Queue = queue.Queue()
+        self.token_times: dict[str, list[float]] = {}  # when each delta with tokens came out
+        self.tokens: dict[str, list[int]] = {}
+        self.finished: dict[str, threading.Event] = {}
+        self.error: BaseException | None = None
+        # Per step: wall clock and process CPU time at its start and end.
+        self.steps: list[tuple[float, float, float, float]] = []
+        self.thread = threading.Thread(target=self._run_or_fail, daemon=True)
+        self.thread.start()
+
+    def submit(self, request_id: str, ids: list[int], max_tokens: int) -> float:
+        self.finished[request_id] = threading.Event()
+        self.tokens[request_id], self.token_times[request_id] = [], []
+        sent = time.perf_counter()
+        self.inbox.put(lambda: self.engine.add_request(request_id, ids, greedy(max_tokens)))
+        return sent
+
+    def abort(self, request_id: str) -> None:
+        def task() -> None:
+            self.engine.abort(request_id)
+            self.finished[request_id].set()
+
+        self.inbox.put(task)
+
+    def wait(self, request_id: str) -> None:
+        self.finished[request_id].wait()
+        if self.error is not None:
+            raise RuntimeError("the engine thread failed") from self.error
+
+    def ttft(self, request_id: str, sent: float) -> tuple[float, float]:
+        """(wall, engine CPU) seconds from ``sent`` to the first token; the step in flight at
+        ``sent`` counts its CPU time from that moment on (prorated by wall time)."""
+        first = self.token_times[request_id][0]
+        cpu_end = next(c1 for _, w1, _, c1 in self.steps if w1 >= first)
+        w0, w1, c0, c1 = next(s for s in self.steps if s[1] >= sent)
+        cpu_start = c0 + max(0.0, sent - w0) / max(w1 - w0, 1e-9) * (c1 - c0)
+        return first - sent, cpu_end - cpu_start
+
+    def close(self) -> None:
+        self.inbox.put(None)
+        self.thread.join()
+
+    def _run_or_fail(self) -> None:
+        try:
+            self._run()
+        except BaseException as e:  # every waiter wakes up and raises it
+            self.error = e
+            for event in self.finished.values():
+                event.set()
+
+    def _run(self) -> None:
+        import torch
+
+        torch.set_num_threads(self.engine.config.num_threads)  # per thread, as the executor sets it
+        while True:
+            block = not self.engine.has_unfinished()
+            while True:
+                try:
+                    task = self.inbox.get(block=block)
+                except queue.Empty:
+                    break
+                if task is None:
+                    return
+                task()
+                block = not self.engine.has_unfinished()
+            w0, c0 = time.perf_counter(), time.process_time()
+            outputs = self.engine.step()
+            now = time.perf_counter()
+            self.steps.append((w0, now, c0, time.process_time()))
+            for out in outputs:
+                for delta in out.deltas:
+                    if delta.token_ids:
+                        self.token_times[out.request_id].append(now)
+                        self.tokens[out.request_id] += delta.token_ids
+                if out.finished:
+                    self.finished[out.request_id].set()
+
+
+def measure(dtype: str, settings: dict[str, Any], long_len: int, repeats: int) -> dict[str, Any]:
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import Engine
+
+    # No prefix cache: the long prompt runs several times and must be prefilled each time.
+    config = EngineConfig(
+        dtype=dtype, memory_budget="3GiB", enable_prefix_caching=False, seed=0, **settings
     )
-    if proc.returncode != 0:
-        raise RuntimeError(f"worker failed in {tree}: {proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    loop = EngineLoop(Engine(config, progress=False))
+    rng = random.Random(0)
+    ids = iter(itertools.count())
 
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(*TOKEN_RANGE) for _ in range(n)]
 
-def load() -> float:
-    return os.getloadavg()[0]
+    def run(ids_: list[int], max_tokens: int) -> tuple[tuple[float, float], list[int]]:
+        rid = f"r{next(ids)}"
+        sent = loop.submit(rid, ids_, max_tokens)
+        loop.wait(rid)
+        return loop.ttft(rid, sent), loop.tokens[rid]
 
+    def with_long(stream: bool) -> dict[str, Any]:
+        """The long prompt with a short request sent somewhere in its prefill (and a stream
+        decoding throughout)."""
+        if stream:
+            loop.submit("stream", prompt(20), 6000)
+            while not loop.token_times["stream"] and loop.error is None:
+                time.sleep(0.002)
+        sent = loop.submit("long", long_ids, 4)
+        time.sleep(rng.uniform(0.15, 0.6) * solo[0][0])
+        short = run(prompt(SHORT_LEN), 1)[0]
+        loop.wait("long")
+        got = dict(short=short, long=loop.ttft("long", sent), same=loop.tokens["long"] == solo[1])
+        if stream:
+            done = loop.token_times["long"][0]
+            times = [t for t in loop.token_times["stream"] if sent <= t <= done]
+            got["stream_max_gap_s"] = max(b - a for a, b in itertools.pairwise(times))
+            loop.abort("stream")
+            loop.wait("stream")
+        return got
 
-def med(xs: list[float]) -> float:
-    return statistics.median(xs)
-
-
-def ms(xs: list[float]) -> str:
-    return f"{1000 * med(xs):8.1f}"
-
-
-def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares (a, b) of y = a + b x."""
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
-        (x - mx) ** 2 for x in xs
+    run(prompt(600), 2)  # warm-up
+    idle = [run(prompt(SHORT_LEN), 1)[0] for _ in range(2 * repeats + 1)]
+    long_ids = prompt(long_len)
+    solo = run(long_ids, 4)
+    busy = [with_long(stream=False) for _ in range(repeats)]
+    streamed = [with_long(stream=True) for _ in range(repeats)]
+    loop.close()
+    return dict(
+        settings=settings,
+        idle_ttft_s=[w for w, _ in idle],
+        idle_ttft_cpu_s=[c for _, c in idle],
+        long_solo_ttft_s=solo[0][0],
+        long_solo_ttft_cpu_s=solo[0][1],
+        busy=busy,
+        stream=streamed,
     )
-    return my - b * mx, b
 
 
-def modelled_prefill_s(rows: list[dict], chunk: int, n: int, key: str = "min_s") -> float:
-    """A lone ``n``-token prompt's prefill, chunk by chunk, from the step costs: each chunk's time
-    is linear in the context before it (attention reads every earlier key), fitted on the measured
-    contexts of that chunk size."""
-    pts = [(r["context_tokens"], r[key]) for r in rows if r["chunk_tokens"] == chunk]
-    a, b = fit_line([c for c, _ in pts], [t for _, t in pts])
-    return sum((a + b * c) * min(chunk, n - c) / chunk for c in range(0, n, chunk))
+def summary(r: dict[str, Any]) -> dict[str, Any]:
+    idle, idle_cpu = statistics.median(r["idle_ttft_s"]), statistics.median(r["idle_ttft_cpu_s"])
+    busy = [b["short"][0] for b in r["busy"]]
+    busy_cpu = [b["short"][1] for b in r["busy"]]
+    long_busy = [b["long"][0] for b in r["busy"]]
+    return dict(
+        idle_ms=1000 * idle,
+        busy_ms=[1000 * b for b in busy],
+        ratio=[b / idle for b in busy],
+        ratio_cpu=[b / idle_cpu for b in busy_cpu],
+        long_solo_s=r["long_solo_ttft_s"],
+        long_busy_s=long_busy,
+        long_cost=[b / r["long_solo_ttft_s"] - 1 for b in long_busy],
+        stream_max_gap_ms=[1000 * s["stream_max_gap_s"] for s in r["stream"]],
+        stream_short_ratio=[s["short"][0] / idle for s in r["stream"]],
+        long_with_stream_s=[s["long"][0] for s in r["stream"]],
+        long_tokens_unchanged=all(b["same"] for b in r["busy"] + r["stream"]),
+    )
 
 
-def bench_steps(args, trees: list[tuple[str, str]]) -> dict[str, Any]:
-    """(a) one chunk's cost by context, per tree; lone prompts' prefill modelled from it."""
-    rows: dict[str, dict[str, list[dict]]] = {}
-    load_before = load()
-    for dtype in args.dtypes:
-        for name, tree in trees:
-            job = dict(
-                kind="steps",
-                dtype=dtype,
-                overrides=dict(num_threads=args.num_threads),
-                chunk_sizes=args.chunks,
-                contexts=args.contexts,
-                repeats=args.repeats,
-            )
-            rows.setdefault(dtype, {})[name] = got = spawn(tree, job)
-            for r in got:
-                print(
-                    f"  {dtype:8s} {name:6s} chunk {r['chunk_tokens']:4d} after "
-                    f"{r['context_tokens']:5d}: {1000 * r['min_s']:8.1f} ms (median "
-                    f"{1000 * r['median_s']:8.1f}), attention {1000 * r['attention_s']:7.1f} ms at "
-                    f"{r['attention_gflops_per_s']:5.1f} GFLOP/s",
-                    flush=True,
-                )
-    modelled: dict[str, dict[str, dict[str, float]]] = {}
-    for dtype, by_tree in rows.items():
-        for name, got in by_tree.items():
-            for chunk in args.chunks:
-                label = f"{name}, chunks of {chunk}"
-                modelled.setdefault(dtype, {})[label] = {
-                    str(n): modelled_prefill_s(got, chunk, n) for n in args.lengths
-                }
-    for dtype, by_label in modelled.items():
-        print(f"  {dtype}: lone prompt prefill modelled from the fastest steps (s)")
-        print("    " + " " * 30 + "".join(f"{n:>9d}" for n in args.lengths))
-        for label, by_n in by_label.items():
-            print(f"    {label:30s}" + "".join(f"{by_n[str(n)]:9.2f}" for n in args.lengths))
-    return dict(steps=rows, modelled_prefill_s=modelled, load_before=load_before, load_after=load())
+def show(dtype: str, arm: str, s: dict[str, Any]) -> None:
+    def ms(xs: list[float]) -> str:
+        return " ".join(f"{x:.0f}" for x in xs)
 
+    def f(xs: list[float], fmt: str = ".2f") -> str:
+        return " ".join(format(x, fmt) for x in xs)
 
-def bench_kernel(args, trees: list[tuple[str, str]]) -> dict[str, Any]:
-    """(a) the prefill attention kernel alone, on both cores, with the host quiet and with one
-    process spinning beside it (as a co-located service or another tenant does): a fixed split of
-    the work between threads runs at the pace of the thread that shares its core."""
-    rows: dict[str, dict[str, dict[str, list[dict]]]] = {}
-    for dtype in args.dtypes:
-        for busy in (False, True):
-            hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
-            try:
-                for name, tree in trees:
-                    job = dict(
-                        kind="kernel",
-                        dtype=dtype,
-                        chunk_sizes=args.chunks,
-                        context=4096,
-                        repeats=5 * args.repeats,
-                        threads=NUM_THREADS,
-                    )
-                    got = spawn(tree, job)
-                    rows.setdefault(dtype, {}).setdefault(name, {})["busy" if busy else "quiet"] = (
-                        got
-                    )
-                    for r in got:
-                        print(
-                            f"  {dtype:8s} {name:6s} {'one core busy' if busy else 'quiet':13s} "
-                            f"chunk {r['chunk_tokens']:4d} after 4096: {1000 * r['min_s']:7.2f} ms "
-                            f"(median {1000 * r['median_s']:7.2f}) per layer",
-                            flush=True,
-                        )
-            finally:
-                if hog is not None:
-                    hog.kill()
-                    hog.wait()
-    return rows
-
-
-def bench_prefill(args, arms: list[tuple[str, str, dict]]) -> dict[str, Any]:
-    """(a) measured: lone prompts through the engine, the arms alternating."""
-    runs: dict[str, dict[str, list[dict]]] = {}
-    load_before = load()
-    for rep in range(args.prefill_repeats):
-        for dtype in args.dtypes:
-            for name, tree, overrides in arms if rep % 2 == 0 else arms[::-1]:
-                job = dict(kind="prefill", dtype=dtype, overrides=overrides, lengths=args.lengths)
-                got = spawn(tree, job)
-                runs.setdefault(dtype, {}).setdefault(name, []).extend(got)
-                for r in got:
-                    print(
-                        f"  {dtype:8s} {name:14s} {r['num_tokens']:5d} tokens: "
-                        f"{r['seconds']:7.2f} s ({r['steps']} steps), attention "
-                        f"{r['attention_seconds']:6.2f} s",
-                        flush=True,
-                    )
-    return dict(runs=runs, load_before=load_before, load_after=load())
-
-
-def bench_ttft(args, arms: list[tuple[str, str, dict]]) -> dict[str, Any]:
-    results: dict[str, dict[str, Any]] = {}
-    load_before = load()
-    for dtype in args.dtypes:
-        for i, (name, tree, overrides) in enumerate(arms):
-            job = dict(
-                kind="ttft",
-                dtype=dtype,
-                overrides=overrides,
-                long_len=args.ttft_long_len,
-                repeats=args.ttft_repeats,
-                seed=i,
-            )
-            r = spawn(tree, job)
-            for unit in ("", "_cpu"):
-                idle, busy = med(r[f"idle_ttft{unit}_s"]), r[f"busy_ttft{unit}_s"]
-                r[f"ratio{unit}_median"] = med(busy) / idle
-                r[f"ratio{unit}_max"] = max(busy) / idle
-            results.setdefault(dtype, {})[name] = r
-            print(
-                f"  {dtype:8s} {name:14s} 5-token TTFT idle {ms(r['idle_ttft_s'])} ms, during "
-                f"the prefill {ms(r['busy_ttft_s'])} ms = {r['ratio_median']:6.2f}x (max "
-                f"{r['ratio_max']:6.2f}x); engine CPU {ms(r['idle_ttft_cpu_s'])} -> "
-                f"{ms(r['busy_ttft_cpu_s'])} ms = {r['ratio_cpu_median']:6.2f}x",
-                flush=True,
-            )
-            print(
-                f"  {'':8s} {'':14s} the {args.ttft_long_len}-token prompt's TTFT "
-                f"{med(r['long_ttft_s']):6.2f} s (CPU {med(r['long_ttft_cpu_s']):6.2f}; alone "
-                f"{r['long_solo_ttft_s']:6.2f} s, CPU {r['long_solo_ttft_cpu_s']:6.2f}), its "
-                f"tokens {'unchanged' if r['long_tokens_unchanged'] else 'CHANGED'}; a decoding "
-                f"stream's longest gap {ms(r['stream_max_gap_s'])} ms",
-                flush=True,
-            )
-    return dict(results=results, load_before=load_before, load_after=load())
+    print(
+        f"{dtype} {arm}: idle TTFT {s['idle_ms']:.0f} ms; busy TTFT {ms(s['busy_ms'])} ms, "
+        f"ratio {f(s['ratio'])} (CPU time {f(s['ratio_cpu'])}); long TTFT solo "
+        f"{s['long_solo_s']:.2f} s, busy {f(s['long_busy_s'])} s (+{f(s['long_cost'], '.0%')}); "
+        f"with a stream: its max gap {ms(s['stream_max_gap_ms'])} ms, short ratio "
+        f"{f(s['stream_short_ratio'])}, long TTFT {f(s['long_with_stream_s'])} s; long tokens "
+        f"unchanged: {s['long_tokens_unchanged']}",
+        flush=True,
+    )
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--baseline", help="a source tree with the code before the change")
-    p.add_argument("--lengths", default="1024,2048,4096,8000")
-    p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--chunks", default="512,64", help="(a) chunk sizes whose steps are timed")
-    p.add_argument("--contexts", default="0,1024,2048,4096,7680", help="(a) contexts timed")
-    p.add_argument("--repeats", type=int, default=3, help="(a) timed runs of each step")
-    p.add_argument("--prefill-repeats", type=int, default=1, help="(a) measured lone prefills")
-    p.add_argument("--ttft-long-len", type=int, default=4000)
-    p.add_argument("--ttft-repeats", type=int, default=4)
-    p.add_argument(
-        "--thresholds",
-        default="512,64",
-        help="long_prefill_token_threshold values of this tree to compare (512: no fairness)",
-    )
-    p.add_argument(
-        "--num-threads",
-        type=int,
-        default=NUM_THREADS,
-        help="the engine's threads (1: no thread waits on another descheduled one, so a shared "
-        "host's noise shows less)",
-    )
-    p.add_argument("--skip", default="", help="parts to skip: steps, kernel, prefill, ttft")
-    p.add_argument("--out", default=DEFAULT_OUT)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--dtypes", default="bfloat16,float32")
+    p.add_argument("--long-len", type=int, default=4000)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--arms", default="layered,off")
+    p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--set", action="append", default=[], metavar="NAME=INT")
+    p.add_argument("--out", default=os.path.join(DEFAULT_OUT, "bench_long_prefill.json"))
     args = p.parse_args()
-    sys.path.insert(0, ROOT)
-    from loadtests.results import write_json
-
-    args.lengths = [int(n) for n in args.lengths.split(",")]
-    args.chunks = [int(n) for n in args.chunks.split(",")]
-    args.contexts = [int(n) for n in args.contexts.split(",")]
-    args.dtypes = args.dtypes.split(",")
-    skip = set(args.skip.split(",")) - {""}
-    os.environ["OMP_NUM_THREADS"] = str(args.num_threads)
-    threads = dict(num_threads=args.num_threads)
-    trees = [("before", os.path.abspath(args.baseline))] if args.baseline else []
-    trees.append(("after", ROOT))
-    arms = [("before", trees[0][1], threads)] if args.baseline else []
-    arms += [
-        (f"threshold {t}", ROOT, dict(threads, long_prefill_token_threshold=int(t)))
-        for t in args.thresholds.split(",")
-    ]
-    out: dict[str, Any] = dict(
-        trees=dict(trees),
-        arms={name: dict(tree=tree, overrides=o) for name, tree, o in arms},
-        num_threads=args.num_threads,
-        cpu_count=os.cpu_count(),
-        argv=sys.argv[1:],
+    overrides = {k: int(v) for k, v in (kv.split("=", 1) for kv in args.set)}
+    results: dict[str, Any] = dict(
+        date=date.today().isoformat(), argv=vars(args), cpu_count=os.cpu_count(), runs={}
     )
-    if "steps" not in skip:
-        print("(a) one prefill chunk by context (fastest of the repeats)", flush=True)
-        out["steps"] = bench_steps(args, trees)
-    if "kernel" not in skip:
-        print("(a) the prefill attention kernel, 2 threads, quiet and beside a busy process")
-        out["kernel"] = bench_kernel(args, trees)
-    if "prefill" not in skip:
-        print("(a) lone prompts through the engine, max_num_batched_tokens=512", flush=True)
-        out["prefill"] = bench_prefill(args, arms)
-    if "ttft" not in skip:
-        print(f"(b) a {SHORT_LEN}-token request during a long prefill", flush=True)
-        out["ttft"] = bench_ttft(args, arms)
-    print(f"wrote {write_json(args.out, out)}")
+    for dtype in args.dtypes.split(","):
+        for arm in args.arms.split(","):
+            settings = dict(num_threads=args.num_threads) | ARMS[arm] | overrides
+            load = os.getloadavg()[0]
+            r = measure(dtype, settings, args.long_len, args.repeats)
+            r |= dict(load_before=load, load_after=os.getloadavg()[0], summary=summary(r))
+            results["runs"][f"{dtype} {arm}"] = r
+            show(dtype, arm, r["summary"])
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump(results, fh, indent=1)
+    print(f"saved {args.out}")
 
 
 if __name__ == "__main__":
