@@ -1,0 +1,136 @@
+"""The prefix index process's config, from flags over the environment (a flag beats its
+variable)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from services.prefix_index.logic import hash_tag_prefix
+from services.runtime import env_float, env_int, env_str
+from shared.wire import subjects
+from shared.wire.kv_stream import KV_EVENTS_MAX_AGE_S
+
+DEFAULT_KEY_PREFIX = "llmserve:pi"
+
+
+@dataclass(frozen=True)
+class PrefixIndexConfig:
+    nats_url: str
+    redis_url: str
+    key_prefix: str = DEFAULT_KEY_PREFIX  # every key is {key_prefix}:...
+    # The durable JetStream consumer every replica pulls from; another name is another,
+    # independent index over the same stream (give it its own key_prefix or Redis db).
+    consumer: str = subjects.QUEUE_PREFIX_INDEX
+    name: str = "prefix_index"  # the NATS connection's name
+    executor_timeout_s: float = 3.0  # silent this long (no heartbeat): its entries are purged
+    snapshot_timeout_s: float = 5.0  # an executor answers a snapshot request between two steps
+    redis_timeout_s: float = 2.0  # one command (applies, snapshots, purges)
+    match_timeout_s: float = 0.25  # a match that takes longer answers with an error
+    ack_wait_s: float = 30.0  # a fetched batch not acked in this long goes to another replica
+    gap_retry_delay_s: float = 0.25  # a batch after a gap is redelivered this much later...
+    resync_after_deliveries: int = 4  # ...until delivered this often: then resync
+    fetch_batch: int = 64  # batches fetched at once (applied in order)
+    tick_interval_s: float = 0.25  # liveness checks
+    max_match_blocks: int = 1 << 16  # a longer match request is refused
+    # A dead executor's tombstone outlives every batch of its epoch the stream still holds.
+    tombstone_ttl_s: float = KV_EVENTS_MAX_AGE_S
+
+    def __post_init__(self) -> None:
+        if not self.nats_url or not self.redis_url:
+            raise ValueError("nats_url and redis_url must not be empty")
+        hash_tag_prefix(self.key_prefix)  # raises ValueError on a bad prefix
+        # A JetStream consumer name is one subject token.
+        if not self.consumer or any(c in self.consumer for c in ".*> \t\r\n"):
+            raise ValueError(f"invalid consumer name: {self.consumer!r}")
+        for name in (
+            "executor_timeout_s",
+            "snapshot_timeout_s",
+            "redis_timeout_s",
+            "match_timeout_s",
+            "ack_wait_s",
+            "gap_retry_delay_s",
+            "tick_interval_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("resync_after_deliveries", "fetch_batch", "max_match_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tombstone_ttl_s < 1:
+            raise ValueError(f"tombstone_ttl_s must be >= 1, got {self.tombstone_ttl_s}")
+
+
+def parse_config(argv: list[str] | None = None) -> PrefixIndexConfig:
+    p = argparse.ArgumentParser(
+        prog="python -m services.prefix_index",
+        description="The global prefix index: executors' KV events in, prefix matches out.",
+    )
+    p.add_argument("--nats-url", default=env_str("NATS_URL", "nats://127.0.0.1:4222"))
+    p.add_argument("--redis-url", default=env_str("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    p.add_argument(
+        "--key-prefix",
+        default=env_str("LLMSERVE_PREFIX_INDEX_KEY_PREFIX", DEFAULT_KEY_PREFIX),
+        help="Redis keys are {prefix}:...",
+    )
+    p.add_argument(
+        "--consumer",
+        default=env_str("LLMSERVE_PREFIX_INDEX_CONSUMER", subjects.QUEUE_PREFIX_INDEX),
+        help="durable JetStream consumer shared by the replicas of one index",
+    )
+    p.add_argument(
+        "--executor-timeout",
+        type=float,
+        default=env_float("LLMSERVE_EXECUTOR_TIMEOUT", 3.0),
+        help="seconds without a heartbeat after which an executor's entries are purged",
+    )
+    p.add_argument(
+        "--snapshot-timeout",
+        type=float,
+        default=env_float("LLMSERVE_SNAPSHOT_TIMEOUT", 5.0),
+        help="seconds to wait for an executor's KV cache snapshot when resyncing",
+    )
+    p.add_argument(
+        "--redis-timeout",
+        type=float,
+        default=env_float("LLMSERVE_REDIS_TIMEOUT", 2.0),
+        help="seconds one Redis command may take",
+    )
+    p.add_argument(
+        "--match-timeout",
+        type=float,
+        default=env_float("LLMSERVE_MATCH_TIMEOUT", 0.25),
+        help="seconds a match may take in Redis before it answers with an error",
+    )
+    p.add_argument(
+        "--ack-wait",
+        type=float,
+        default=env_float("LLMSERVE_KV_EVENTS_ACK_WAIT", 30.0),
+        help="seconds before a fetched, unacknowledged batch is redelivered (set when the "
+        "consumer is created)",
+    )
+    p.add_argument(
+        "--resync-after",
+        type=int,
+        default=env_int("LLMSERVE_RESYNC_AFTER_DELIVERIES", 4),
+        help="deliveries of a batch after a gap before resyncing from a snapshot",
+    )
+    p.add_argument("--name", default="prefix_index", help="connection name")
+    a = p.parse_args(argv)
+    try:
+        return PrefixIndexConfig(
+            nats_url=a.nats_url,
+            redis_url=a.redis_url,
+            key_prefix=a.key_prefix,
+            consumer=a.consumer,
+            name=a.name,
+            executor_timeout_s=a.executor_timeout,
+            snapshot_timeout_s=a.snapshot_timeout,
+            redis_timeout_s=a.redis_timeout,
+            match_timeout_s=a.match_timeout,
+            ack_wait_s=a.ack_wait,
+            resync_after_deliveries=a.resync_after,
+        )
+    except ValueError as e:
+        p.error(str(e))
+        raise
