@@ -8,8 +8,9 @@ Redis has it (applied, or found to be a replay or stale). So:
 - while Redis is down nothing is acknowledged: the batch in hand is retried when Redis is back
   (kept ours meanwhile with in-progress acks), the rest of the stream waits in JetStream;
 - a gap (a batch before this one not applied yet) is usually that batch being in flight at another
-  replica: nak with a delay, so it lands first; after ``resync_after_deliveries`` deliveries it is
-  really lost, and the executor's snapshot replaces its entries (no answer: it is purged).
+  replica: nak with a delay, so it lands first; once the executor's applied seq has stood still
+  for ``gap_stall_timeout_s`` (logic.GapTracker) it is really lost, and the executor's snapshot
+  replaces its entries (no answer: it is purged).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Awaitable
 import msgspec
 
 from services.prefix_index.config import PrefixIndexConfig
-from services.prefix_index.logic import Counters, GapAction, on_gap
+from services.prefix_index.logic import Counters, GapAction, GapTracker
 from services.prefix_index.store import ApplyResult, IndexStoreError, IndexUnavailable, PrefixStore
 from services.prefix_index.watch import RedisWatch
 from shared.wire import subjects
@@ -39,7 +40,11 @@ from shared.wire.kv_events import (
 log = logging.getLogger("llmserve.prefix_index")
 
 _FETCH_WAIT_S = 1.0  # a fetch returns this soon with nothing, so a stop is noticed
+# One batch per fetch: a fetch of n waits (nats-py) until n have come or the wait is over, and
+# batches held that way are late in the index and stall the other replicas' gaps behind them.
+_FETCH_BATCH = 1
 _NATS_RETRY_S = 0.5
+_GAP_RECHECK_PAUSES_S = (0.002, 0.005, 0.01)
 _STORE_ERROR_RETRY_S = 1.0  # a batch Redis refused for a non-transient reason comes back then
 
 
@@ -57,6 +62,7 @@ class BatchApplier:
         self.config = config
         self.watch = watch
         self.counters = counters
+        self.gaps = GapTracker(config.gap_stall_timeout_s, config.resync_after_deliveries)
 
     async def run(self, consumer: PullConsumer, stopping: asyncio.Event) -> None:
         """Fetch and apply until ``stopping`` is set; the batch in hand is finished first."""
@@ -65,7 +71,7 @@ class BatchApplier:
                 await self.watch.wait_back(_FETCH_WAIT_S)
                 continue
             try:
-                msgs = await consumer.fetch(self.config.fetch_batch, timeout=_FETCH_WAIT_S)
+                msgs = await consumer.fetch(_FETCH_BATCH, timeout=_FETCH_WAIT_S)
             except BusError as e:
                 log.warning("cannot fetch KV event batches (%s); retrying", e)
                 await asyncio.sleep(_NATS_RETRY_S)
@@ -116,23 +122,39 @@ class BatchApplier:
         return False
 
     async def _apply(self, msg: Msg, message: KVEventsMessage) -> None:
-        result = await self.store.apply(message)
+        executor_id = message.executor_id
+        result, applied_seq = await self.store.apply(message)
+        # The missing batch is most often being applied by another replica this very moment: look
+        # again a few times, a few ms apart, before a nak sends this one around the stream (and the
+        # executor's next batches after it, which would find the same gap).
+        for pause_s in _GAP_RECHECK_PAUSES_S:
+            if result is not ApplyResult.GAP:
+                break
+            await asyncio.sleep(pause_s)
+            result, applied_seq = await self.store.apply(message)
         if result is ApplyResult.GAP:
             self.counters.num_gaps += 1
-            if on_gap(msg.metadata.num_delivered, self.config.resync_after_deliveries) is (
-                GapAction.WAIT
-            ):
+            action = self.gaps.on_gap(
+                executor_id,
+                message.epoch,
+                applied_seq,
+                msg.metadata.num_delivered,
+                time.monotonic(),
+            )
+            if action is GapAction.WAIT:
                 await _settle(msg.nak(delay=self.config.gap_retry_delay_s))
                 return
-            await self.resync(message.executor_id, message.epoch, purge_on_failure=True)
-            result = await self.store.apply(message)  # usually a replay now
+            await self.resync(executor_id, message.epoch, purge_on_failure=True)
+            result, _ = await self.store.apply(message)  # usually a replay now
             if result is ApplyResult.GAP:
                 log.warning(
                     "batch %d of executor %s is still after a gap once resynced; the next one "
                     "resyncs again",
                     message.batch.seq,
-                    message.executor_id,
+                    executor_id,
                 )
+        if result is not ApplyResult.GAP:
+            self.gaps.on_progress(executor_id)
         if result is ApplyResult.APPLIED:
             self.counters.num_batches_applied += 1
             self.counters.last_apply_lag_s = max(

@@ -29,8 +29,10 @@ class PrefixIndexConfig:
     match_timeout_s: float = 0.25  # a match that takes longer answers with an error
     ack_wait_s: float = 30.0  # a fetched batch not acked in this long goes to another replica
     gap_retry_delay_s: float = 0.25  # a batch after a gap is redelivered this much later...
-    resync_after_deliveries: int = 4  # ...until delivered this often: then resync
-    fetch_batch: int = 64  # batches fetched at once (applied in order)
+    # ...until the executor's applied seq has stood still this long, over at least this many
+    # deliveries of the waiting batch: then it resyncs (logic.GapTracker).
+    gap_stall_timeout_s: float = 1.0
+    resync_after_deliveries: int = 3
     tick_interval_s: float = 0.25  # liveness checks
     max_match_blocks: int = 1 << 16  # a longer match request is refused
     # A dead executor's tombstone outlives every batch of its epoch the stream still holds.
@@ -50,11 +52,12 @@ class PrefixIndexConfig:
             "match_timeout_s",
             "ack_wait_s",
             "gap_retry_delay_s",
+            "gap_stall_timeout_s",
             "tick_interval_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("resync_after_deliveries", "fetch_batch", "max_match_blocks"):
+        for name in ("resync_after_deliveries", "max_match_blocks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.tombstone_ttl_s < 1:
@@ -112,8 +115,14 @@ def parse_config(argv: list[str] | None = None) -> PrefixIndexConfig:
     p.add_argument(
         "--resync-after",
         type=int,
-        default=env_int("LLMSERVE_RESYNC_AFTER_DELIVERIES", 4),
-        help="deliveries of a batch after a gap before resyncing from a snapshot",
+        default=env_int("LLMSERVE_RESYNC_AFTER_DELIVERIES", 3),
+        help="deliveries of a batch after a gap before resyncing from a snapshot (at least)",
+    )
+    p.add_argument(
+        "--gap-stall-timeout",
+        type=float,
+        default=env_float("LLMSERVE_GAP_STALL_TIMEOUT", 1.0),
+        help="seconds an executor's applied batches may stand still behind a gap before resyncing",
     )
     p.add_argument("--name", default="prefix_index", help="connection name")
     a = p.parse_args(argv)
@@ -130,6 +139,7 @@ def parse_config(argv: list[str] | None = None) -> PrefixIndexConfig:
             match_timeout_s=a.match_timeout,
             ack_wait_s=a.ack_wait,
             resync_after_deliveries=a.resync_after,
+            gap_stall_timeout_s=a.gap_stall_timeout,
         )
     except ValueError as e:
         p.error(str(e))

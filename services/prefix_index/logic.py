@@ -3,7 +3,7 @@ takes ``now`` so it is unit-tested synchronously.
 
 - ``hash_tag_prefix``: the key prefix inside a hash tag (one cluster slot for the whole index).
 - ``encode_events``: a batch's events as the flat Lua arguments of ``apply`` (lua.py).
-- ``on_gap``: nak and wait for the missing batch, or resync from a snapshot.
+- ``GapTracker``: nak and wait for a missing batch, or resync from a snapshot.
 - ``ExecutorTracker``: who heartbeats, who went silent (purge), whose record to check in Redis.
 - ``RedisHealth``: up/down transitions, so an outage and its end are each logged once.
 - ``Counters``: this replica's figures for PrefixIndexStatus.
@@ -23,10 +23,10 @@ __all__ = [
     "Counters",
     "ExecutorTracker",
     "GapAction",
+    "GapTracker",
     "RedisHealth",
     "encode_events",
     "hash_tag_prefix",
-    "on_gap",
 ]
 
 
@@ -59,11 +59,39 @@ class GapAction(StrEnum):
     RESYNC = "resync"  # ask the executor for its snapshot
 
 
-def on_gap(num_delivered: int, resync_after_deliveries: int) -> GapAction:
-    """A batch arrived with a gap before it. The missing one is usually in flight at another
-    replica (each fetch goes to one of them), so wait for it a few deliveries; after that it is
-    really gone (dropped by the stream's limits, or a resync lost a race): resync."""
-    return GapAction.RESYNC if num_delivered >= resync_after_deliveries else GapAction.WAIT
+class GapTracker:
+    """Whether a batch that arrived after a gap should wait for the missing one or resync.
+
+    With several replicas pulling from one consumer, an executor's batches are spread over them,
+    so a gap is usually the missing batch being applied by another replica right now: the batch
+    is nak'ed with a delay and comes back. A burst spread that way can need many such rounds, each
+    of which moves the executor's applied seq on, so the rule is progress, not a count: resync
+    only once this replica has seen the executor's applied (epoch, seq) stand still for
+    ``stall_timeout_s`` across at least ``min_deliveries`` deliveries of the waiting batch (the
+    missing batch is then really lost: dropped by the stream's limits, or held by a dead replica
+    until its ack wait runs out)."""
+
+    def __init__(self, stall_timeout_s: float, min_deliveries: int) -> None:
+        if stall_timeout_s <= 0 or min_deliveries < 1:
+            raise ValueError("stall_timeout_s must be > 0 and min_deliveries >= 1")
+        self.stall_timeout_s = stall_timeout_s
+        self.min_deliveries = min_deliveries
+        self._stalled: dict[str, tuple[str, int, float]] = {}  # executor → epoch, seq, since
+
+    def on_gap(
+        self, executor_id: str, epoch: str, applied_seq: int, num_delivered: int, now: float
+    ) -> GapAction:
+        seen = self._stalled.get(executor_id)
+        if seen is None or seen[:2] != (epoch, applied_seq):
+            self._stalled[executor_id] = (epoch, applied_seq, now)  # it moved (or first sight)
+            return GapAction.WAIT
+        if num_delivered >= self.min_deliveries and now - seen[2] >= self.stall_timeout_s:
+            return GapAction.RESYNC
+        return GapAction.WAIT
+
+    def on_progress(self, executor_id: str) -> None:
+        """A batch of the executor was applied (or its entries replaced): no gap stands."""
+        self._stalled.pop(executor_id, None)
 
 
 @dataclass

@@ -15,7 +15,8 @@ them). Epochs compare as byte strings (``str_cmp``): Lua's ``<`` on strings uses
 locale collation, not byte order.
 
 Script contracts (ARGV after the prefix; every reply is a status word or a flat array):
-- apply(executor, epoch, model, seq, ops...) → 'applied' | 'replay' | 'gap' | 'stale'
+- apply(executor, epoch, model, seq, ops...) → [status, the record's seq after the call]
+  status: 'applied' | 'replay' | 'gap' | 'stale'
   ops: 'S' n h1..hn (stored) | 'R' n h1..hn (removed) | 'C' (all cleared), in event order.
   An epoch older than the record's, or the record's own epoch once it is a tombstone: 'stale'.
   A newer (or first) epoch is adopted first: the old entries are purged and the record says
@@ -134,13 +135,13 @@ end
 local rec = read_record(p, e)
 if rec then
   local c = str_cmp(epoch, rec.epoch)
-  if c < 0 or (c == 0 and rec.dead) then return 'stale' end
+  if c < 0 or (c == 0 and rec.dead) then return {'stale', rec.seq} end
   if c > 0 then rec = adopt(p, e, rec, epoch, model) end
 else
   rec = adopt(p, e, nil, epoch, model)
 end
-if seq <= rec.seq then return 'replay' end
-if seq > rec.seq + 1 or model ~= rec.model then return 'gap' end
+if seq <= rec.seq then return {'replay', rec.seq} end
+if seq > rec.seq + 1 or model ~= rec.model then return {'gap', rec.seq} end
 local i = 6
 while i <= #ARGV do
   local op = ARGV[i]
@@ -156,7 +157,7 @@ while i <= #ARGV do
   end
 end
 redis.call('HSET', key_record(p, e), 'seq', seq)
-return 'applied'
+return {'applied', seq}
 """,
     "install": """
 local p, e, epoch, model = ARGV[1], ARGV[2], ARGV[3], ARGV[4]

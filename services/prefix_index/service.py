@@ -15,8 +15,10 @@ routes by load), and no batch is acknowledged, so none is lost; the service reco
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 
 import msgspec
 
@@ -212,22 +214,32 @@ class PrefixIndexService:
                 )
 
 
-async def serve(config: PrefixIndexConfig, stop: asyncio.Event) -> None:
+@contextlib.asynccontextmanager
+async def running(config: PrefixIndexConfig) -> AsyncIterator[PrefixIndexService]:
+    """A started service with its own connections; on exit it stops, drains and closes them."""
     bus = await Bus.connect(config.nats_url, config.name)
-    tombstone_ttl_s = config.tombstone_ttl_s
-    store = PrefixStore(
-        connect_redis(config.redis_url, config.redis_timeout_s),
-        config.key_prefix,
-        tombstone_ttl_s=tombstone_ttl_s,
-    )
-    match_store = PrefixStore(
-        connect_redis(config.redis_url, config.match_timeout_s),
-        config.key_prefix,
-        tombstone_ttl_s=tombstone_ttl_s,
+    store, match_store = (
+        PrefixStore(
+            connect_redis(config.redis_url, timeout_s),
+            config.key_prefix,
+            tombstone_ttl_s=config.tombstone_ttl_s,
+        )
+        for timeout_s in (config.redis_timeout_s, config.match_timeout_s)
     )
     service = PrefixIndexService(bus, store, match_store, config)
     try:
         await service.start()
+        yield service
+    finally:
+        await service.stop()
+        await bus.drain()
+        await bus.close()
+        await store.close()
+        await match_store.close()
+
+
+async def serve(config: PrefixIndexConfig, stop: asyncio.Event) -> None:
+    async with running(config):
         log.info(
             "prefix index ready (consumer %s, keys {%s}:*, executor timeout %.1fs)",
             config.consumer,
@@ -235,9 +247,3 @@ async def serve(config: PrefixIndexConfig, stop: asyncio.Event) -> None:
             config.executor_timeout_s,
         )
         await stop.wait()
-        await service.stop()
-        await bus.drain()
-    finally:
-        await bus.close()
-        await store.close()
-        await match_store.close()

@@ -26,7 +26,7 @@ import hashlib
 import logging
 from collections.abc import Sequence
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis.asyncio as aioredis
 import redis.exceptions
@@ -38,6 +38,7 @@ from services.prefix_index.logic import encode_events, hash_tag_prefix
 from shared.wire.kv_events import KVCacheSnapshot, KVEventsMessage
 
 __all__ = [
+    "ApplyOutcome",
     "ApplyResult",
     "IndexStoreError",
     "IndexUnavailable",
@@ -59,8 +60,13 @@ class IndexUnavailable(IndexStoreError):
 class ApplyResult(StrEnum):
     APPLIED = "applied"
     REPLAY = "replay"  # already applied: nothing written
-    GAP = "gap"  # a batch before it is missing: resync
+    GAP = "gap"  # a batch before it is not applied (yet): wait for it, or resync
     STALE = "stale"  # from an epoch the index has moved past (or declared dead): drop
+
+
+class ApplyOutcome(NamedTuple):
+    result: ApplyResult
+    seq: int  # the executor's record's seq after the call: how far its batches are applied
 
 
 # Error replies that mean "not now" rather than "never": the call is retried once Redis is back.
@@ -109,11 +115,11 @@ class PrefixStore:
 
     # -- operations --------------------------------------------------------------------------
 
-    async def apply(self, message: KVEventsMessage) -> ApplyResult:
+    async def apply(self, message: KVEventsMessage) -> ApplyOutcome:
         batch = message.batch
         if batch.seq < 1:
             raise ValueError(f"batch seq must be >= 1, got {batch.seq}")
-        reply = await self._call(
+        status, seq = await self._call(
             "apply",
             [
                 message.executor_id,
@@ -123,7 +129,7 @@ class PrefixStore:
                 *encode_events(batch.events),
             ],
         )
-        return ApplyResult(reply)
+        return ApplyOutcome(ApplyResult(status), int(seq))
 
     async def install_snapshot(self, snapshot: KVCacheSnapshot) -> str:
         """'installed', 'current' (the index is at or past it already) or 'stale'."""

@@ -107,13 +107,13 @@ def test_applying_a_batch_twice_leaves_redis_unchanged(with_store):
     async def main(store: PrefixStore, key_prefix: str) -> None:
         a = KVExecutorModel("ex-a", MODEL)
         first = a.store_prompt(list(range(20)))
-        assert await store.apply(first) is ApplyResult.APPLIED
+        assert (await store.apply(first)).result is ApplyResult.APPLIED
         second = a.batch([a.stored(list(range(100, 116))), a.removed([min(a.held)])])
-        assert await store.apply(second) is ApplyResult.APPLIED
+        assert (await store.apply(second)).result is ApplyResult.APPLIED
         before = await dump_keys(store.client, key_prefix)
         raw_before = await dump_bytes(store.client, sorted(before))
         for message in (second, first, second):
-            assert await store.apply(message) is ApplyResult.REPLAY
+            assert await store.apply(message) == (ApplyResult.REPLAY, 2)
         assert await dump_keys(store.client, key_prefix) == before
         assert await dump_bytes(store.client, sorted(before)) == raw_before
         assert index_of(before, key_prefix) == {"ex-a": a.held}
@@ -199,12 +199,14 @@ def test_restart_clear_or_death_purges_exactly_that_executor(with_store, how):
         others = await keys_without(store.client, key_prefix, "ex-a")
         if how == "new epoch batch":
             a.restart()
-            assert await store.apply(a.store_prompt(list(range(500, 508)))) is ApplyResult.APPLIED
+            assert (
+                await store.apply(a.store_prompt(list(range(500, 508))))
+            ).result is ApplyResult.APPLIED
         elif how == "new epoch heartbeat":
             a.restart()
             assert await store.observe("ex-a", a.epoch, MODEL) == "restarted"
         elif how == "cleared":
-            assert await store.apply(a.batch([a.cleared()])) is ApplyResult.APPLIED
+            assert (await store.apply(a.batch([a.cleared()]))).result is ApplyResult.APPLIED
         else:
             assert await store.purge("ex-a", a.epoch) == "purged"
             assert await store.purge("ex-a", a.epoch) == "absent"
@@ -228,7 +230,7 @@ def test_cleared_mid_batch_keeps_what_is_stored_after_it(with_store):
             a.cleared(),
             a.stored(list(range(70, 78))),
         ]
-        assert await store.apply(a.batch(events)) is ApplyResult.APPLIED
+        assert (await store.apply(a.batch(events))).result is ApplyResult.APPLIED
         assert len(a.held) == 2
         assert index_of(await dump_keys(store.client, key_prefix), key_prefix) == {"ex-a": a.held}
 
@@ -242,11 +244,12 @@ def test_gap_and_stale_batches_write_nothing(with_store):
         await store.apply(a.store_prompt(list(range(8))))
         before = await dump_keys(store.client, key_prefix)
         a.store_prompt(list(range(30, 38)))  # seq 2, never delivered
-        assert await store.apply(a.store_prompt(list(range(60, 68)))) is ApplyResult.GAP
+        # A gap says how far the executor's batches are applied.
+        assert await store.apply(a.store_prompt(list(range(60, 68)))) == (ApplyResult.GAP, 1)
         wrong_model = KVEventsMessage(
             executor_id="ex-a", epoch=old_epoch, model="other", batch=KVEventBatch(seq=2, events=[])
         )
-        assert await store.apply(wrong_model) is ApplyResult.GAP
+        assert (await store.apply(wrong_model)).result is ApplyResult.GAP
         assert await dump_keys(store.client, key_prefix) == before
         a.restart()
         await store.apply(a.store_prompt(list(range(90, 98))))
@@ -257,12 +260,12 @@ def test_gap_and_stale_batches_write_nothing(with_store):
             model=MODEL,
             batch=KVEventBatch(seq=2, events=[AllBlocksCleared()]),
         )
-        assert await store.apply(stale) is ApplyResult.STALE
+        assert (await store.apply(stale)).result is ApplyResult.STALE
         assert await dump_keys(store.client, key_prefix) == after_restart
         # A new epoch whose first batch is lost: the old entries go, the rest waits for a resync.
         a.restart()
         a.store_prompt(list(range(8)))
-        assert await store.apply(a.store_prompt(list(range(8)))) is ApplyResult.GAP
+        assert (await store.apply(a.store_prompt(list(range(8))))).result is ApplyResult.GAP
         assert index_of(await dump_keys(store.client, key_prefix), key_prefix) == {}
 
     with_store(main)
@@ -285,7 +288,9 @@ def test_snapshot_install_replaces_entries_unless_the_index_is_ahead(with_store)
         }
         assert await dump_bytes(store.client, list(others)) == others
         # The next batch follows the snapshot; an older snapshot changes nothing.
-        assert await store.apply(a.store_prompt(list(range(300, 304)))) is ApplyResult.APPLIED
+        assert (
+            await store.apply(a.store_prompt(list(range(300, 304))))
+        ).result is ApplyResult.APPLIED
         assert await store.install_snapshot(snapshot) == "current"
         assert index_of(await dump_keys(store.client, key_prefix), key_prefix)["ex-a"] == a.held
 
@@ -301,7 +306,7 @@ def test_a_purged_epoch_stays_dead_until_a_snapshot_or_a_restart(with_store):
         assert "ex-a" not in await store.executors()
         # Its epoch's later batches (still in the stream) do not bring it back...
         late = a.store_prompt(list(range(400, 408)))
-        assert await store.apply(late) is ApplyResult.STALE
+        assert (await store.apply(late)).result is ApplyResult.STALE
         # ...but if it beats, it is alive: the service resyncs it.
         assert await store.observe("ex-a", a.epoch, MODEL) == "dead"
         assert await store.install_snapshot(a.snapshot()) == "installed"
@@ -311,7 +316,7 @@ def test_a_purged_epoch_stays_dead_until_a_snapshot_or_a_restart(with_store):
         # A restart after a death starts clean.
         assert await store.purge("ex-a") == "purged"
         a.restart()
-        assert await store.apply(a.store_prompt(list(range(8)))) is ApplyResult.APPLIED
+        assert (await store.apply(a.store_prompt(list(range(8))))).result is ApplyResult.APPLIED
         assert (await store.executors())["ex-a"] == a.epoch
         # A purge for an older epoch leaves a restarted executor alone.
         assert await store.purge("ex-a", "0") == "newer"
@@ -340,7 +345,7 @@ def test_a_server_that_forgot_the_scripts_gets_them_again(with_store):
         await store.client.script_flush()
         if store._use_functions:
             await store.client.function_flush()
-        assert await store.apply(a.store_prompt(list(range(8)))) is ApplyResult.APPLIED
+        assert (await store.apply(a.store_prompt(list(range(8))))).result is ApplyResult.APPLIED
         assert index_of(await dump_keys(store.client, key_prefix), key_prefix) == {"ex-a": a.held}
 
     with_store(main)

@@ -9,10 +9,10 @@ from services.prefix_index.logic import (
     Counters,
     ExecutorTracker,
     GapAction,
+    GapTracker,
     RedisHealth,
     encode_events,
     hash_tag_prefix,
-    on_gap,
 )
 from shared.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -38,14 +38,26 @@ def test_events_flatten_in_order_with_hashes_as_exact_strings():
         encode_events([object()])  # type: ignore[list-item]
 
 
-def test_a_gap_waits_for_the_missing_batch_then_resyncs():
-    assert [on_gap(n, 3) for n in (1, 2, 3, 4)] == [
-        GapAction.WAIT,
-        GapAction.WAIT,
-        GapAction.RESYNC,
-        GapAction.RESYNC,
-    ]
-    assert on_gap(1, 1) is GapAction.RESYNC
+def test_a_gap_waits_while_the_executor_progresses_and_resyncs_once_it_stalls():
+    g = GapTracker(stall_timeout_s=1.0, min_deliveries=3)
+    # Applied seq 4 of epoch e1 when the gap is first seen: wait.
+    assert g.on_gap("a", "e1", 4, num_delivered=1, now=0.0) is GapAction.WAIT
+    assert g.on_gap("a", "e1", 4, num_delivered=2, now=0.5) is GapAction.WAIT
+    # Another replica applied the next batches meanwhile: the clock starts again.
+    assert g.on_gap("a", "e1", 6, num_delivered=3, now=0.9) is GapAction.WAIT
+    assert g.on_gap("a", "e1", 6, num_delivered=9, now=1.8) is GapAction.WAIT
+    # Stood still for the timeout over enough deliveries: the batch is lost.
+    assert g.on_gap("a", "e1", 6, num_delivered=3, now=2.0) is GapAction.RESYNC
+    # Not before enough deliveries, however long it stood.
+    assert g.on_gap("b", "e1", 0, num_delivered=1, now=0.0) is GapAction.WAIT
+    assert g.on_gap("b", "e1", 0, num_delivered=2, now=50.0) is GapAction.WAIT
+    assert g.on_gap("b", "e1", 0, num_delivered=3, now=50.0) is GapAction.RESYNC
+    # A new epoch at the same seq is progress too; so is any batch applied.
+    assert g.on_gap("b", "e2", 0, num_delivered=5, now=60.0) is GapAction.WAIT
+    g.on_progress("b")
+    assert g.on_gap("b", "e2", 0, num_delivered=5, now=60.5) is GapAction.WAIT
+    with pytest.raises(ValueError):
+        GapTracker(stall_timeout_s=0.0, min_deliveries=1)
 
 
 def test_tracker_expires_executors_silent_for_the_timeout():
@@ -123,7 +135,7 @@ def test_config_from_flags_over_environment(monkeypatch):
         ("consumer", "a.b"),
         ("executor_timeout_s", 0.0),
         ("resync_after_deliveries", 0),
-        ("fetch_batch", 0),
+        ("max_match_blocks", 0),
     ],
 )
 def test_config_refuses_bad_values(field, value):
