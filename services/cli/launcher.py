@@ -90,6 +90,7 @@ class StackConfig:
     num_executors: int = 1
     num_tokenizers: int = 1
     num_schedulers: int = 1
+    num_prefix_indexes: int = 1  # prefix index replicas (0: none; the schedulers route by load)
     max_queue_len: int = 256
     routing: str = "cache"  # the schedulers' placement policy (services/scheduler/placement.py)
     max_queued: int | None = None  # each executor accepts max_num_seqs + this (None: twice)
@@ -108,6 +109,8 @@ class StackConfig:
         for name in ("num_executors", "num_tokenizers", "num_schedulers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_prefix_indexes < 0:
+            raise ValueError(f"num_prefix_indexes must be >= 0, got {self.num_prefix_indexes}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_queue_len < 0:
@@ -284,7 +287,7 @@ class Stack:
         if grace_s is None:
             grace_s = self.config.drain_timeout_s + 5.0
         # The gateway stops taking requests first; then the pipeline drains behind it.
-        order = ["gateway", "tokenizer", "scheduler", "executor"]
+        order = ["gateway", "tokenizer", "scheduler", "executor", "prefix_index"]
         waves = [
             [s for s in self.services.values() if s.name.split("-")[0] == kind] for kind in order
         ]
@@ -436,6 +439,13 @@ def launch(
         for i in range(num_executors_total(config)):
             stack.start_service(
                 f"executor-{i}", "services.executor", [*common, *executor_args(config, i)], env
+            )
+        for i in range(config.num_prefix_indexes):
+            stack.start_service(
+                f"prefix_index-{i}",
+                "services.prefix_index",
+                [*common, "--redis-url", redis_url, "--name", f"prefix_index-{i}"],
+                env,
             )
         for i in range(config.num_schedulers):
             stack.start_service(

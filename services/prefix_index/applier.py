@@ -181,7 +181,7 @@ class BatchApplier:
                 raise ValueError(f"the snapshot is executor {snapshot.executor_id}'s")
         except (BusError, msgspec.DecodeError, ValueError) as e:
             if not purge_on_failure:
-                log.info("executor %s did not answer a snapshot request: %s", executor_id, e)
+                log.debug("executor %s did not answer a snapshot request: %s", executor_id, e)
                 return "no answer"
             result = await self.store.purge(executor_id, epoch)
             if result == "purged":

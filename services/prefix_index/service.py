@@ -5,7 +5,8 @@ Inputs:
   every replica): the BatchApplier applies and acks each batch (applier.py);
 - EXECUTOR_STATS_ALL (fan-out: every replica tracks liveness): a new epoch purges the executor's
   old entries; an executor in the index silent for ``executor_timeout_s`` is purged; one that
-  beats although its epoch was purged as dead is resynced from its snapshot;
+  beats although its epoch was purged as dead, or that the index has no record of (new, or Redis
+  lost its data), is resynced from its snapshot;
 - PREFIX_INDEX_MATCH and PREFIX_INDEX_STATUS, request/reply in queue group QUEUE_PREFIX_INDEX.
 
 While Redis is down (watch.py) matches answer at once with ``error`` set (the scheduler then
@@ -166,15 +167,18 @@ class PrefixIndexService:
                 "executor %s restarted (epoch %s): its old entries purged", hb.executor_id, hb.epoch
             )
         elif result == "dead":
+            log.info("executor %s was purged as silent but beats: resyncing it", hb.executor_id)
+            self._start_resync(hb.executor_id, hb.epoch)
+        elif result == "unknown":
+            # It beats but the index has no record: it is new, or Redis lost its data.
             self._start_resync(hb.executor_id, hb.epoch)
 
     def _start_resync(self, executor_id: str, epoch: str) -> None:
-        """An executor purged as dead beats again: take its snapshot (one at a time per executor;
-        without an answer the next check tries again)."""
+        """Take the executor's snapshot (one at a time per executor; without an answer the next
+        check tries again)."""
         running = self._resyncs.get(executor_id)
         if running is not None and not running.done():
             return
-        log.info("executor %s was purged as silent but beats: resyncing it", executor_id)
 
         async def resync() -> None:
             try:

@@ -130,10 +130,11 @@ def test_heartbeats_purge_the_silent_and_the_restarted_and_resync_the_wrongly_pu
 
                 # B beats again with the same epoch: it was alive after all, so it is resynced
                 # from its snapshot.
+                resyncs = service.counters.num_resyncs
                 b.held = b_held
                 beating.add(b)
                 await index_equals(client, config.key_prefix, [a, b])
-                await counted(service, "num_resyncs", 1)
+                await counted(service, "num_resyncs", resyncs + 1)
 
                 # A restarts (a new epoch in its heartbeat): its old entries go at once.
                 b_keys = await keys_without(client, config.key_prefix, "ex-a")
@@ -245,5 +246,40 @@ def test_a_batch_ahead_of_its_predecessor_waits_for_it_without_a_resync(own_nats
             await index_equals(client, config.key_prefix, [a])
             assert service.counters.num_batches_applied == 3
             assert service.counters.num_resyncs == service.counters.num_purges == 0
+
+    asyncio.run(main())
+
+
+def test_an_index_that_lost_its_data_resyncs_the_executors_that_beat(own_nats_url, redis_url):
+    async def main() -> None:
+        config = index_config(own_nats_url, redis_url, executor_timeout_s=1.0)
+        executors = [KVExecutorModel(f"ex-{n}", MODEL) for n in "ab"]
+        async with (
+            await Bus.connect(own_nats_url, "test") as bus,
+            running(config) as service,
+            redis_client(config) as client,
+        ):
+
+            async def heartbeats() -> None:
+                while True:
+                    for ex in executors:
+                        await publish_heartbeat(bus, ex)
+                    await asyncio.sleep(0.2)
+
+            beat_task = asyncio.create_task(heartbeats())
+            for ex in executors:
+                await answer_snapshots(bus, ex)
+                await publish(bus, ex.store_prompt(list(range(24))))
+            await index_equals(client, config.key_prefix, executors)
+            resyncs = service.counters.num_resyncs
+            # Redis loses every key of the index (a restart without persistence, say).
+            await client.delete(*await client.keys("{" + config.key_prefix + "}:*"))
+            await index_equals(client, config.key_prefix, executors)
+            await counted(service, "num_resyncs", resyncs + len(executors), at_least=True)
+            # And batches apply after the snapshots as before.
+            for ex in executors:
+                await publish(bus, ex.store_prompt(list(range(100, 124))))
+            await index_equals(client, config.key_prefix, executors)
+            beat_task.cancel()
 
     asyncio.run(main())

@@ -21,9 +21,15 @@ FORBIDDEN = {
     "services/gateway": ("torch", "kernels", "shared.engine.models", "services.cli"),
     "services/tokenizer": ("torch", "kernels", "shared.engine.models", "services.cli"),
     "services/scheduler": ("torch", "kernels", "shared.engine", "services.cli"),
+    "services/prefix_index": ("torch", "kernels", "shared.engine", "services.cli"),
     "services/executor": ("services.cli",),
 }
-TORCH_FREE_SERVICES = ("services.gateway", "services.tokenizer", "services.scheduler")
+TORCH_FREE_SERVICES = (
+    "services.gateway",
+    "services.tokenizer",
+    "services.scheduler",
+    "services.prefix_index",
+)
 
 
 def imported_modules(path: pathlib.Path) -> set[str]:

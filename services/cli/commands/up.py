@@ -26,8 +26,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "up",
         help="start the whole stack locally (NATS, Redis, every service) and serve HTTP",
         description="Start nats-server and redis-server on free loopback ports (or use $NATS_URL / "
-        "$REDIS_URL), then the executor, scheduler, tokenizer and gateway services, each "
-        "as its own process. Ctrl-C drains and stops everything.",
+        "$REDIS_URL), then the executor, prefix index, scheduler, tokenizer and gateway services, "
+        "each as its own process. Ctrl-C drains and stops everything.",
     )
     p.add_argument(
         "--model-name",
@@ -48,6 +48,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--tokenizers", type=int, default=1, help="tokenizer processes")
     p.add_argument("--schedulers", type=int, default=1, help="scheduler processes")
+    p.add_argument(
+        "--prefix-indexes",
+        type=int,
+        default=1,
+        help="prefix index processes (replicas over one Redis; 0: none, routing by load)",
+    )
     p.add_argument(
         "--routing",
         choices=ROUTING_POLICIES,
@@ -133,6 +139,7 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
         num_executors=args.executors,
         num_tokenizers=args.tokenizers,
         num_schedulers=args.schedulers,
+        num_prefix_indexes=args.prefix_indexes,
         routing=args.routing,
         max_queued=args.max_queued,
         max_queue_len=args.max_queue_len,
