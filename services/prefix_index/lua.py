@@ -89,14 +89,13 @@ local function drop_entries(p, e, model)
   redis.call('DEL', held)
 end
 
-local function add_entry(p, e, model, h)
-  redis.call('SADD', key_block(p, model, h), e)
-  redis.call('SADD', key_held(p, e), h)
-end
-
-local function remove_entry(p, e, model, h)
-  redis.call('SREM', key_block(p, model, h), e)
-  redis.call('SREM', key_held(p, e), h)
+-- The hashes argv[first..last] enter (cmd SADD) or leave (SREM) e's entries. The held set takes
+-- them a chunk per call (unpack's limit is a few thousand values).
+local function change_entries(cmd, p, e, model, argv, first, last)
+  for j = first, last do redis.call(cmd, key_block(p, model, argv[j]), e) end
+  for j = first, last, 1000 do
+    redis.call(cmd, key_held(p, e), unpack(argv, j, math.min(j + 999, last)))
+  end
 end
 
 -- A newer epoch (or a first one) replaces whatever the record held.
@@ -150,9 +149,9 @@ while i <= #ARGV do
     i = i + 1
   else
     local n = tonumber(ARGV[i + 1])
-    for j = i + 2, i + 1 + n do
-      if op == 'S' then add_entry(p, e, model, ARGV[j]) else remove_entry(p, e, model, ARGV[j]) end
-    end
+    local cmd = 'SREM'
+    if op == 'S' then cmd = 'SADD' end
+    change_entries(cmd, p, e, model, ARGV, i + 2, i + 1 + n)
     i = i + 2 + n
   end
 end
@@ -171,7 +170,7 @@ if rec then
   drop_entries(p, e, rec.model)
 end
 write_record(p, e, epoch, seq, model)
-for i = 6, #ARGV do add_entry(p, e, model, ARGV[i]) end
+change_entries('SADD', p, e, model, ARGV, 6, #ARGV)
 return 'installed'
 """,
     "purge": """

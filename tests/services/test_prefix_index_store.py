@@ -27,7 +27,9 @@ from services.prefix_index.store import (
 )
 from shared.wire.kv_events import (
     AllBlocksCleared,
+    BlockRemoved,
     BlockStored,
+    KVCacheSnapshot,
     KVEvent,
     KVEventBatch,
     KVEventsMessage,
@@ -379,3 +381,25 @@ def test_an_unreachable_redis_is_a_typed_fast_error():
         await store.close()
 
     asyncio.run(main())
+
+
+def test_thousands_of_hashes_in_one_call(with_store):
+    async def main(store: PrefixStore, key_prefix: str) -> None:
+        a = KVExecutorModel("ex-a", MODEL)
+        many = list(range(10**12, 10**12 + 2500))  # past the per-call chunk of the held set
+        stored = BlockStored(block_hashes=many, parent_block_hash=None, token_ids=[], block_size=0)
+        assert (await store.apply(a.batch([stored]))).result is ApplyResult.APPLIED
+        assert await store.stats() == (1, 2500)
+        removed = a.batch([BlockRemoved(block_hashes=many[:1500])])
+        assert (await store.apply(removed)).result is ApplyResult.APPLIED
+        assert await store.match(MODEL, many[1500:]) == {"ex-a": 1000}
+        snapshot = KVCacheSnapshot(
+            executor_id="ex-a", epoch=a.epoch, model=MODEL, seq=a.seq + 1, block_hashes=many
+        )
+        assert await store.install_snapshot(snapshot) == "installed"
+        assert await store.match(MODEL, many) == {"ex-a": 2500}
+        dump = await dump_keys(store.client, key_prefix)
+        assert index_of(dump, key_prefix) == {"ex-a": set(many)}
+        assert dump[f"{{{key_prefix}}}:xb:ex-a"] == {str(h) for h in many}
+
+    with_store(main)
