@@ -25,7 +25,7 @@ import msgspec
 
 from services.prefix_index.config import PrefixIndexConfig
 from services.prefix_index.logic import Counters, GapAction, GapTracker
-from services.prefix_index.store import ApplyResult, IndexStoreError, IndexUnavailable, PrefixStore
+from services.prefix_index.store import ApplyResult, IndexUnavailable, PrefixStore
 from services.prefix_index.watch import RedisWatch
 from shared.wire import subjects
 from shared.wire.bus import Bus, BusError, Msg, PullConsumer
@@ -88,8 +88,10 @@ class BatchApplier:
         batch is then neither applied nor settled)."""
         try:
             message = KV_EVENTS_MESSAGE.decode(msg.data)
-        except msgspec.DecodeError as e:
-            log.error("dropping an undecodable KV event batch on %s: %s", msg.subject, e)
+            if message.batch.seq < 1:
+                raise ValueError(f"batch seq {message.batch.seq} < 1")
+        except (msgspec.DecodeError, ValueError) as e:
+            log.error("dropping a malformed KV event batch on %s: %s", msg.subject, e)
             await _settle(msg.term())
             return True
         while True:
@@ -100,9 +102,9 @@ class BatchApplier:
                 self.watch.failed(e)
                 if not await self._hold_until_back(held, stopping):
                     return False
-            except IndexStoreError:
+            except Exception:  # a refusal by Redis, or a bug: never the end of the loop
                 log.exception(
-                    "redis refused batch %d of executor %s; it comes back in %.0fs",
+                    "cannot apply batch %d of executor %s; it comes back in %.0fs",
                     message.batch.seq,
                     message.executor_id,
                     _STORE_ERROR_RETRY_S,

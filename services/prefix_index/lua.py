@@ -36,7 +36,7 @@ Script contracts (ARGV after the prefix; every reply is a status word or a flat 
   the old record was a tombstone); 'dead': this very epoch was purged as dead, yet it beats.
 - match(model, hashes...) → [executor, num_blocks, ...] for every executor holding a leading run
   (hashes[1] first); the scan stops at the first block no remaining executor holds.
-- stats() → [num_executors, num_block_entries]
+- stats() → [executors holding at least one block, (block, executor) entries]
 - executors() → [executor, epoch, ...] of the live records.
 """
 
@@ -228,10 +228,13 @@ return out
 """,
     "stats": """
 local p = ARGV[1]
-local executors = redis.call('SMEMBERS', key_executors(p))
-local num_entries = 0
-for _, e in ipairs(executors) do num_entries = num_entries + redis.call('SCARD', key_held(p, e)) end
-return {#executors, num_entries}
+local num_executors, num_entries = 0, 0
+for _, e in ipairs(redis.call('SMEMBERS', key_executors(p))) do
+  local n = redis.call('SCARD', key_held(p, e))
+  if n > 0 then num_executors = num_executors + 1 end
+  num_entries = num_entries + n
+end
+return {num_executors, num_entries}
 """,
     "executors": """
 local p = ARGV[1]

@@ -162,7 +162,7 @@ class PrefixStore:
         return {str(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
     async def stats(self) -> tuple[int, int]:
-        """(executors with a live record, (block, executor) entries over every model)."""
+        """(executors holding at least one block, (block, executor) entries over every model)."""
         num_executors, num_entries = await self._call("stats", [])
         return int(num_executors), int(num_entries)
 
