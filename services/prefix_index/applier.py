@@ -33,6 +33,7 @@ from shared.wire.kv_events import (
     KV_CACHE_SNAPSHOT,
     KV_EVENTS_MESSAGE,
     KV_SNAPSHOT_REQUEST,
+    AllBlocksCleared,
     KVEventsMessage,
     KVSnapshotRequest,
 )
@@ -159,6 +160,8 @@ class BatchApplier:
             self.gaps.on_progress(executor_id)
         if result is ApplyResult.APPLIED:
             self.counters.num_batches_applied += 1
+            if any(isinstance(event, AllBlocksCleared) for event in message.batch.events):
+                self.counters.num_purges += 1
             self.counters.last_apply_lag_s = max(
                 0.0, time.time() - msg.metadata.timestamp.timestamp()
             )

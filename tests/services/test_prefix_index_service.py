@@ -77,10 +77,18 @@ def test_batches_from_the_stream_are_applied_and_matched_over_nats(own_nats_url,
             assert await dump_keys(client, config.key_prefix) == before
 
             s = await status(bus)
-            assert s.redis_ok and s.num_executors == 3
+            assert s.redis_ok and s.num_executors == 3 and s.num_purges == 0
             assert s.num_block_entries == len(a.held) + len(b.held) + len(c.held)
             assert (s.num_batches_applied, s.num_replays) == (len(batches), len(batches))
             assert 0.0 <= s.last_apply_lag_s < 10.0
+
+            # C clears its cache: its entries go, and the status counts a purge.
+            await publish(bus, c.batch([c.cleared()]))
+            await index_equals(client, config.key_prefix, [a, b, c])
+            await counted(service, "num_purges", 1)
+            s = await status(bus)
+            assert (s.num_executors, s.num_purges) == (2, 1)
+            assert s.num_block_entries == len(a.held) + len(b.held)
 
     asyncio.run(main())
 
