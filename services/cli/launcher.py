@@ -444,7 +444,15 @@ def launch(
             stack.start_service(
                 f"prefix_index-{i}",
                 "services.prefix_index",
-                [*common, "--redis-url", redis_url, "--name", f"prefix_index-{i}"],
+                [
+                    *common,
+                    "--redis-url",
+                    redis_url,
+                    "--name",
+                    f"prefix_index-{i}",
+                    "--executor-timeout",
+                    str(config.heartbeat_timeout_s),
+                ],
                 env,
             )
         for i in range(config.num_schedulers):
