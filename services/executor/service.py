@@ -98,6 +98,7 @@ class ExecutorServiceConfig:
 class _Live:
     n: int
     num_prompt_tokens: int
+    num_prefill_tokens: int  # counted in the pending prefill until it starts
     started: bool = False
     aborting: bool = False
 
@@ -113,7 +114,8 @@ class ExecutorService:
     def __post_init__(self) -> None:
         self._live: dict[str, _Live] = {}
         self._admitted_weight = 0  # sum of n over _live
-        self._load_version = 0  # +1 at every accept and every release
+        self._pending_prefill_tokens = 0  # sum of num_prefill_tokens over _live not started
+        self._load_version = 0  # +1 at every accept, start and release
         self._peak_admitted_weight = 0
         self._num_refused = 0
         self._events: asyncio.Queue[list[Event]] = asyncio.Queue()
@@ -157,8 +159,12 @@ class ExecutorService:
             self._num_refused += 1
         else:
             accepted = True
-            self._live[rid] = _Live(n=weight, num_prompt_tokens=len(req.prompt_token_ids))
+            num_prompt_tokens = len(req.prompt_token_ids)
+            # The last prompt token is always computed, cached prefix or not.
+            num_prefill = max(1, num_prompt_tokens - req.num_expected_cached_tokens)
+            self._live[rid] = _Live(weight, num_prompt_tokens, num_prefill)
             self._admitted_weight += weight
+            self._pending_prefill_tokens += num_prefill
             self._load_version += 1
             self._peak_admitted_weight = max(self._peak_admitted_weight, self._admitted_weight)
             self._idle.clear()
@@ -182,6 +188,7 @@ class ExecutorService:
             version=self._load_version,
             num_admitted=self._admitted_weight,
             max_admitted=self.config.max_admitted,
+            num_pending_prefill_tokens=self._pending_prefill_tokens,
             peak_num_admitted=self._peak_admitted_weight,
             num_refused=self._num_refused,
         )
@@ -191,8 +198,16 @@ class ExecutorService:
         live = self._live.pop(rid, None)
         if live is not None:
             self._admitted_weight -= live.n
+            if not live.started:
+                self._pending_prefill_tokens -= live.num_prefill_tokens
             self._load_version += 1
         return live
+
+    def _start(self, live: _Live) -> None:
+        """Its first token is out: its prefill is no longer work ahead of anyone."""
+        live.started = True
+        self._pending_prefill_tokens -= live.num_prefill_tokens
+        self._load_version += 1
 
     async def _on_snapshot(self, msg: Msg) -> None:
         if msg.reply:
@@ -225,7 +240,7 @@ class ExecutorService:
                 if live is None:
                     continue  # already ended (drain abort)
                 if not live.started:
-                    live.started = True
+                    self._start(live)
                     await self._progress(out.request_id, "started")
                 await self.bus.publish(
                     subjects.stream(out.request_id),

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from services.scheduler.executors import ExecutorState, InFlight
-from services.scheduler.placement import ROUTING_POLICIES, CostWeights, choose
+from services.scheduler.placement import ROUTING_POLICIES, CostWeights, choose, uncached_tokens
 from shared.wire.messages import (
     ExecuteReply,
     ExecuteRequest,
@@ -388,8 +388,13 @@ class Router:
 
     def _dispatch(self, target: ExecutorState, entry: InFlight) -> Dispatch:
         entry.ack_version, entry.started, entry.aborted = None, False, False
+        num_prompt_tokens = len(entry.request.prompt_token_ids)
+        entry.num_prefill_tokens = uncached_tokens(target, entry.request, entry.cached_blocks)
         target.in_flight[entry.request.request_id] = entry
-        return Dispatch(target.executor_id, entry.request)
+        request = msgspec.structs.replace(
+            entry.request, num_expected_cached_tokens=num_prompt_tokens - entry.num_prefill_tokens
+        )
+        return Dispatch(target.executor_id, request)
 
     def _head(self, model: str) -> _Queued | None:
         """The first live entry of the model's queue; drops cancelled ones and an emptied queue."""

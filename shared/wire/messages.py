@@ -63,6 +63,9 @@ class ExecuteRequest(msgspec.Struct, kw_only=True, frozen=True):
     priority: int = 0
     arrival_time: float = 0.0
     attempt: int = 0  # > 0 when re-routed after an executor died
+    # prompt tokens the prefix index said this executor holds (its matched blocks x block size):
+    # the executor counts the rest as prefill work ahead of later requests until this one starts
+    num_expected_cached_tokens: int = 0
 
 
 class StreamError(msgspec.Struct, kw_only=True, frozen=True, tag="error", tag_field="kind"):
@@ -95,7 +98,7 @@ class AbortRequest(msgspec.Struct, kw_only=True, frozen=True):
 
 class ExecutorLoad(msgspec.Struct, kw_only=True, frozen=True):
     """What an executor holds, as it counts it: the weight (sequences: n of each request) of the
-    requests it accepted and has not finished. ``version`` grows by one at every accept and every
+    requests it accepted and has not finished. ``version`` grows by one at every accept, start and
     finish within an epoch, so of two reports the one with the larger version is the newer.
     It refuses a request that would take ``num_admitted`` past ``max_admitted`` (its max_num_seqs
     plus the queue it advertises), unless it holds nothing."""
@@ -103,6 +106,9 @@ class ExecutorLoad(msgspec.Struct, kw_only=True, frozen=True):
     version: int
     num_admitted: int
     max_admitted: int
+    # prompt tokens still to prefill of the requests it holds that have not started (each
+    # request's prompt less what the index expected cached): work ahead of a new request's prefill
+    num_pending_prefill_tokens: int = 0
     peak_num_admitted: int = 0  # the most it has held at once in this epoch
     num_refused: int = 0  # dispatches it refused as full in this epoch
 
