@@ -1,6 +1,7 @@
 """Cache-aware routing against round robin, on the whole stack, in one run.
 
-    python -m loadtests.bench_prefix_routing [--conversations 16 --turns 4 --system-len 1000]
+    python -m loadtests.bench_prefix_routing [--conversations 16 --turns 4 --system-len 1000 \
+        --user-len 150 --output-len 64 --num-kv-blocks 1024]
 
 Two executors serve a multi-turn chat workload: every conversation opens with the same system
 prompt (``--system-len`` tokens), and each turn's prompt is the previous turn's prompt plus the
@@ -77,13 +78,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--conversations", type=int, default=16)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--system-len", type=int, default=1000, help="shared system prompt, tokens")
-    p.add_argument("--user-len", type=int, default=100, help="tokens each user turn adds")
-    p.add_argument("--output-len", type=int, default=32, help="tokens of each reply")
+    p.add_argument("--user-len", type=int, default=150, help="tokens each user turn adds")
+    p.add_argument("--output-len", type=int, default=64, help="tokens of each reply")
     p.add_argument("--stagger", type=float, default=0.5, help="seconds between conversations")
     p.add_argument("--executors", type=int, default=2)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--memory-budget", default="1GiB", help="per executor")
+    p.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=1024,
+        help="KV blocks of 16 tokens per executor (0: from a 1GiB budget); a cache that holds one "
+        "copy of the conversations but not two, as here, shows what placement saves",
+    )
     p.add_argument("--policies", default="cache,round_robin")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="loadtests/results/bench_prefix_routing.json")
@@ -258,7 +265,8 @@ def run_policy(policy: str, args: argparse.Namespace) -> dict[str, Any]:
         dtype=args.dtype,
         num_threads=1,
         max_num_seqs=args.max_num_seqs,
-        memory_budget=args.memory_budget,
+        memory_budget="1GiB",
+        num_kv_blocks=args.num_kv_blocks or None,
         block_size=BLOCK_SIZE,
     )
     with launch(config) as stack:
