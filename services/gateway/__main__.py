@@ -1,9 +1,10 @@
 """``python -m services.gateway``: the OpenAI-compatible HTTP/WebSocket edge.
 
 Config from flags, with environment fallbacks (NATS_URL, LLMSERVE_API_KEY, LLMSERVE_MODEL_NAME,
-LLMSERVE_GATEWAY_HOST, LLMSERVE_GATEWAY_PORT). It loads no model files: the executors name logprobs
-tokens. SIGTERM/SIGINT: uvicorn stops accepting, lets in-flight
-requests finish (up to --drain-timeout), then the app's lifespan drains the NATS connection.
+LLMSERVE_GATEWAY_HOST, LLMSERVE_GATEWAY_PORT, LLMSERVE_MAX_BODY_BYTES, LLMSERVE_KEEP_ALIVE_TIMEOUT).
+It loads no model files: the executors name logprobs tokens. SIGTERM/SIGINT: new requests get 503,
+running ones get up to --drain-timeout, then end with an error event (server.py); then the app's
+lifespan drains the NATS connection.
 """
 
 from __future__ import annotations
@@ -30,18 +31,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
 
     from .app import create_app
+    from .server import UVICORN_GRACE_S, GatewayServer, IdleClosingH11Protocol
 
-    uvicorn.run(
-        create_app(config),
+    app = create_app(config)
+    uvicorn_config = uvicorn.Config(
+        app,
         host=config.host,
         port=config.port,
         log_level=args.log_level.lower(),
-        timeout_graceful_shutdown=args.drain_timeout,
         access_log=args.access_log,
-        # Our SSE stream sends its own bytes often enough; uvicorn's keep-alive is for idle
-        # connections between requests.
-        timeout_keep_alive=30,
+        # Our drain (server.py) ends every request first; uvicorn's is only a backstop.
+        timeout_graceful_shutdown=UVICORN_GRACE_S,
+        # Idle connections, and connections that never complete a request head, are closed
+        # after this (an SSE stream sends its own bytes; this is for the gaps between requests).
+        timeout_keep_alive=config.keep_alive_timeout_s,  # type: ignore[arg-type]
+        http=IdleClosingH11Protocol,
+        ws_max_size=config.max_body_bytes,  # a bigger WebSocket message: close 1009
     )
+    GatewayServer(uvicorn_config, app.state.gateway, config.drain_timeout_s).run()
     return 0
 
 

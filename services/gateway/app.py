@@ -10,7 +10,10 @@
     GET  /metrics                Prometheus text
 
 Every error is an OpenAI error body (errors.py). Auth (when an API key is configured) guards /v1/*;
-/health and /metrics stay open for probes and scrapers.
+/health and /metrics stay open for probes and scrapers. Generation bodies must be JSON
+(``Content-Type: application/json``, else 415) and at most ``max_body_bytes`` (413, refused while
+being read; body.py). There is no CORS: no preflight is answered, no Allow-Origin header sent.
+While draining (server.py) new generation requests and /health get 503.
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ from shared.wire.bus import Bus
 from shared.wire.outputs import RequestOutput
 
 from . import protocol
+from .body import read_body, require_json
 from .config import GatewayConfig
-from .errors import APIError, unauthorized
+from .errors import APIError, route_not_found, unauthorized
 from .generation import ClientDisconnected, Gateway, Prepared
 from .health import model_health
 from .metrics import CLIENT_CLOSED, GatewayMetrics, RequestTracker
@@ -43,6 +47,11 @@ from .streams import GenerationStream
 from .websocket import register_websocket
 
 log = logging.getLogger("llmserve.gateway")
+
+
+# A refused body may still be arriving: closing the connection after the answer is the only way
+# not to read (and discard) the rest of it.
+_CLOSE = {"Connection": "close"}
 
 
 def error_response(e: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -94,6 +103,8 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         # Unknown routes, wrong methods: OpenAI-shaped too, so clients parse every error one way.
+        if e.status_code == 404:
+            return error_response(route_not_found(request.method, request.url.path))
         return error_response(APIError(e.status_code, str(e.detail)))
 
     @app.exception_handler(Exception)
@@ -103,6 +114,8 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if gw.draining.is_set():  # a load balancer must stop sending requests here
+            return JSONResponse({"status": "draining", "reason": "shutting down"}, status_code=503)
         # Both asked at once; the scheduler's failure is the reason given when both fail.
         status, tokenizer = await asyncio.gather(
             gw.scheduler_status(), gw.tokenizer_status(), return_exceptions=True
@@ -151,10 +164,14 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
     async def generate(api: protocol.Api, endpoint: str, request: Request) -> Response:
         try:
             check_api_key(config, request.headers.get("authorization"))
-            p = await gw.prepare(api, await request.body())
+            gw.check_admission()
+            require_json(request)
+            p = await gw.prepare(api, await read_body(request, config.max_body_bytes))
         except APIError as e:
             gw.metrics.count(endpoint, e.status)
-            return error_response(e)
+            return error_response(e, _CLOSE if e.status == 413 else None)
+        # From here the request is in flight until tracker.done(), which every path below reaches
+        # (the SSE body's, or its on_close when the body never ran).
         tracker = gw.metrics.tracker(endpoint)
         headers = {"X-Request-Id": p.generate.request_id}
 
@@ -174,7 +191,18 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
             log.info("%s: client disconnected before the response; aborted", p.generate.request_id)
             tracker.done(CLIENT_CLOSED)
             return Response(status_code=CLIENT_CLOSED)
-        return EventStreamResponse(sse_body(gw, p, stream, first, tracker), headers=headers)
+        except BaseException as e:  # answered by on_unexpected (500), or cancelled
+            tracker.done(CLIENT_CLOSED if isinstance(e, asyncio.CancelledError) else 500)
+            raise
+
+        async def on_close() -> None:
+            # Both idempotent: no-ops once the body has run to its end.
+            await gw.close_stream(stream)
+            tracker.done(CLIENT_CLOSED)
+
+        return EventStreamResponse(
+            sse_body(gw, p, stream, first, tracker), headers=headers, on_close=on_close
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

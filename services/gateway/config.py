@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from services.runtime import env_bool, env_int, env_str
+from services.runtime import env_bool, env_float, env_int, env_str
 from services.served_models import split_names
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,16 @@ class GatewayConfig:
     max_tokens_default: int | None = None  # None: 16 for completions (OpenAI), unlimited for chat
     health_timeout_s: float = 2.0  # scheduler status request of GET /health
     nats_connect_timeout_s: float = 30.0
+    # A request body (or WebSocket message) over this is refused with 413 while it is being read,
+    # never read whole. Below the bus's max_payload (8 MiB in `llmserve up`), so a request that
+    # passes it also fits one NATS message; one that does not is a 413 too (generation.py).
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # An idle connection is closed after this long: between requests, and before its first
+    # request's head is complete (server.py).
+    keep_alive_timeout_s: float = 30.0
+    # On SIGTERM: new requests get 503 at once; running ones get this long to finish, then end
+    # with an error event (SSE) or message (WebSocket). See server.py.
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
@@ -42,7 +54,16 @@ class GatewayConfig:
             not self.api_key or any(c.isspace() for c in self.api_key)
         ):
             raise ValueError("api_key must be non-empty and contain no whitespace (or be unset)")
-        for name in ("request_timeout_s", "health_timeout_s", "nats_connect_timeout_s"):
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        for name in (
+            "request_timeout_s",
+            "health_timeout_s",
+            "nats_connect_timeout_s",
+            "keep_alive_timeout_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_tokens_default is not None and self.max_tokens_default < 1:
@@ -98,7 +119,24 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         metavar="SECONDS",
-        help="on SIGTERM, how long in-flight requests may take to finish",
+        help="on SIGTERM, how long in-flight requests may take to finish before they are ended "
+        "with an error (new requests get 503 meanwhile)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=env_int("LLMSERVE_MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES),
+        metavar="BYTES",
+        help="refuse (413) a request body or WebSocket message larger than this "
+        "(env LLMSERVE_MAX_BODY_BYTES; default 4 MiB)",
+    )
+    p.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=env_float("LLMSERVE_KEEP_ALIVE_TIMEOUT", 30.0),
+        metavar="SECONDS",
+        help="close a connection idle this long, between requests or before its first one "
+        "(env LLMSERVE_KEEP_ALIVE_TIMEOUT)",
     )
     p.add_argument("--log-level", default=env_str("LLMSERVE_LOG_LEVEL", "info"))
     return p
@@ -116,4 +154,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         api_key=args.api_key,
         request_timeout_s=args.request_timeout,
         max_tokens_default=args.max_tokens_default,
+        max_body_bytes=args.max_body_bytes,
+        keep_alive_timeout_s=args.keep_alive_timeout,
+        drain_timeout_s=args.drain_timeout,
     )

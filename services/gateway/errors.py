@@ -20,13 +20,15 @@ from shared.wire.messages import StreamError
 # OpenAI puts client mistakes under one type and tells them apart by ``code``.
 INVALID_REQUEST = "invalid_request_error"
 
-# The ``code`` OpenAI clients branch on, by status, when the origin gave none.
+# The ``code`` OpenAI clients branch on, by status, when the origin gave none. A 404 has none: it
+# is ``model_not_found`` only when it is about the model (``model_not_found``, from_stream_error),
+# not for an unknown route.
 _DEFAULT_CODES: dict[int, str] = {
     401: "invalid_api_key",
-    404: "model_not_found",
     429: "rate_limit_exceeded",
     504: "request_timeout",
 }
+MODEL_NOT_FOUND = "model_not_found"
 
 
 def _default_type(status: int) -> str:
@@ -91,7 +93,8 @@ def from_stream_error(err: StreamError) -> APIError:
     status = err.status if 400 <= err.status <= 599 else 500
     # StreamError.type defaults to "server_error" even for client errors; prefer the status' type.
     type_ = err.type if err.type != "server_error" or status >= 500 else ""
-    return APIError(status, err.message, type_, err.param, retry_after_s=err.retry_after_s)
+    code = MODEL_NOT_FOUND if status == 404 and err.param == "model" else None
+    return APIError(status, err.message, type_, err.param, code, retry_after_s=err.retry_after_s)
 
 
 def unauthorized() -> APIError:
@@ -108,6 +111,39 @@ def model_not_found(model: str, served: str) -> APIError:
         f"The model '{model}' does not exist. This server serves '{served}'.",
         INVALID_REQUEST,
         "model",
+        MODEL_NOT_FOUND,
+    )
+
+
+def route_not_found(method: str, path: str) -> APIError:
+    """OpenAI's answer to an unknown URL: a plain not-found, no ``code``."""
+    return APIError(404, f"Invalid URL ({method} {path})", INVALID_REQUEST)
+
+
+def payload_too_large(what: str, num_bytes: int | None, limit: int) -> APIError:
+    size = f"{num_bytes} bytes, " if num_bytes is not None else ""
+    return APIError(
+        413,
+        f"The {what} is {size}over this server's limit of {limit} bytes.",
+        INVALID_REQUEST,
+        code="request_too_large",
+    )
+
+
+def unsupported_media_type(content_type: str | None) -> APIError:
+    got = f"'{content_type}'" if content_type else "none"
+    return APIError(
+        415,
+        f"The request body must be JSON, sent with 'Content-Type: application/json' (got {got}).",
+        INVALID_REQUEST,
+        code="unsupported_media_type",
+    )
+
+
+def shutting_down(retry_after_s: float = 1.0) -> APIError:
+    """This gateway is stopping: the client should retry, on another replica or after a restart."""
+    return APIError(
+        503, "The server is shutting down; retry the request.", retry_after_s=retry_after_s
     )
 
 

@@ -21,10 +21,12 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
+import msgspec
 
 from shared.wire import subjects
 from shared.wire.bus import Bus, BusError, BusTimeout
 from shared.wire.messages import (
+    GENERATE_REQUEST,
     PREFIX_INDEX_STATUS,
     PREFIX_INDEX_STATUS_REQUEST,
     SCHEDULER_STATUS,
@@ -43,7 +45,14 @@ from shared.wire.outputs import RequestOutput
 
 from . import protocol
 from .config import GatewayConfig
-from .errors import APIError, model_not_found, service_unavailable
+from .errors import (
+    APIError,
+    bad_request,
+    model_not_found,
+    payload_too_large,
+    service_unavailable,
+    shutting_down,
+)
 from .metrics import CLIENT_CLOSED, GatewayMetrics, RequestTracker
 from .openai_schema import ChatCompletionRequest, parse_chat_request, parse_completion_request
 from .streams import GenerationStream
@@ -65,6 +74,7 @@ class Prepared:
     stream: bool
     generate: GenerateRequest
     spec: protocol.ResponseSpec
+    payload: bytes  # ``generate`` encoded for the bus, its size checked against max_payload
 
 
 class Gateway:
@@ -76,6 +86,31 @@ class Gateway:
         self.bus: Bus | None = None
         self._models: list[str] = []
         self._models_at = -1e9
+        # Every stream between start() and its close(): what a drain waits for, and interrupts.
+        self.streams: set[GenerationStream] = set()
+        self.draining = asyncio.Event()  # set once: SIGTERM was received (server.py)
+
+    # -- drain ---------------------------------------------------------------------------------
+
+    def check_admission(self) -> None:
+        """A draining gateway takes no new request: 503, to be retried elsewhere or later."""
+        if self.draining.is_set():
+            raise shutting_down()
+
+    def interrupt_streams(self) -> int:
+        """End every running stream with a 503 (an error event once streaming began); each is
+        aborted on the bus when closed. Returns how many were running."""
+        streams = list(self.streams)
+        for stream in streams:
+            stream.interrupt(
+                APIError(
+                    503,
+                    "The server is shutting down; the request was cut short.",
+                    retry_after_s=1.0,
+                ),
+                "gateway shutting down",
+            )
+        return len(streams)
 
     # -- backend status ------------------------------------------------------------------------
 
@@ -151,6 +186,7 @@ class Gateway:
     async def prepare(
         self, api: protocol.Api, body: bytes, *, force_stream: bool = False
     ) -> Prepared:
+        self.check_admission()
         req = parse_chat_request(body) if api == "chat" else parse_completion_request(body)
         # The model is checked here, against the served set; the scheduler routes by it.
         await self.check_model(req.model)
@@ -176,22 +212,48 @@ class Gateway:
             logprobs=generate.params.logprobs,
             include_usage=stream and bool(req.stream_options and req.stream_options.include_usage),
         )
-        return Prepared(api, stream, generate, spec)
+        return Prepared(api, stream, generate, spec, self._encode(generate))
+
+    def _encode(self, generate: GenerateRequest) -> bytes:
+        """The request as the tokenizer receives it. Its integers were range-checked (protocol,
+        SamplingParams); an encoding failure is still the client's number, never a 500. A
+        message over the bus's max_payload is refused as too large (413), not retried."""
+        try:
+            payload = GENERATE_REQUEST.encode(generate)
+        except (OverflowError, msgspec.EncodeError) as e:
+            raise bad_request(f"A number in the request is out of range: {e}") from None
+        max_payload = self._bus().max_payload
+        if len(payload) > max_payload:
+            raise payload_too_large(
+                "request, encoded for the message bus,", len(payload), max_payload
+            )
+        return payload
 
     async def start(
         self, p: Prepared, disconnected: Callable[[], Awaitable[None]] | None
     ) -> tuple[GenerationStream, RequestOutput]:
         """Dispatch and wait for the first output. On any exception the stream is closed
         (aborted)."""
-        stream = GenerationStream(self._bus(), p.generate, self.config.request_timeout_s)
+        self.check_admission()
+        stream = GenerationStream(
+            self._bus(), p.generate, self.config.request_timeout_s, payload=p.payload
+        )
+        self.streams.add(stream)
         try:
             await stream.open()
             first = await race_disconnect(stream.next(), disconnected)
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await stream.close()
+                await self.close_stream(stream)
             raise
         return stream, first
+
+    async def close_stream(self, stream: GenerationStream) -> None:
+        """Close (abort if unfinished) and forget a stream start() returned."""
+        try:
+            await stream.close()
+        finally:
+            self.streams.discard(stream)
 
     async def collect(
         self,
@@ -215,7 +277,7 @@ class Gateway:
             await race_disconnect(fold(out), disconnected)
         finally:
             with anyio.CancelScope(shield=True):
-                await stream.close()
+                await self.close_stream(stream)
         response = builder.response()
         tracker.done(
             200,
@@ -253,7 +315,7 @@ class Gateway:
             # Shielded: this runs while the response is being cancelled (client gone), and the
             # abort must still reach the bus.
             with anyio.CancelScope(shield=True):
-                await stream.close()
+                await self.close_stream(stream)
             response = builder.response()
             tracker.done(
                 status,

@@ -15,11 +15,19 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import msgspec
 
 from shared.wire import subjects
-from shared.wire.bus import Bus, BusError, BusNoResponders, BusTimeout, Subscription
+from shared.wire.bus import (
+    Bus,
+    BusError,
+    BusInterrupted,
+    BusNoResponders,
+    BusTimeout,
+    Subscription,
+)
 from shared.wire.messages import (
     ABORT_REQUEST,
     GENERATE_REQUEST,
@@ -40,14 +48,33 @@ class GenerationStream:
     """Use as ``async with GenerationStream(...) as stream:`` — exiting always closes (and aborts
     an unfinished request), whether the block returned, raised or was cancelled."""
 
-    def __init__(self, bus: Bus, request: GenerateRequest, timeout_s: float) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        request: GenerateRequest,
+        timeout_s: float,
+        payload: bytes | None = None,
+    ) -> None:
+        """``payload``: the request already encoded (by the caller, which checked its size)."""
         self.bus = bus
         self.request = request
         self.timeout_s = timeout_s
+        self._payload = payload if payload is not None else GENERATE_REQUEST.encode(request)
         self._deadline = time.monotonic() + timeout_s
         self._sub: Subscription | None = None
         self.ended = False  # a finished output or an error arrived: nothing to abort
         self.abort_reason: str | None = None
+        self._interrupt: APIError | None = None
+
+    def interrupt(self, error: APIError, abort_reason: str) -> None:
+        """End the stream from our side: the pending ``next()`` (or the next one) raises
+        ``error``; ``close()`` then aborts the request on the bus with ``abort_reason``."""
+        if self.ended or self._interrupt is not None:
+            return
+        self._interrupt = error
+        self.abort_reason = abort_reason
+        if self._sub is not None:
+            self._sub.interrupt()
 
     @property
     def request_id(self) -> str:
@@ -58,7 +85,7 @@ class GenerationStream:
             self._sub = await self.bus.subscribe_iter(subjects.stream(self.request_id))
             await self.bus.request(
                 subjects.TOKENIZER_GENERATE,
-                GENERATE_REQUEST.encode(self.request),
+                self._payload,
                 timeout=max(self._deadline - time.monotonic(), 0.001),
             )
         except BusNoResponders:
@@ -77,11 +104,16 @@ class GenerationStream:
         assert self._sub is not None, "open() first"
         if self.ended:
             raise RuntimeError(f"stream of {self.request_id} already ended")
+        if self._interrupt is not None:
+            raise replace(self._interrupt)  # a fresh exception each time it is raised
         remaining = self._deadline - time.monotonic()
         try:
             if remaining <= 0:
                 raise BusTimeout("deadline passed")
             msg = await self._sub.next(timeout=remaining)
+        except BusInterrupted:
+            assert self._interrupt is not None  # only interrupt() interrupts the subscription
+            raise replace(self._interrupt) from None
         except BusTimeout:
             self.abort_reason = "request timeout"
             raise request_timeout(self.timeout_s) from None

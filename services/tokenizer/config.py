@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from services.runtime import env_str, env_value
+from services.runtime import env_int, env_str, env_value
 from services.served_models import pair_models, split_names
 from services.tokenizer.prompts import PromptLimits, model_context_len
 from shared.engine.config import EngineConfig, add_engine_arguments
@@ -59,6 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the name requests select a model by: once per --model, in the same order "
         "(default: $LLMSERVE_MODEL_NAME, comma-separated, else each model's file name)",
     )
+    p.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=env_int("LLMSERVE_MAX_PROMPT_CHARS", None),
+        metavar="N",
+        help="refuse (400) a prompt, or messages, of more characters than this before tokenizing "
+        "(env LLMSERVE_MAX_PROMPT_CHARS; default: 16 per token of each model's context)",
+    )
     add_engine_arguments(
         p,
         include=TOKENIZER_ENGINE_SETTINGS,
@@ -95,6 +103,7 @@ def parse_config(argv: list[str] | None = None) -> TokenizerConfig:
             limits = PromptLimits(
                 max_model_len=min(engine.max_model_len or context_len, context_len),
                 block_size=engine.block_size,
+                max_prompt_chars=a.max_prompt_chars,
             )
             models.append(TokenizerModel(m.name, path, limits))
         return TokenizerConfig(nats_url=a.nats_url, models=tuple(models), name=a.name)

@@ -8,13 +8,19 @@ Both hand-offs are acknowledged: the tokenizer acks the gateway's request on rec
 scheduler acks each submit. So a request meets a missing service at once (NATS's "no responders"),
 as a 503 on its stream, instead of waiting out its timeout. Each submit waits for its ack in a task
 of its own, so the next request is taken and tokenized meanwhile instead of waiting for every
-earlier one's ack round trip; ``stop`` waits for those tasks before the connection may close."""
+earlier one's ack round trip; ``stop`` waits for those tasks before the connection may close.
+
+Tokenizing runs in one worker thread, off the event loop (the encoder releases the GIL), so the
+loop keeps acking, answering status and failing requests while a long prompt is encoded; requests
+are still tokenized one at a time per process (a callback subscription handles one message at a
+time), and each is bounded in time by the prompt's character cap (prompts.check_prompt_size)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
@@ -38,6 +44,7 @@ class TokenizerService:
         self.models = dict(models)  # served name → its tokenizer and limits
         self._subscriptions: list = []
         self._submits: set[asyncio.Task] = set()  # submits waiting for the scheduler's ack
+        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     async def start(self) -> None:
         self._subscriptions = [
@@ -58,6 +65,7 @@ class TokenizerService:
             await sub.drain()
         while self._submits:
             await asyncio.wait(set(self._submits))
+        self._encoder.shutdown(wait=False)
 
     async def _on_status(self, msg: Msg) -> None:
         status = messages.TokenizerStatus(
@@ -80,7 +88,9 @@ class TokenizerService:
             await msg.respond(b"")
         try:
             model = select_model(self.models, req.model)
-            tokenized = tokenize_request(req, model.tokenizer, model.limits)
+            tokenized = await asyncio.get_running_loop().run_in_executor(
+                self._encoder, tokenize_request, req, model.tokenizer, model.limits
+            )
         except PromptError as e:
             await self._fail(e.to_stream_error(req.request_id))
             return

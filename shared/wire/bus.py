@@ -33,6 +33,7 @@ from nats.aio.subscription import Subscription as _NatsSubscription
 __all__ = [
     "Bus",
     "BusError",
+    "BusInterrupted",
     "BusNoResponders",
     "BusTimeout",
     "Handler",
@@ -59,6 +60,10 @@ class BusTimeout(BusError, TimeoutError):
     """No reply to a request within its timeout."""
 
 
+class BusInterrupted(BusError):
+    """``Subscription.interrupt()`` was called: the subscriber's owner stops waiting (shutdown)."""
+
+
 class BusNoResponders(BusTimeout):
     """No subscriber at all for a request's subject; fails fast instead of waiting out the timeout.
     A subclass of BusTimeout so callers that only care about "no answer" catch one exception."""
@@ -77,10 +82,13 @@ class Subscription:
     def __init__(self, sub: _NatsSubscription) -> None:
         self._sub = sub
         self.subject: str = sub.subject
+        self._interrupted = False
 
     async def next(self, timeout: float | None = None) -> Msg:
         """The next message; ``BusTimeout`` if none arrives within ``timeout`` seconds (None =
-        wait)."""
+        wait); ``BusInterrupted`` once ``interrupt()`` was called, even while waiting."""
+        if self._interrupted:
+            raise BusInterrupted(f"stopped waiting on {self.subject}")
         try:
             # nats-py treats timeout=None as "wait forever" (asyncio.wait_for semantics).
             return await self._sub.next_msg(timeout=timeout)
@@ -88,6 +96,21 @@ class Subscription:
             raise BusTimeout(f"no message on {self.subject} within {timeout}s") from None
         except nats.errors.ConnectionClosedError:
             raise BusError(f"connection closed while waiting on {self.subject}") from None
+        except asyncio.CancelledError:
+            # interrupt() cancelled nats-py's inner wait, not our task: ours goes on, with the
+            # error. A cancellation of our own task (cancelling() > 0) is passed on as such.
+            task = asyncio.current_task()
+            if self._interrupted and (task is None or not task.cancelling()):
+                raise BusInterrupted(f"stopped waiting on {self.subject}") from None
+            raise
+
+    def interrupt(self) -> None:
+        """Make a pending ``next()``, and every later one, raise ``BusInterrupted``. Messages
+        already buffered are not delivered."""
+        self._interrupted = True
+        # nats-py waits for each next_msg in a task of its own, kept in this dict.
+        for waiter in list(self._sub._pending_next_msgs_calls.values()):
+            waiter.cancel()
 
     def __aiter__(self) -> AsyncIterator[Msg]:
         return self._iterate()

@@ -29,6 +29,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True, frozen=True):
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    # ``prompt`` only: encode special-token texts in it as plain text. A chat message's content is
+    # always plain text (only the template writes control tokens), whatever this says.
+    split_special_tokens: bool = False
     priority: int = 0
     arrival_time: float = 0.0  # gateway wall clock (time.time()), for queue-time metrics
     deadline: float | None = None  # wall clock after which the request is abandoned

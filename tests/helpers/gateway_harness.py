@@ -16,6 +16,8 @@ The script is chosen by a keyword in the prompt (completions) or last message (c
     fail_after_first  one output, then StreamError 503
     hang              nothing at all
     slow              one token every 50 ms (up to 2000) until aborted
+    paced             max_tokens tokens, one every 50 ms, then 'length' (a stream that ends on its
+                      own, but not at once)
     garbage           an undecodable message
 """
 
@@ -282,6 +284,14 @@ class FakeBackend:
             await self._bus.publish(subjects.stream(rid), b"\xc1 not msgpack")
         elif "hang" in text:
             pass
+        elif "paced" in text:
+            num_tokens = req.params.max_tokens or 16
+            for step in range(num_tokens):
+                if self._aborted[rid].is_set():
+                    return
+                last = step == num_tokens - 1
+                await self._output(req, [self._delta(req, 0, step, last)], last)
+                await asyncio.sleep(0.05)
         elif "slow" in text:
             for step in range(2000):
                 if self._aborted[rid].is_set():
