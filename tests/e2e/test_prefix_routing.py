@@ -15,6 +15,7 @@ from e2e_harness import scheduler_status
 
 from services.cli.servers import start_redis
 from shared.wire import messages, subjects
+from shared.wire.block_hash import hash_prompt_blocks
 from shared.wire.bus import Bus
 
 BLOCK_SIZE = 16
@@ -121,11 +122,9 @@ def index_answers(nats_url: str) -> bool:
 
 
 def index_knows(nats_url: str, system: list[int]) -> bool:
-    from shared.wire.block_hash import hash_prompt_blocks
-
     hashes = hash_prompt_blocks(system, BLOCK_SIZE)
     num_blocks = _match(nats_url, hashes)
-    return bool(num_blocks) and max(num_blocks.values()) == len(hashes)
+    return num_blocks is not None and max(num_blocks.values(), default=0) == len(hashes)
 
 
 def _match(nats_url: str, block_hashes: list[int]) -> dict[str, int] | None:
