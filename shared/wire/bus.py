@@ -52,6 +52,18 @@ PENDING_MSGS_LIMIT = 1 << 16
 PENDING_BYTES_LIMIT = 256 * 1024 * 1024
 
 
+async def _unsubscribe_quietly(
+    sub: _NatsSubscription | nats.js.JetStreamContext.PullSubscription,
+) -> None:
+    """Unsubscribe; one already gone (or a connection closing) is fine: it is idempotent."""
+    with contextlib.suppress(
+        nats.errors.BadSubscriptionError,
+        nats.errors.ConnectionClosedError,
+        nats.errors.ConnectionDrainingError,
+    ):
+        await sub.unsubscribe()
+
+
 class BusError(Exception):
     """A bus operation failed (connection lost, closed, payload too large, ...)."""
 
@@ -123,13 +135,7 @@ class Subscription:
                 return
 
     async def unsubscribe(self) -> None:
-        # Already gone: unsubscribing is idempotent.
-        with contextlib.suppress(
-            nats.errors.BadSubscriptionError,
-            nats.errors.ConnectionClosedError,
-            nats.errors.ConnectionDrainingError,
-        ):
-            await self._sub.unsubscribe()
+        await _unsubscribe_quietly(self._sub)
 
     async def __aenter__(self) -> Subscription:
         return self
@@ -161,12 +167,7 @@ class PullConsumer:
             raise BusError(f"cannot fetch from {self.subject}: {e!r}") from None
 
     async def unsubscribe(self) -> None:
-        with contextlib.suppress(
-            nats.errors.BadSubscriptionError,
-            nats.errors.ConnectionClosedError,
-            nats.errors.ConnectionDrainingError,
-        ):
-            await self._sub.unsubscribe()
+        await _unsubscribe_quietly(self._sub)
 
 
 class Bus:

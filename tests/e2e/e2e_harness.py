@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,3 +134,14 @@ def served_model(base_url: str, headers: dict[str, str]) -> str:
     r = httpx.get(base_url + "/v1/models", headers=headers, timeout=10)
     r.raise_for_status()
     return r.json()["data"][0]["id"]
+
+
+def wait_for(cond, timeout: float, what: str, interval: float = 0.25):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)

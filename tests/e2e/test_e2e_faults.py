@@ -8,20 +8,9 @@ import asyncio
 import time
 
 import httpx
-from e2e_harness import parse_sse, scheduler_status, served_model
+from e2e_harness import parse_sse, scheduler_status, served_model, wait_for
 
 LONG_PROMPT = "Write a very long story about a dragon who learns to bake bread."
-
-
-def wait_for(cond, timeout: float, what: str, interval: float = 0.25):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def free_blocks(nats_url: str) -> int:

@@ -11,7 +11,7 @@ import random
 import time
 
 import httpx
-from e2e_harness import scheduler_status
+from e2e_harness import scheduler_status, wait_for
 
 from services.cli.servers import start_redis
 from shared.wire import messages, subjects
@@ -20,17 +20,6 @@ from shared.wire.bus import Bus
 
 BLOCK_SIZE = 16
 SYSTEM_LEN = 1000
-
-
-def wait_for(cond, timeout: float, what: str, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def shared_prompt_requests(n: int, seed: int = 0) -> tuple[list[int], list[list[int]]]:
