@@ -40,7 +40,7 @@ import httpx
 
 from loadtests.bench_serving import percentile
 from loadtests.results import write_json
-from services.cli.launcher import StackConfig, launch
+from services.cli.launcher import Stack, StackConfig, launch
 from services.scheduler.placement import ROUTING_POLICIES
 from shared.engine.default_model import default_model_path
 from shared.engine.tokenizer.tokenizer import Tokenizer
@@ -193,9 +193,9 @@ async def run_workload(base_url: str, args: argparse.Namespace) -> list[Turn]:
     return sorted(turns, key=lambda t: (t.conversation, t.turn))
 
 
-async def time_index_lookups(nats_url: str, prompts: list[list[int]]) -> list[float]:
+async def time_index_lookups(stack: Stack, prompts: list[list[int]]) -> list[float]:
     """The scheduler's lookup, from here: one PREFIX_INDEX_MATCH round trip per prompt, in ms."""
-    bus = await Bus.connect(nats_url, "bench-prefix-routing")
+    bus = await Bus.connect(stack.nats_url, "bench-prefix-routing", auth=stack.admin_auth)
     samples = []
     try:
         for prompt in prompts:
@@ -215,8 +215,8 @@ async def time_index_lookups(nats_url: str, prompts: list[list[int]]) -> list[fl
     return samples
 
 
-async def scheduler_status(nats_url: str) -> messages.SchedulerStatus:
-    bus = await Bus.connect(nats_url, "bench-prefix-routing-status")
+async def scheduler_status(stack: Stack) -> messages.SchedulerStatus:
+    bus = await Bus.connect(stack.nats_url, "bench-prefix-routing-status", auth=stack.admin_auth)
     try:
         data = await bus.request(
             subjects.SCHEDULER_STATUS,
@@ -275,8 +275,8 @@ def run_policy(policy: str, args: argparse.Namespace) -> dict[str, Any]:
         duration = time.perf_counter() - t0
         extra: dict[str, Any] = {"duration_s": duration}
         if policy == "cache":
-            lookups = asyncio.run(time_index_lookups(stack.nats_url, [t.prompt for t in turns]))
-            status = asyncio.run(scheduler_status(stack.nats_url))
+            lookups = asyncio.run(time_index_lookups(stack, [t.prompt for t in turns]))
+            status = asyncio.run(scheduler_status(stack))
             extra["index_lookup_ms"] = {
                 "median": percentile(lookups, 50),
                 "p99": percentile(lookups, 99),

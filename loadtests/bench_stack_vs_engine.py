@@ -78,18 +78,17 @@ def step_counts(before, after) -> dict:
     )
 
 
-async def next_heartbeat_stats(nats_url: str):
-    """The executor's counters from its next heartbeat (sent after this call starts)."""
-    import nats
-
+async def next_heartbeat_stats(stack):
+    """The executor's counters from its next heartbeat (sent after this call starts), heard as the
+    stack's admin user (its bus is closed to others)."""
     from shared.wire import messages, subjects
+    from shared.wire.bus import Bus
 
-    nc = await nats.connect(nats_url)
-    try:
-        sub = await nc.subscribe(subjects.EXECUTOR_STATS_ALL)
-        return messages.EXECUTOR_HEARTBEAT.decode((await sub.next_msg(timeout=10)).data).stats
-    finally:
-        await nc.close()
+    async with (
+        await Bus.connect(stack.nats_url, "bench", auth=stack.admin_auth) as bus,
+        await bus.subscribe_iter(subjects.EXECUTOR_STATS_ALL) as sub,
+    ):
+        return messages.EXECUTOR_HEARTBEAT.decode((await sub.next(timeout=10)).data).stats
 
 
 def run_engine(args: argparse.Namespace, prompts: list[str | list[int]]) -> dict:
@@ -177,9 +176,9 @@ def run_stack(args: argparse.Namespace) -> dict:
         client_before = time.process_time()
 
         async def serve() -> dict:
-            stats0 = await next_heartbeat_stats(stack.nats_url)
+            stats0 = await next_heartbeat_stats(stack)
             result = await run_serving(serving_namespace(args, stack.base_url))
-            result["steps"] = step_counts(stats0, await next_heartbeat_stats(stack.nats_url))
+            result["steps"] = step_counts(stats0, await next_heartbeat_stats(stack))
             return result
 
         summary = asyncio.run(serve())

@@ -10,6 +10,11 @@ Process invariants:
   not leave orphans behind;
 - ``Stack.stop()`` sends SIGTERM to each child's process group, waits ``grace_s``, then SIGKILLs the
   group; after it returns no child process is alive.
+
+Security invariants: the servers it starts are closed (``credentials.py``: a NATS user per service
+kind with its subject permissions, the prefix index's Redis user); each service gets its own kind's
+credentials, and the API key (the gateway alone), by environment; no secret and no URL is on any
+child's command line (``ps`` shows argv to every user; a URL from outside may hold a password).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from services.cli.credentials import StackCredentials
 from services.cli.servers import (
     LOOPBACK,
     ServerProcess,
@@ -38,11 +44,14 @@ from services.cli.servers import (
     start_nats,
     start_redis,
 )
+from services.connections import NATS_ENV, REDIS_ENV
 from services.executor.config import SERVED_ENGINE_DEFAULTS
+from services.gateway.config import ENV_API_KEY
 from services.scheduler.placement import ROUTING_POLICIES
 from services.served_models import ServedModel, check_unique, default_model_name
 from services.tokenizer.config import TOKENIZER_LIMIT_SETTINGS
 from shared.engine.config import ENGINE_SETTINGS, EngineConfig
+from shared.wire.bus_auth import BusAuth
 
 # How an executor's OpenMP threads wait between parallel regions (~10 per layer per step). Every
 # service shares the machine's cores with the executors, so libgomp's default (spin 300k iterations,
@@ -96,7 +105,11 @@ class StackConfig:
     max_queued: int | None = None  # each executor accepts max_num_seqs + this (None: twice)
     heartbeat_timeout_s: float = 2.0
     no_executor_timeout_s: float = 10.0  # queued requests get 503 after this long without executors
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # never printed
+    # The servers' users (``llmserve credentials DIR``), each service getting its kind's, also on
+    # servers given by URL. None: fresh ones for the servers started here; one given by URL
+    # keeps its own rules, and the services find its credentials in the environment.
+    credentials: StackCredentials | None = field(default=None, repr=False)
     request_timeout_s: float | None = None
     nats_url: str | None = None  # use these servers instead of starting our own
     redis_url: str | None = None
@@ -199,7 +212,18 @@ class Stack:
     base_url: str  # the gateway's
     services: dict[str, ServiceProcess] = field(default_factory=dict)
     servers: list[ServerProcess] = field(default_factory=list)
+    # The users of the servers this stack started or was given (None: neither).
+    credentials: StackCredentials | None = field(default=None, repr=False)
     _stopped: bool = False
+
+    @property
+    def admin_auth(self) -> BusAuth:
+        """For operators and tests, never a service: the admin NATS user (every subject) of the
+        stack's credentials; anonymous on a server from outside that they do not cover.
+        ``Bus.connect(stack.nats_url, "me", auth=stack.admin_auth)``."""
+        if self.credentials is None or not _covers(self.config, "nats"):
+            return BusAuth()
+        return self.credentials.admin
 
     def pids(self) -> list[int]:
         return [s.pid for s in self.services.values()] + [s.pid for s in self.servers]
@@ -313,6 +337,13 @@ class Stack:
         self.stop()
 
 
+def _covers(config: StackConfig, server: str) -> bool:
+    """Whether the stack's credentials hold ``server``'s ("nats", "redis") users: it starts that
+    server itself, or was given them."""
+    url = config.nats_url if server == "nats" else config.redis_url
+    return url is None or config.credentials is not None
+
+
 def _spawn(
     argv: list[str], env: dict[str, str], log_path: str | None, tail: collections.deque[str]
 ) -> subprocess.Popen[bytes]:
@@ -370,7 +401,8 @@ def _executor_threads(config: StackConfig) -> int:
 
 
 def executor_args(config: StackConfig, index: int) -> list[str]:
-    """Executor ``index``'s command line, less the NATS URL: its whole engine config included.
+    """Executor ``index``'s command line (the NATS URL comes by environment): its whole engine
+    config included.
     Indices run over every model's executors in turn (model k has ``k * num_executors`` to
     ``(k + 1) * num_executors - 1``), so ids are unique across models and carry no model name (a
     name may hold a '.', which an id, part of NATS subjects, must not)."""
@@ -392,8 +424,8 @@ def executor_args(config: StackConfig, index: int) -> list[str]:
 
 
 def tokenizer_args(config: StackConfig) -> list[str]:
-    """A tokenizer's command line, less the NATS URL: every served model (paths and names, paired
-    by position) and the prompt limits of the executors' engine."""
+    """A tokenizer's command line (the NATS URL comes by environment): every served model (paths
+    and names, paired by position) and the prompt limits of the executors' engine."""
     argv: list[str] = []
     for m in served_models(config):
         # No path only for a lone default model: the tokenizer resolves it as the executors do.
@@ -414,19 +446,27 @@ def launch(
     note = progress or (lambda _msg: None)
     servers: list[ServerProcess] = []
     stack: Stack | None = None
+    credentials = config.credentials or StackCredentials.generate()
     try:
         nats_url = config.nats_url
         if nats_url is None:
-            servers.append(start_nats())
+            servers.append(start_nats(extra_config=credentials.nats_authorization()))
             nats_url = servers[-1].url
-            note(f"nats-server on {nats_url}")
+            note(f"nats-server on {nats_url} (a user per service)")
         redis_url = config.redis_url
         if redis_url is None:
-            servers.append(start_redis())
+            servers.append(start_redis(acl=credentials.redis_acl()))
             redis_url = servers[-1].url
-            note(f"redis-server on {redis_url}")
+            note(f"redis-server on {redis_url} (the prefix index's user only)")
         port = config.port or free_port(config.host)
-        stack = Stack(config, nats_url, redis_url, f"http://{config.host}:{port}", servers=servers)
+        stack = Stack(
+            config,
+            nats_url,
+            redis_url,
+            f"http://{config.host}:{port}",
+            servers=servers,
+            credentials=credentials if servers or config.credentials else None,
+        )
         env = {**os.environ, "NATS_URL": nats_url, "REDIS_URL": redis_url, **dict(config.extra_env)}
         env.setdefault("PYTHONUNBUFFERED", "1")
         set_executor_openmp_policy(env)
@@ -434,33 +474,45 @@ def launch(
         # would fill a setting the config leaves None (the model, say) differently from this config.
         for setting in ENGINE_SETTINGS:
             env.pop(setting.env, None)
-        common = ["--nats-url", nats_url]
+        # The key reaches the gateway alone (below); the servers we start get our credentials, not
+        # whatever the environment held for others.
+        for name in (
+            ENV_API_KEY,
+            "LLMSERVE_API_KEY_FILE",
+            *(NATS_ENV if _covers(config, "nats") else ()),
+            *(REDIS_ENV if _covers(config, "redis") else ()),
+        ):
+            env.pop(name, None)
+
+        def env_of(kind: str) -> dict[str, str]:
+            own = {}
+            if _covers(config, "nats"):
+                own.update(credentials.nats_env(kind))
+            if _covers(config, "redis"):
+                own.update(credentials.redis_env(kind))
+            return {**env, **own}
 
         for i in range(num_executors_total(config)):
             stack.start_service(
-                f"executor-{i}", "services.executor", [*common, *executor_args(config, i)], env
+                f"executor-{i}", "services.executor", executor_args(config, i), env_of("executor")
             )
         for i in range(config.num_prefix_indexes):
             stack.start_service(
                 f"prefix_index-{i}",
                 "services.prefix_index",
                 [
-                    *common,
-                    "--redis-url",
-                    redis_url,
                     "--name",
                     f"prefix_index-{i}",
                     "--executor-timeout",
                     str(config.heartbeat_timeout_s),
                 ],
-                env,
+                env_of("prefix_index"),
             )
         for i in range(config.num_schedulers):
             stack.start_service(
                 f"scheduler-{i}",
                 "services.scheduler",
                 [
-                    *common,
                     "--max-queue-len",
                     str(config.max_queue_len),
                     "--heartbeat-timeout",
@@ -470,14 +522,13 @@ def launch(
                     "--routing",
                     config.routing,
                 ],
-                env,
+                env_of("scheduler"),
             )
         for i in range(config.num_tokenizers):
             stack.start_service(
-                f"tokenizer-{i}", "services.tokenizer", [*common, *tokenizer_args(config)], env
+                f"tokenizer-{i}", "services.tokenizer", tokenizer_args(config), env_of("tokenizer")
             )
         args = [
-            *common,
             "--host",
             config.host,
             "--port",
@@ -489,9 +540,9 @@ def launch(
         if config.request_timeout_s is not None:
             args += ["--request-timeout", str(config.request_timeout_s)]
         # The key goes through the environment, not argv: argv is visible to every user in `ps`.
-        gateway_env = {k: v for k, v in env.items() if k != "LLMSERVE_API_KEY"}
+        gateway_env = env_of("gateway")
         if config.api_key:
-            gateway_env["LLMSERVE_API_KEY"] = config.api_key
+            gateway_env[ENV_API_KEY] = config.api_key
         stack.start_service("gateway", "services.gateway", args, gateway_env)
         if wait:
             stack.wait_ready(progress)

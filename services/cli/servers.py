@@ -4,6 +4,10 @@ Used by ``llmserve up`` and by the test fixtures, so both run the servers the sa
 gets a temp dir (config file, data dir, log) that ``stop()`` removes. A server that does not become
 ready in time raises ``ServerStartError`` with the tail of its log, not a bare timeout.
 
+Credentials (``llmserve up`` closes both servers: services/cli/credentials.py) go into a config file
+readable by its owner alone (0600, in the 0700 temp dir), never on the server's command line, which
+every user of the machine can read in ``ps``.
+
 Only the standard library: no nats/redis client imports (readiness is checked on the raw protocol).
 """
 
@@ -181,6 +185,14 @@ def find_redis_server() -> str:
     return path
 
 
+def _write_private(path: str, text: str) -> None:
+    """Create ``path`` readable and writable by its owner alone, then write ``text``: the mode is
+    set at creation, so no other user can open it in between."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
 def _probe(host: str, port: int, greeting: bytes | None, expect: bytes) -> bool:
     """True if a TCP connection answers with ``expect`` (after sending ``greeting``)."""
     try:
@@ -265,9 +277,12 @@ def start_nats(
     max_payload: int = DEFAULT_NATS_MAX_PAYLOAD,
     host: str = LOOPBACK,
     timeout: float = 15.0,
+    extra_config: str = "",
 ) -> ServerProcess:
     """nats-server on ``host:port`` (a free port if None) with ``max_payload`` raised through a
-    config file, since nats-server has no CLI flag for it."""
+    config file, since nats-server has no CLI flag for it. ``extra_config``: more of that file, e.g.
+    an ``authorization { users = [...] }`` block that closes the server to anyone it does not
+    name (without one it is open to every local client), or a ``tls { ... }`` block."""
     if max_payload < 1024:
         raise ValueError(f"max_payload must be >= 1024 bytes, got {max_payload}")
     binary = find_nats_server()
@@ -275,13 +290,14 @@ def start_nats(
     def once(p: int) -> ServerProcess:
         workdir = tempfile.mkdtemp(prefix="llmserve-nats-")
         conf = os.path.join(workdir, "nats.conf")
-        with open(conf, "w") as f:
-            f.write(
-                f"listen: {host}:{p}\n"
-                f"max_payload: {max_payload}\n"
-                f"max_pending: {max(64 * 1024 * 1024, _NATS_MAX_PENDING_FACTOR * max_payload)}\n"
-                f"jetstream {{ store_dir: {os.path.join(workdir, 'js')!r} }}\n"
-            )
+        _write_private(
+            conf,
+            f"listen: {host}:{p}\n"
+            f"max_payload: {max_payload}\n"
+            f"max_pending: {max(64 * 1024 * 1024, _NATS_MAX_PENDING_FACTOR * max_payload)}\n"
+            f"jetstream {{ store_dir: {os.path.join(workdir, 'js')!r} }}\n"
+            f"{extra_config}\n",
+        )
         log = os.path.join(workdir, "nats.log")
         # The server greets every client with INFO; that is our readiness probe.
         return _start(
@@ -302,16 +318,28 @@ def start_nats(
 
 
 def start_redis(
-    port: int | None = None, *, host: str = LOOPBACK, timeout: float = 15.0
+    port: int | None = None,
+    *,
+    host: str = LOOPBACK,
+    timeout: float = 15.0,
+    acl: str | None = None,
 ) -> ServerProcess:
-    """redis-server on ``host:port`` (a free port if None), no persistence, data in a temp dir."""
+    """redis-server on ``host:port`` (a free port if None), no persistence, data in a temp dir.
+    ``acl``: ``user`` directives (Redis 6 ACL) that switch the default user off, so a client that
+    does not authenticate gets NOAUTH; they reach the server in a config file. None: open."""
     binary = find_redis_server()
 
     def once(p: int) -> ServerProcess:
         workdir = tempfile.mkdtemp(prefix="llmserve-redis-")
         log = os.path.join(workdir, "redis.log")
+        config: list[str] = []
+        if acl is not None:
+            # The config file comes first on the command line; the options after it add to it.
+            config = [os.path.join(workdir, "redis.conf")]
+            _write_private(config[0], acl + "\n")
         argv = [
             binary,
+            *config,
             "--port",
             str(p),
             "--bind",
@@ -334,7 +362,7 @@ def start_redis(
             p,
             f"redis://{host}:{p}/0",
             b"PING\r\n",
-            b"+PONG",
+            b"+PONG" if acl is None else b"-NOAUTH",
             "Ready to accept connections",
             timeout,
         )

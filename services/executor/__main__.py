@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     async def serve(stop) -> None:
-        bus = await Bus.connect(config.nats_url, config.executor_id)
+        bus = await Bus.connect(config.nats_url, config.executor_id, auth=config.bus_auth)
         worker = EngineWorker(
             engine, num_threads=engine_config.num_threads, kv_events=config.kv_events
         )

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import argparse
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from services.connections import add_nats_auth_arguments, nats_auth_from_args
 from services.runtime import env_bool, env_int, env_str, env_value
 from services.served_models import default_model_name
 from shared.engine.config import EngineConfig, add_engine_arguments
+from shared.wire.bus_auth import BusAuth
 
 # The engine defaults of a served executor, here and in ``llmserve up``: the same as the engine's
 # (``LLM``, ``llmserve generate``) but a 2GiB budget, as a server's KV cache is its capacity.
@@ -26,6 +28,7 @@ class ExecutorProcessConfig:
     drain_timeout_s: float
     kv_events: bool = True  # publish each step's KV cache events (off: they are dropped)
     max_queued: int | None = None  # accepted beyond max_num_seqs (None: max_num_seqs more)
+    bus_auth: BusAuth = field(default_factory=BusAuth)  # who it is on NATS (services.connections)
 
     def __post_init__(self) -> None:
         if not self.nats_url:
@@ -76,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests (sequences) accepted beyond max_num_seqs, waiting in the engine; more are "
         "refused and routed elsewhere (default: max_num_seqs) [env LLMSERVE_MAX_QUEUED]",
     )
+    add_nats_auth_arguments(p)
     add_engine_arguments(p, SERVED_ENGINE_DEFAULTS)
     return p
 
@@ -95,6 +99,7 @@ def parse_config(argv: list[str] | None = None) -> ExecutorProcessConfig:
             drain_timeout_s=a.drain_timeout,
             kv_events=a.kv_events,
             max_queued=a.max_queued,
+            bus_auth=nats_auth_from_args(a),
         )
     except ValueError as e:
         p.error(str(e))

@@ -1,7 +1,9 @@
 """``python -m services.gateway``: the OpenAI-compatible HTTP/WebSocket edge.
 
-Config from flags, with environment fallbacks (NATS_URL, LLMSERVE_API_KEY, LLMSERVE_MODEL_NAME,
-LLMSERVE_GATEWAY_HOST, LLMSERVE_GATEWAY_PORT, LLMSERVE_MAX_BODY_BYTES, LLMSERVE_KEEP_ALIVE_TIMEOUT).
+Config from flags, with environment fallbacks (NATS_URL, LLMSERVE_MODEL_NAME, LLMSERVE_GATEWAY_HOST,
+LLMSERVE_GATEWAY_PORT, LLMSERVE_MAX_BODY_BYTES, LLMSERVE_KEEP_ALIVE_TIMEOUT); secrets from the
+environment or a file only: the API key (LLMSERVE_API_KEY, --api-key-file) and the NATS password
+(NATS_USER / NATS_PASSWORD, --nats-password-file).
 It loads no model files: the executors name logprobs tokens. SIGTERM/SIGINT: new requests get 503,
 running ones get up to --drain-timeout, then end with an error event (server.py); then the app's
 lifespan drains the NATS connection.

@@ -33,6 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shared.wire.bus import Bus
+from shared.wire.bus_auth import redact_url
 from shared.wire.outputs import RequestOutput
 
 from . import protocol
@@ -77,14 +78,17 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         gw.bus = bus or await Bus.connect(
-            config.nats_url, "gateway", connect_timeout_s=config.nats_connect_timeout_s
+            config.nats_url,
+            "gateway",
+            auth=config.bus_auth,
+            connect_timeout_s=config.nats_connect_timeout_s,
         )
         log.info(
             "gateway serving %s on %s:%d (nats %s, auth %s)",
             ", ".join(config.model_names) or "(the executors' models)",
             config.host,
             config.port,
-            config.nats_url,
+            redact_url(config.nats_url),
             "on" if config.api_key else "off",
         )
         try:

@@ -4,10 +4,19 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from services.runtime import env_bool, env_float, env_int, env_str
+from services.connections import add_nats_auth_arguments, nats_auth_from_args
+from services.runtime import (
+    env_bool,
+    env_float,
+    env_int,
+    env_str,
+    read_secret_file,
+    refuse_secret_flag,
+)
 from services.served_models import split_names
+from shared.wire.bus_auth import BusAuth
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -20,7 +29,8 @@ class GatewayConfig:
     # The model names requests may send and /v1/models lists. Empty: whatever model names the live
     # executors report in their heartbeats (learnt from the scheduler), so it follows the stack.
     model_names: tuple[str, ...] = ()
-    api_key: str | None = None  # None: no auth
+    bus_auth: BusAuth = field(default_factory=BusAuth)  # who it is on NATS (services.connections)
+    api_key: str | None = field(default=None, repr=False)  # None: no auth; never printed
     request_timeout_s: float = 600.0  # whole request, first byte to last; then abort + 504
     max_tokens_default: int | None = None  # None: 16 for completions (OpenAI), unlimited for chat
     health_timeout_s: float = 2.0  # scheduler status request of GET /health
@@ -88,11 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: $LLMSERVE_MODEL_NAME, comma-separated, else the names the live executors "
         "report)",
     )
-    p.add_argument(
-        "--api-key",
-        default=env_str("LLMSERVE_API_KEY", None),
-        help="require 'Authorization: Bearer <key>' on /v1/* (env LLMSERVE_API_KEY)",
-    )
+    add_nats_auth_arguments(p)
+    add_api_key_arguments(p)
     p.add_argument(
         "--access-log",
         action="store_true",
@@ -142,6 +149,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+ENV_API_KEY = "LLMSERVE_API_KEY"
+
+
+def add_api_key_arguments(p: argparse.ArgumentParser) -> None:
+    """The API key comes from the environment or a file, never from argv (the gateway's and
+    ``llmserve up``'s)."""
+    p.add_argument(
+        "--api-key-file",
+        default=env_str("LLMSERVE_API_KEY_FILE", None),
+        metavar="PATH",
+        help=f"require 'Authorization: Bearer <key>' on /v1/*, the key being this file's first "
+        f"line [env LLMSERVE_API_KEY_FILE; or the key itself in env {ENV_API_KEY}]",
+    )
+    refuse_secret_flag(p, "--api-key", f"set {ENV_API_KEY} or use --api-key-file")
+
+
+def api_key_from_args(args: argparse.Namespace) -> str | None:
+    """The key of --api-key-file, else of $LLMSERVE_API_KEY, else None (no auth). ValueError for
+    an unreadable or empty file."""
+    if args.api_key_file is not None:
+        return read_secret_file(args.api_key_file, "API key")
+    return env_str(ENV_API_KEY, None)
+
+
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     # The flag's list, else the variable's names (an appending flag cannot default to them:
     # argparse would append to the default).
@@ -151,7 +182,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         host=args.host,
         port=args.port,
         model_names=tuple(names),
-        api_key=args.api_key,
+        bus_auth=nats_auth_from_args(args),
+        api_key=api_key_from_args(args),
         request_timeout_s=args.request_timeout,
         max_tokens_default=args.max_tokens_default,
         max_body_bytes=args.max_body_bytes,

@@ -4,11 +4,19 @@ variable)."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from services.connections import (
+    RedisAuth,
+    add_nats_auth_arguments,
+    add_redis_auth_arguments,
+    nats_auth_from_args,
+    redis_auth_from_args,
+)
 from services.prefix_index.logic import hash_tag_prefix
 from services.runtime import env_float, env_int, env_str
 from shared.wire import subjects
+from shared.wire.bus_auth import BusAuth
 from shared.wire.kv_stream import KV_EVENTS_MAX_AGE_S
 
 DEFAULT_KEY_PREFIX = "llmserve:pi"
@@ -37,10 +45,15 @@ class PrefixIndexConfig:
     max_match_blocks: int = 1 << 16  # a longer match request is refused
     # A dead executor's tombstone outlives every batch of its epoch the stream still holds.
     tombstone_ttl_s: float = KV_EVENTS_MAX_AGE_S
+    # Who it is on NATS and on Redis (services.connections).
+    bus_auth: BusAuth = field(default_factory=BusAuth)
+    redis_auth: RedisAuth = field(default_factory=RedisAuth)
 
     def __post_init__(self) -> None:
         if not self.nats_url or not self.redis_url:
             raise ValueError("nats_url and redis_url must not be empty")
+        if self.redis_auth.uses_tls_files and not self.redis_url.startswith("rediss://"):
+            raise ValueError("the Redis TLS files need a rediss:// URL")
         hash_tag_prefix(self.key_prefix)  # raises ValueError on a bad prefix
         # A JetStream consumer name is one subject token.
         if not self.consumer or any(c in self.consumer for c in ".*> \t\r\n"):
@@ -125,6 +138,8 @@ def parse_config(argv: list[str] | None = None) -> PrefixIndexConfig:
         help="seconds an executor's applied batches may stand still behind a gap before resyncing",
     )
     p.add_argument("--name", default="prefix_index", help="connection name")
+    add_nats_auth_arguments(p)
+    add_redis_auth_arguments(p)
     a = p.parse_args(argv)
     try:
         return PrefixIndexConfig(
@@ -140,6 +155,8 @@ def parse_config(argv: list[str] | None = None) -> PrefixIndexConfig:
             ack_wait_s=a.ack_wait,
             resync_after_deliveries=a.resync_after,
             gap_stall_timeout_s=a.gap_stall_timeout,
+            bus_auth=nats_auth_from_args(a),
+            redis_auth=redis_auth_from_args(a),
         )
     except ValueError as e:
         p.error(str(e))

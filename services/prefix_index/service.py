@@ -27,6 +27,7 @@ from services.prefix_index.applier import BatchApplier
 from services.prefix_index.config import PrefixIndexConfig
 from services.prefix_index.logic import Counters, ExecutorTracker
 from services.prefix_index.store import (
+    IndexAccessDenied,
     IndexStoreError,
     IndexUnavailable,
     PrefixStore,
@@ -35,6 +36,7 @@ from services.prefix_index.store import (
 from services.prefix_index.watch import RedisWatch
 from shared.wire import messages, subjects
 from shared.wire.bus import Bus, Msg, PullConsumer
+from shared.wire.bus_auth import redact_url
 from shared.wire.kv_stream import ensure_kv_events_stream
 from shared.wire.messages import PrefixMatchReply
 
@@ -218,13 +220,27 @@ class PrefixIndexService:
                 )
 
 
+async def _check_redis_access(store: PrefixStore, config: PrefixIndexConfig) -> None:
+    """Fail at start, naming the server and the user, if Redis refuses our credentials; Redis being
+    down is not an error here (the index serves without it and catches up)."""
+    try:
+        await store.ping()
+    except IndexAccessDenied as e:
+        raise IndexAccessDenied(
+            f"Redis at {redact_url(config.redis_url)} refused {config.redis_auth.describe()}: "
+            f"{e.__cause__ or e} (REDIS_USERNAME, REDIS_PASSWORD)"
+        ) from None
+    except IndexUnavailable as e:
+        log.warning("redis at %s is not answering yet: %s", redact_url(config.redis_url), e)
+
+
 @contextlib.asynccontextmanager
 async def running(config: PrefixIndexConfig) -> AsyncIterator[PrefixIndexService]:
     """A started service with its own connections; on exit it stops, drains and closes them."""
-    bus = await Bus.connect(config.nats_url, config.name)
+    bus = await Bus.connect(config.nats_url, config.name, auth=config.bus_auth)
     store, match_store = (
         PrefixStore(
-            connect_redis(config.redis_url, timeout_s),
+            connect_redis(config.redis_url, timeout_s, config.redis_auth),
             config.key_prefix,
             tombstone_ttl_s=config.tombstone_ttl_s,
         )
@@ -232,6 +248,7 @@ async def running(config: PrefixIndexConfig) -> AsyncIterator[PrefixIndexService
     )
     service = PrefixIndexService(bus, store, match_store, config)
     try:
+        await _check_redis_access(store, config)
         await service.start()
         yield service
     finally:

@@ -17,7 +17,8 @@ lives in one cluster slot and one Lua call may touch any of it::
 Each operation is one Lua call (lua.py: the contracts), atomic: Redis 7's server-side functions
 where the server has them, else EVALSHA of the same bodies, loaded again when the server answers
 NOSCRIPT (a restarted Redis has forgotten them). Errors come out typed: ``IndexUnavailable`` when
-Redis cannot answer now (down, timed out, busy, loading), ``IndexStoreError`` otherwise.
+Redis cannot answer now (down, timed out, busy, loading), ``IndexAccessDenied`` when it refuses our
+credentials or a command (NOAUTH, WRONGPASS, NOPERM), ``IndexStoreError`` otherwise.
 """
 
 from __future__ import annotations
@@ -33,13 +34,16 @@ import redis.exceptions
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from services.connections import RedisAuth
 from services.prefix_index import lua
 from services.prefix_index.logic import encode_events, hash_tag_prefix
+from shared.wire.bus_auth import AccessRefused
 from shared.wire.kv_events import KVCacheSnapshot, KVEventsMessage
 
 __all__ = [
     "ApplyOutcome",
     "ApplyResult",
+    "IndexAccessDenied",
     "IndexStoreError",
     "IndexUnavailable",
     "PrefixStore",
@@ -55,6 +59,11 @@ class IndexStoreError(Exception):
 
 class IndexUnavailable(IndexStoreError):
     """Redis cannot answer now: down, unreachable, timed out, loading or busy. Retry later."""
+
+
+class IndexAccessDenied(IndexStoreError, AccessRefused):
+    """Redis refused our user or password, or a command our user is not granted: a configuration
+    error that waiting will not fix."""
 
 
 class ApplyResult(StrEnum):
@@ -73,16 +82,18 @@ class ApplyOutcome(NamedTuple):
 _TRANSIENT_REPLIES = ("BUSY", "LOADING", "READONLY", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "OOM")
 
 
-def connect_redis(url: str, timeout_s: float) -> aioredis.Redis:
+def connect_redis(url: str, timeout_s: float, auth: RedisAuth | None = None) -> aioredis.Redis:
     """A client whose every command fails within ``timeout_s`` (connecting included) and is tried
     at most twice (a pooled connection a restarted server dropped fails once): the service does
-    its own retrying, and a match must fail fast rather than wait."""
+    its own retrying, and a match must fail fast rather than wait. It authenticates as ``auth``
+    says (or as the URL says), on every connection it opens."""
     return aioredis.Redis.from_url(
         url,
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
         retry=Retry(NoBackoff(), 1),
         decode_responses=True,
+        **(auth or RedisAuth()).client_options(),
     )
 
 
@@ -230,6 +241,9 @@ class PrefixStore:
         """Await a redis-py call, turning its errors into ours."""
         try:
             return await awaitable
+        # Before ConnectionError: AuthenticationError is one, but no reconnecting will cure it.
+        except (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError) as e:
+            raise IndexAccessDenied(f"redis refused us: {e}") from e
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as e:
             raise IndexUnavailable(f"redis unavailable: {e}") from e
         except redis.exceptions.ResponseError as e:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from services.connections import add_nats_auth_arguments, nats_auth_from_args
 from services.runtime import env_float, env_int, env_str
 from services.scheduler.placement import ROUTING_POLICIES, CostWeights
 from services.scheduler.router import RouterConfig
+from shared.wire.bus_auth import BusAuth
 
 
 @dataclass(frozen=True)
@@ -19,6 +21,7 @@ class SchedulerConfig:
     index_timeout_s: float = 0.05  # a prefix-index lookup slower than this is routed without it
     index_retry_s: float = 1.0  # after a failed lookup, route by load alone this long
     dispatch_timeout_s: float = 5.0  # an executor's answer to a dispatch
+    bus_auth: BusAuth = field(default_factory=BusAuth)  # who it is on NATS (services.connections)
 
     def __post_init__(self) -> None:
         if not self.nats_url:
@@ -86,6 +89,7 @@ def parse_config(argv: list[str] | None = None) -> SchedulerConfig:
         help="seconds a prefix-index lookup may take before the request is routed by load alone",
     )
     p.add_argument("--name", default="scheduler", help="connection name")
+    add_nats_auth_arguments(p)
     a = p.parse_args(argv)
     try:
         router = RouterConfig(
@@ -101,7 +105,11 @@ def parse_config(argv: list[str] | None = None) -> SchedulerConfig:
             ),
         )
         return SchedulerConfig(
-            nats_url=a.nats_url, router=router, name=a.name, index_timeout_s=a.index_timeout
+            nats_url=a.nats_url,
+            router=router,
+            name=a.name,
+            index_timeout_s=a.index_timeout,
+            bus_auth=nats_auth_from_args(a),
         )
     except ValueError as e:
         p.error(str(e))

@@ -189,7 +189,7 @@ class SchedulerService:
 
 
 async def serve(config: SchedulerConfig, stop: asyncio.Event) -> None:
-    bus = await Bus.connect(config.nats_url, config.name)
+    bus = await Bus.connect(config.nats_url, config.name, auth=config.bus_auth)
     service = SchedulerService(bus, config)
     await service.start()
     log.info(

@@ -10,12 +10,14 @@ capped by the model's own, as the engine caps it."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from services.connections import add_nats_auth_arguments, nats_auth_from_args
 from services.runtime import env_int, env_str, env_value
 from services.served_models import pair_models, split_names
 from services.tokenizer.prompts import PromptLimits, model_context_len
 from shared.engine.config import EngineConfig, add_engine_arguments
+from shared.wire.bus_auth import BusAuth
 
 # The engine settings a tokenizer needs: which model, and the prompt limits it checks.
 TOKENIZER_LIMIT_SETTINGS = ("max_model_len", "block_size")
@@ -34,6 +36,7 @@ class TokenizerConfig:
     nats_url: str
     models: tuple[TokenizerModel, ...]
     name: str = "tokenizer"
+    bus_auth: BusAuth = field(default_factory=BusAuth)  # who it is on NATS (services.connections)
 
     def __post_init__(self) -> None:
         if not self.nats_url:
@@ -52,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--nats-url", default=env_str("NATS_URL", "nats://127.0.0.1:4222"))
     p.add_argument("--name", default="tokenizer", help="connection name")
+    add_nats_auth_arguments(p)
     p.add_argument(
         "--model-name",
         action="append",
@@ -106,7 +110,12 @@ def parse_config(argv: list[str] | None = None) -> TokenizerConfig:
                 max_prompt_chars=a.max_prompt_chars,
             )
             models.append(TokenizerModel(m.name, path, limits))
-        return TokenizerConfig(nats_url=a.nats_url, models=tuple(models), name=a.name)
+        return TokenizerConfig(
+            nats_url=a.nats_url,
+            models=tuple(models),
+            name=a.name,
+            bus_auth=nats_auth_from_args(a),
+        )
     except ValueError as e:
         p.error(str(e))
         raise

@@ -160,7 +160,7 @@ async def serve(
     config: TokenizerConfig, tokenizers: Mapping[str, Tokenizer], stop: asyncio.Event
 ) -> None:
     """``tokenizers``: each of ``config.models``' tokenizer, by served name."""
-    bus = await Bus.connect(config.nats_url, config.name)
+    bus = await Bus.connect(config.nats_url, config.name, auth=config.bus_auth)
     service = TokenizerService(
         bus, {m.name: ModelTokenizer(tokenizers[m.name], m.limits) for m in config.models}
     )

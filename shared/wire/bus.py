@@ -20,7 +20,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
+import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import nats
 import nats.errors
@@ -30,8 +33,13 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription as _NatsSubscription
 
+from shared.wire.bus_auth import AccessRefused, BusAuth, redact_url
+from shared.wire.permissions import inbox_prefix
+
 __all__ = [
     "Bus",
+    "BusAuth",
+    "BusAuthError",
     "BusError",
     "BusInterrupted",
     "BusNoResponders",
@@ -68,6 +76,11 @@ class BusError(Exception):
     """A bus operation failed (connection lost, closed, payload too large, ...)."""
 
 
+class BusAuthError(BusError, AccessRefused):
+    """The server refused who we are: a wrong user or password, or (TLS) a server certificate
+    that does not verify. Waiting will not help: a service fails at start with this message."""
+
+
 class BusTimeout(BusError, TimeoutError):
     """No reply to a request within its timeout."""
 
@@ -79,6 +92,36 @@ class BusInterrupted(BusError):
 class BusNoResponders(BusTimeout):
     """No subscriber at all for a request's subject; fails fast instead of waiting out the timeout.
     A subclass of BusTimeout so callers that only care about "no answer" catch one exception."""
+
+
+def _is_refusal(e: Exception) -> bool:
+    """A first-connection error that retrying cannot cure: the server refused our user, or TLS
+    failed over a certificate (theirs does not verify, ours is missing or not trusted)."""
+    if isinstance(e, ssl.SSLError):
+        reason = getattr(e, "reason", None) or ""
+        return (
+            isinstance(e, ssl.SSLCertVerificationError)
+            or "CERTIFICATE" in reason
+            or ("UNKNOWN_CA" in reason)
+        )
+    return isinstance(e, nats.errors.AuthorizationError) or (
+        "authorization violation" in str(e).lower()
+    )
+
+
+def _describe(auth: BusAuth, user: str | None) -> str:
+    return auth.describe() if auth.user is not None or user is None else f"user {user!r} (URL)"
+
+
+def _why(e: Exception) -> str:
+    if isinstance(e, ssl.SSLCertVerificationError):
+        return f"the server's TLS certificate does not verify ({e.verify_message}; NATS_TLS_CA)"
+    if isinstance(e, ssl.SSLError):
+        return (
+            f"the server did not accept our TLS client certificate ({e.reason}; NATS_TLS_CERT, "
+            "NATS_TLS_KEY)"
+        )
+    return "authorization violation (a wrong or missing user or password: NATS_USER, NATS_PASSWORD)"
 
 
 class Subscription:
@@ -180,17 +223,30 @@ class Bus:
 
     @classmethod
     async def connect(
-        cls, url: str, name: str, *, connect_timeout_s: float = 30.0, reconnect_wait_s: float = 0.5
+        cls,
+        url: str,
+        name: str,
+        *,
+        auth: BusAuth | None = None,
+        connect_timeout_s: float = 30.0,
+        reconnect_wait_s: float = 0.5,
     ) -> Bus:
-        """Connect, retrying the *first* connection for up to ``connect_timeout_s`` (a service may
-        start before the server is up); after that, reconnect forever. ``name`` shows in the
+        """Connect as ``auth``'s user (anonymous without one), retrying the *first* connection for
+        up to ``connect_timeout_s`` (a service may start before the server is up); after that,
+        reconnect forever. A refusal that waiting cannot cure (wrong user or password, a server
+        certificate that does not verify) raises ``BusAuthError`` at once. ``name`` shows in the
         server's monitoring and in our logs."""
+        auth = auth or BusAuth()
         connected = False
         holder: list[Bus] = []
+        refused: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
 
         async def on_error(e: Exception) -> None:
-            if connected:  # before the first connection, refusals are expected: we retry quietly
+            if connected:
                 log.warning("[%s] nats error: %r", name, e)
+            elif _is_refusal(e) and not refused.done():
+                refused.set_result(e)
+            # Other errors before the first connection (refused, not up yet): we retry quietly.
 
         async def on_disconnected() -> None:
             if not (holder and holder[0]._closing):
@@ -199,29 +255,60 @@ class Bus:
         async def on_reconnected() -> None:
             log.info("[%s] reconnected to nats", name)
 
+        # A user named only in the URL (nats://user:pass@host) gets that user's inbox prefix too.
+        user = auth.user or urllib.parse.urlsplit(url).username or None
+        options: dict[str, Any] = {}
+        if auth.user is not None:
+            options.update(user=auth.user, password=auth.password)
+        if user is not None:
+            options["inbox_prefix"] = inbox_prefix(user)
+        where = f"NATS at {redact_url(url)}"
+        try:
+            context = auth.ssl_context()
+        except OSError as e:  # ssl.SSLError included
+            raise BusError(f"cannot use the TLS files for {where}: {e}") from None
+        if context is not None:
+            options["tls"] = context
         # With max_reconnect_attempts=-1 nats-py also retries the first connection forever, so the
         # deadline is ours.
-        try:
-            nc = await asyncio.wait_for(
-                nats.connect(
-                    servers=url,
-                    name=name,
-                    allow_reconnect=True,
-                    max_reconnect_attempts=-1,
-                    reconnect_time_wait=reconnect_wait_s,
-                    connect_timeout=2,
-                    ping_interval=5,
-                    max_outstanding_pings=3,
-                    error_cb=on_error,
-                    disconnected_cb=on_disconnected,
-                    reconnected_cb=on_reconnected,
-                ),
-                timeout=connect_timeout_s,
+        connecting = asyncio.ensure_future(
+            nats.connect(
+                servers=url,
+                name=name,
+                allow_reconnect=True,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=reconnect_wait_s,
+                connect_timeout=2,
+                ping_interval=5,
+                max_outstanding_pings=3,
+                error_cb=on_error,
+                disconnected_cb=on_disconnected,
+                reconnected_cb=on_reconnected,
+                **options,
             )
-        except TimeoutError:
-            raise BusError(f"cannot connect to NATS at {url} within {connect_timeout_s}s") from None
+        )
+        waiters: set[asyncio.Future[Any]] = {connecting, refused}
+        try:
+            done, _ = await asyncio.wait(
+                waiters,
+                timeout=connect_timeout_s,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if connecting in done:
+                nc = connecting.result()
+            elif refused in done:
+                raise BusAuthError(
+                    f"{where} refused {_describe(auth, user)}: {_why(refused.result())}"
+                )
+            else:
+                raise BusError(f"cannot connect to {where} within {connect_timeout_s}s")
         except (OSError, nats.errors.Error) as e:
-            raise BusError(f"cannot connect to NATS at {url}: {e!r}") from e
+            raise BusError(f"cannot connect to {where}: {e!r}") from e
+        finally:
+            if not connecting.done():
+                connecting.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await connecting
         connected = True
         holder.append(cls(nc, name))
         return holder[0]

@@ -31,9 +31,13 @@ PREFIX_INDEX_MATCH = f"{PREFIX}.prefix_index.match"
 PREFIX_INDEX_STATUS = f"{PREFIX}.prefix_index.status"
 # Every executor's heartbeat, for wildcard subscribers.
 EXECUTOR_STATS_ALL = f"{PREFIX}.executor.*.stats"
+# Every executor's work and snapshot subjects (executor_decode, executor_kv_snapshot), for the NATS
+# permissions (shared/wire/permissions.py): who may send to, or listen as, any executor.
+EXECUTOR_DECODE_ALL = f"{PREFIX}.executor.*.decode"
+EXECUTOR_KV_SNAPSHOT_ALL = f"{PREFIX}.executor.*.kv_snapshot"
 # Every executor's KV events, for wildcard subscribers (the prefix index): see kv_events().
 KV_EVENTS_ALL = f"{PREFIX}.kv_events.*"
-# Token deltas of every request, for wildcard subscribers (tests, tracing).
+# Token deltas of every request, for wildcard subscribers (the gateway's permission, tests).
 STREAM_ALL = f"{PREFIX}.stream.*"
 
 QUEUE_TOKENIZER = "tokenizer"

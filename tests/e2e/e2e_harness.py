@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 
+from services.cli.launcher import Stack
 from services.tokenizer.prompts import prompt_token_ids
 from shared.wire import subjects
 from shared.wire.bus import Bus
@@ -117,9 +118,11 @@ def finish_reason(chunks: list[dict[str, Any]], index: int = 0) -> str | None:
     return reasons[0] if reasons else None
 
 
-def scheduler_status(nats_url: str) -> SchedulerStatus:
+def scheduler_status(stack: Stack) -> SchedulerStatus:
+    """The scheduler's status, asked as the stack's admin user (a stranger is refused)."""
+
     async def ask() -> SchedulerStatus:
-        async with await Bus.connect(nats_url, "e2e-test") as bus:
+        async with await Bus.connect(stack.nats_url, "e2e-test", auth=stack.admin_auth) as bus:
             data = await bus.request(
                 subjects.SCHEDULER_STATUS,
                 SCHEDULER_STATUS_REQUEST.encode(SchedulerStatusRequest()),

@@ -13,6 +13,7 @@ import time
 import httpx
 from e2e_harness import scheduler_status, wait_for
 
+from services.cli.launcher import Stack
 from services.cli.servers import start_redis
 from shared.wire import messages, subjects
 from shared.wire.block_hash import hash_prompt_blocks
@@ -43,37 +44,35 @@ def cached_tokens(body: dict) -> int:
     return body["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def queries_by_executor(nats_url: str) -> dict[str, int]:
-    return {
-        e.executor_id: e.prefix_cache_queries_tokens for e in scheduler_status(nats_url).executors
-    }
+def queries_by_executor(s: Stack) -> dict[str, int]:
+    return {e.executor_id: e.prefix_cache_queries_tokens for e in scheduler_status(s).executors}
 
 
 def test_shared_system_prompt_goes_to_its_holder_and_survives_index_and_redis_outages(stack):
     s = stack(num_executors=2, num_kv_blocks=512, max_model_len=2048)
-    wait_for(lambda: len(scheduler_status(s.nats_url).executors) == 2, 60, "two executors")
+    wait_for(lambda: len(scheduler_status(s).executors) == 2, 60, "two executors")
     system, prompts = shared_prompt_requests(12)
     full_system_blocks = SYSTEM_LEN // BLOCK_SIZE * BLOCK_SIZE  # 992 tokens
 
     # The first request pays for the system prompt; the index learns who holds it (its KV events
     # reach Redis through the stream); every later one goes there and hits all its full blocks.
-    before = queries_by_executor(s.nats_url)
+    before = queries_by_executor(s)
     first = complete(s.base_url, prompts[0])
     assert cached_tokens(first) == 0
     changed = wait_for(
-        lambda: [e for e, q in queries_by_executor(s.nats_url).items() if q > before.get(e, 0)],
+        lambda: [e for e, q in queries_by_executor(s).items() if q > before.get(e, 0)],
         10,
         "the first request's prefix-cache query in a heartbeat",
     )
     [holder] = changed
-    before = queries_by_executor(s.nats_url)
-    wait_for(lambda: index_knows(s.nats_url, system), 10, "the index to hold the system prompt")
+    before = queries_by_executor(s)
+    wait_for(lambda: index_knows(s, system), 10, "the index to hold the system prompt")
     for prompt in prompts[1:5]:
         assert cached_tokens(complete(s.base_url, prompt)) >= full_system_blocks
-    queries = queries_by_executor(s.nats_url)
+    queries = queries_by_executor(s)
     others = [e for e in queries if e != holder]
     assert all(queries[e] == before.get(e, 0) for e in others), queries  # nothing went elsewhere
-    status = scheduler_status(s.nats_url)
+    status = scheduler_status(s)
     assert status.index_available and status.num_index_fallbacks == 0
 
     # The index goes away: requests are still served, by load; the scheduler says so.
@@ -81,14 +80,14 @@ def test_shared_system_prompt_goes_to_its_holder_and_survives_index_and_redis_ou
     index.kill()
     for prompt in prompts[5:7]:
         complete(s.base_url, prompt)
-    status = scheduler_status(s.nats_url)
+    status = scheduler_status(s)
     assert not status.index_available and status.num_index_fallbacks >= 1
     # It comes back: it replays what it missed from the stream, and routing recovers by itself.
     index.spawn()
-    wait_for(lambda: index_answers(s.nats_url), 60, "the restarted index to answer")
+    wait_for(lambda: index_answers(s), 60, "the restarted index to answer")
     time.sleep(1.2)  # past the scheduler's retry interval
     assert cached_tokens(complete(s.base_url, prompts[7])) >= full_system_blocks
-    assert scheduler_status(s.nats_url).index_available
+    assert scheduler_status(s).index_available
 
     # Redis goes away (and comes back empty, it keeps no data): served all along; the index
     # resynchronises from the executors' snapshots and cache routing recovers.
@@ -97,30 +96,31 @@ def test_shared_system_prompt_goes_to_its_holder_and_survives_index_and_redis_ou
     redis.stop()
     for prompt in prompts[8:10]:
         complete(s.base_url, prompt)
-    assert not scheduler_status(s.nats_url).index_available
-    s.servers[s.servers.index(redis)] = start_redis(port)
-    wait_for(lambda: index_knows(s.nats_url, system), 60, "the index to resync after Redis")
+    assert not scheduler_status(s).index_available
+    assert s.credentials is not None  # it comes back as closed as it was: the same index user
+    s.servers[s.servers.index(redis)] = start_redis(port, acl=s.credentials.redis_acl())
+    wait_for(lambda: index_knows(s, system), 60, "the index to resync after Redis")
     time.sleep(1.2)
     for prompt in prompts[10:]:
         assert cached_tokens(complete(s.base_url, prompt)) >= full_system_blocks
-    assert scheduler_status(s.nats_url).index_available
+    assert scheduler_status(s).index_available
 
 
-def index_answers(nats_url: str) -> bool:
-    return _match(nats_url, [1]) is not None
+def index_answers(s: Stack) -> bool:
+    return _match(s, [1]) is not None
 
 
-def index_knows(nats_url: str, system: list[int]) -> bool:
+def index_knows(s: Stack, system: list[int]) -> bool:
     hashes = hash_prompt_blocks(system, BLOCK_SIZE)
-    num_blocks = _match(nats_url, hashes)
+    num_blocks = _match(s, hashes)
     return num_blocks is not None and max(num_blocks.values(), default=0) == len(hashes)
 
 
-def _match(nats_url: str, block_hashes: list[int]) -> dict[str, int] | None:
+def _match(s: Stack, block_hashes: list[int]) -> dict[str, int] | None:
     """The index's answer, or None when it does not answer or cannot (Redis down)."""
 
     async def ask() -> dict[str, int] | None:
-        bus = await Bus.connect(nats_url, "test-match")
+        bus = await Bus.connect(s.nats_url, "test-match", auth=s.admin_auth)
         try:
             query = messages.PrefixMatchRequest(
                 model="SmolLM2-135M-Instruct", block_hashes=block_hashes
@@ -148,12 +148,12 @@ def test_three_schedulers_keep_each_executor_within_its_cap(stack):
         num_kv_blocks=256,
         max_queue_len=256,
     )
-    wait_for(lambda: len(scheduler_status(s.nats_url).executors) == 2, 60, "two executors")
+    wait_for(lambda: len(scheduler_status(s).executors) == 2, 60, "two executors")
     peaks: dict[str, int] = {}
     refused: dict[str, int] = {}
 
     async def main() -> list[int]:
-        bus = await Bus.connect(s.nats_url, "test-heartbeats")
+        bus = await Bus.connect(s.nats_url, "test-heartbeats", auth=s.admin_auth)
 
         async def on_heartbeat(msg) -> None:
             hb = messages.EXECUTOR_HEARTBEAT.decode(msg.data)

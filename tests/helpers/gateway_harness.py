@@ -344,14 +344,16 @@ class GatewayProcess:
             "warning",
             *args,
         ]
+        # The key by environment, as the launcher passes it (the gateway refuses it on argv).
+        env = {k: v for k, v in os.environ.items() if k != "LLMSERVE_API_KEY"}
         if api_key:
-            argv += ["--api-key", api_key]
+            env["LLMSERVE_API_KEY"] = api_key
         self.process = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**env, "PYTHONUNBUFFERED": "1"},
         )
         self._wait_ready()
 

@@ -49,8 +49,9 @@ def test_launch_starts_the_replicas_with_the_stacks_servers(monkeypatch):
     indexes = [s for s in started if s[1] == "services.prefix_index"]
     assert [name for name, *_ in indexes] == ["prefix_index-0", "prefix_index-1"]
     for name, _, args, env in indexes:
-        assert args[args.index("--nats-url") + 1] == "nats://127.0.0.1:1"
-        assert args[args.index("--redis-url") + 1] == "redis://127.0.0.1:2/0"
+        # The URLs come by environment only: one from outside may hold a password, and argv is
+        # public (ps).
+        assert not any("127.0.0.1" in arg for arg in args)
         assert args[args.index("--name") + 1] == name
         assert (env["NATS_URL"], env["REDIS_URL"]) == (
             "nats://127.0.0.1:1",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import sys
 import time
@@ -12,6 +13,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from services.executor.config import SERVED_ENGINE_DEFAULTS
+from services.gateway.config import ENV_API_KEY, add_api_key_arguments, api_key_from_args
 from services.runtime import env_str, env_value
 from services.scheduler.placement import ROUTING_POLICIES
 from services.served_models import pair_models
@@ -69,10 +71,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--max-queue-len", type=int, default=256, help="waiting requests beyond this get 429"
     )
+    add_api_key_arguments(p)
     p.add_argument(
-        "--api-key",
-        default=env_str("LLMSERVE_API_KEY", None),
-        help="require 'Authorization: Bearer <key>' (env LLMSERVE_API_KEY)",
+        "--credentials",
+        default=env_str("LLMSERVE_CREDENTIALS_DIR", None),
+        metavar="DIR",
+        help="the NATS and Redis users from `llmserve credentials DIR` instead of fresh ones: "
+        "each service gets its kind's; needed to close a bus given by $NATS_URL / $REDIS_URL "
+        "[env LLMSERVE_CREDENTIALS_DIR]",
     )
     p.add_argument(
         "--request-timeout", type=float, default=None, help="seconds before a request is aborted"
@@ -111,10 +117,16 @@ def _note(msg: str) -> None:
     print(f"llmserve: {msg}", file=sys.stderr, flush=True)
 
 
-def _curl_example(base_url: str, model: str, api_key: str | None) -> str:
-    auth = f" \\\n    -H 'Authorization: Bearer {api_key}'" if api_key else ""
+def _curl_example(base_url: str, model: str, api_key_file: str | None, with_key: bool) -> str:
+    """A request to paste into a shell. The key itself is never printed (a terminal's scrollback,
+    a CI log): the shell fills it in from $LLMSERVE_API_KEY, read from the key's file if that is
+    where it came from."""
+    setup = (
+        f'export {ENV_API_KEY}="$(head -n 1 {shlex.quote(api_key_file)})"\n' if api_key_file else ""
+    )
+    auth = f' \\\n    -H "Authorization: Bearer ${ENV_API_KEY}"' if with_key else ""
     return (
-        f"curl -N {base_url}/v1/chat/completions \\\n"
+        f"{setup}curl -N {base_url}/v1/chat/completions \\\n"
         f"    -H 'Content-Type: application/json'{auth} \\\n"
         f'    -d \'{{"model": "{model}", "stream": true, "max_tokens": 32, '
         f'"messages": [{{"role": "user", "content": "Hello!"}}]}}\''
@@ -123,6 +135,7 @@ def _curl_example(base_url: str, model: str, api_key: str | None) -> str:
 
 def stack_config(args: argparse.Namespace) -> StackConfig:
     """The stack the command line asks for; ValueError for a bad combination of flags."""
+    from services.cli.credentials import StackCredentials
     from services.cli.launcher import StackConfig
 
     engine = EngineConfig.from_args(
@@ -143,7 +156,8 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
         routing=args.routing,
         max_queued=args.max_queued,
         max_queue_len=args.max_queue_len,
-        api_key=args.api_key,
+        api_key=api_key_from_args(args),
+        credentials=StackCredentials.load(args.credentials) if args.credentials else None,
         request_timeout_s=args.request_timeout,
         nats_url=env_str("NATS_URL", None),
         redis_url=env_str("REDIS_URL", None),
@@ -183,10 +197,13 @@ def run(args: argparse.Namespace) -> int:
     stack = None
     try:
         stack = launch(config, progress=_note)
+        curl = _curl_example(
+            stack.base_url, models[0].name, args.api_key_file, config.api_key is not None
+        )
         print(
             f"\nllmserve is ready at {stack.base_url}  (Ctrl-C to stop), serving "
             f"{', '.join(m.name for m in models)}\n\n"
-            f"{_curl_example(stack.base_url, models[0].name, args.api_key)}\n",
+            f"{curl}\n",
             flush=True,
         )
         while True:
