@@ -145,6 +145,7 @@ def test_stack_serves_sheds_load_and_survives_an_executor_kill(stack, pid_alive)
         num_kv_blocks=128,
         max_num_seqs=1,
         max_queue_len=0,
+        max_queued=0,  # nor at the executor (by default it queues as many again as it runs)
         request_timeout_s=60,
         heartbeat_timeout_s=3.0,
     )
