@@ -10,6 +10,12 @@ Process invariants:
   not leave orphans behind;
 - ``Stack.stop()`` sends SIGTERM to each child's process group, waits ``grace_s``, then SIGKILLs the
   group; after it returns no child process is alive.
+- ``Stack.supervise()`` restarts whatever exited on its own: nats-server and redis-server first
+  (same port, config and data dir, so JetStream's store survives; polled, so reaped: never a
+  zombie), then the services. The services reconnect by themselves.
+- The servers' dirs live in one stack dir (``reaper.make_stack_dir``) that ``stop()`` removes; a
+  reaper process removes it if the launcher dies without stopping (SIGKILL included), and the next
+  launch sweeps any a dead launcher and its reaper left.
 
 Security invariants: the servers it starts are closed (``credentials.py``: a NATS user per service
 kind with its subject permissions, the prefix index's Redis user); each service gets its own kind's
@@ -23,6 +29,7 @@ import collections
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,9 +42,11 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from services.cli.credentials import StackCredentials
+from services.cli.reaper import DirReaper, make_stack_dir, sweep_orphaned_dirs
 from services.cli.servers import (
     LOOPBACK,
     ServerProcess,
+    ServerStartError,
     detach_child,
     free_port,
     read_log_tail,
@@ -214,7 +223,14 @@ class Stack:
     servers: list[ServerProcess] = field(default_factory=list)
     # The users of the servers this stack started or was given (None: neither).
     credentials: StackCredentials | None = field(default=None, repr=False)
+    data_dir: str | None = None  # the servers' dirs are in it; removed by stop()
+    reaper: DirReaper | None = None  # removes data_dir should we die without stop()
     _stopped: bool = False
+    # One supervise pass at a time, and none once stop() began (it holds the lock to set
+    # _stopped).
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _supervisor: threading.Thread | None = field(default=None, repr=False)
+    _stop_done: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property
     def admin_auth(self) -> BusAuth:
@@ -239,21 +255,60 @@ class Stack:
         return svc
 
     def supervise(self, note: Callable[[str], None]) -> None:
-        """Restart any service that exited on its own (``llmserve up`` calls this periodically).
-        A crash loop is slowed by the time a restart takes (model loading) and reported each
-        time."""
-        if self._stopped:
+        """Restart any server or service that exited on its own (``llmserve up`` calls this
+        periodically). Servers first, on the same port with the same config and data dir, since
+        every service needs them; each restart is reported with the process's last output. A crash
+        loop is slowed by the time a restart takes (model loading, a server's readiness)."""
+        with self._lock:
+            if self._stopped:
+                return
+            for server in self.servers:
+                if server.alive():
+                    continue
+                note(
+                    f"{server.name} exited with code {server.process.returncode}; restarting it "
+                    f"on port {server.port} (restart #{server.num_restarts + 1}); its last "
+                    f"output:\n{server.log_tail(1500)}".rstrip()
+                )
+                started = time.monotonic()
+                try:
+                    server.restart()
+                except ServerStartError as e:
+                    note(f"{server.name} did not restart ({e}); trying again")
+                    continue
+                if self.reaper is not None:
+                    self.reaper.watch(server.pid)
+                note(f"{server.name} is back after {time.monotonic() - started:.2f} s")
+            for svc in self.services.values():
+                if svc.alive():
+                    continue
+                svc.num_restarts += 1
+                tail = svc.log_tail(1500)
+                note(
+                    f"{svc.name} exited with code {svc.process.returncode}; restarting it "
+                    f"(restart #{svc.num_restarts}); its last output:\n{tail}".rstrip()
+                )
+                svc.signal_group(signal.SIGKILL)  # leftovers of the old process group, if any
+                svc.spawn()
+
+    def supervise_in_background(
+        self, note: Callable[[str], None] | None = None, interval_s: float = 0.5
+    ) -> None:
+        """Run ``supervise`` every ``interval_s`` in a thread of its own until ``stop()`` (tests;
+        ``llmserve up`` calls it from its main loop). The thread lives until stop() is over: a
+        child it restarts gets its parent-death signal when that thread ends."""
+        if self._supervisor is not None:
             return
-        for svc in self.services.values():
-            if svc.alive():
-                continue
-            svc.num_restarts += 1
-            note(
-                f"{svc.name} exited with code {svc.process.returncode}; restarting it "
-                f"(restart #{svc.num_restarts}); its last output:\n{svc.log_tail(1500)}".rstrip()
-            )
-            svc.signal_group(signal.SIGKILL)  # leftovers of the old process group, if any
-            svc.spawn()
+
+        def loop() -> None:
+            while not self._stop_done.wait(interval_s):
+                try:
+                    self.supervise(note or (lambda msg: print(f"llmserve: {msg}", file=sys.stderr)))
+                except Exception as e:  # never the end of supervision
+                    print(f"llmserve: supervision failed: {e!r}", file=sys.stderr)
+
+        self._supervisor = threading.Thread(target=loop, name="stack-supervisor", daemon=True)
+        self._supervisor.start()
 
     def check_alive(self) -> None:
         for svc in self.services.values():
@@ -303,11 +358,24 @@ class Stack:
 
     def stop(self, grace_s: float | None = None) -> None:
         """Drain and stop everything, gateway first and servers last; idempotent. After it returns,
-        every process this stack started has exited. ``grace_s`` (default: the drain timeout + 5 s)
-        is how long each wave may take before SIGKILL."""
-        if self._stopped:
-            return
-        self._stopped = True
+        every process this stack started has exited and its data dir is gone. ``grace_s``
+        (default: the drain timeout + 5 s) is how long each wave may take before SIGKILL."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        try:
+            self._stop_processes(grace_s)
+        finally:
+            if self.data_dir is not None:
+                shutil.rmtree(self.data_dir, ignore_errors=True)
+            if self.reaper is not None:
+                self.reaper.close()
+            self._stop_done.set()
+            if self._supervisor is not None:
+                self._supervisor.join(5.0)
+
+    def _stop_processes(self, grace_s: float | None) -> None:
         if grace_s is None:
             grace_s = self.config.drain_timeout_s + 5.0
         # The gateway stops taking requests first; then the pipeline drains behind it.
@@ -447,17 +515,30 @@ def launch(
     servers: list[ServerProcess] = []
     stack: Stack | None = None
     credentials = config.credentials or StackCredentials.generate()
+    data_dir: str | None = None
+    reaper: DirReaper | None = None
     try:
+        if config.nats_url is None or config.redis_url is None:
+            for path in sweep_orphaned_dirs():
+                note(f"removed {path}, left by a stack whose launcher was killed")
+            data_dir = make_stack_dir()
+            reaper = DirReaper([data_dir])
         nats_url = config.nats_url
         if nats_url is None:
-            servers.append(start_nats(extra_config=credentials.nats_authorization()))
+            servers.append(
+                start_nats(extra_config=credentials.nats_authorization(), parent_dir=data_dir)
+            )
             nats_url = servers[-1].url
             note(f"nats-server on {nats_url} (a user per service)")
+            if reaper is not None:  # it must see this server exit before removing its dir
+                reaper.watch(servers[-1].pid)
         redis_url = config.redis_url
         if redis_url is None:
-            servers.append(start_redis(acl=credentials.redis_acl()))
+            servers.append(start_redis(acl=credentials.redis_acl(), parent_dir=data_dir))
             redis_url = servers[-1].url
             note(f"redis-server on {redis_url} (the prefix index's user only)")
+            if reaper is not None:
+                reaper.watch(servers[-1].pid)
         port = config.port or free_port(config.host)
         stack = Stack(
             config,
@@ -466,6 +547,8 @@ def launch(
             f"http://{config.host}:{port}",
             servers=servers,
             credentials=credentials if servers or config.credentials else None,
+            data_dir=data_dir,
+            reaper=reaper,
         )
         env = {**os.environ, "NATS_URL": nats_url, "REDIS_URL": redis_url, **dict(config.extra_env)}
         env.setdefault("PYTHONUNBUFFERED", "1")
@@ -553,4 +636,8 @@ def launch(
         else:
             for server in reversed(servers):
                 server.stop()
+            if data_dir is not None:
+                shutil.rmtree(data_dir, ignore_errors=True)
+            if reaper is not None:
+                reaper.close()
         raise

@@ -19,6 +19,13 @@ index, unless the worker was built with ``kv_events=False``; either way the engi
 step's events. ``executor_kv_snapshot(id)`` answers with the whole cached set (KVCacheSnapshot) for
 an index that missed a batch.
 
+Bounded waits: a request it holds whose stream has carried nothing for KEEPALIVE_INTERVAL_S (not
+started yet: waiting or prefilling; or preempted) gets a StreamKeepalive, sent with the heartbeats;
+if this process dies they stop, and the gateway fails the request within its progress timeout (the
+scheduler usually first, from the missing heartbeats). When the bus connection drops, every
+request it holds is aborted and ends with an error (502 once started, else 503), sent when the bus
+is back: outputs or aborts may have been lost meanwhile, and its gateway has given up on it.
+
 Drain (SIGTERM): heartbeats say ``draining`` at once so the scheduler routes nothing new here;
 requests that still arrive are refused; in-flight ones may finish for ``drain_timeout_s``, the rest
 are aborted with a 503 error event; then the engine thread stops and the connection drains.
@@ -46,6 +53,7 @@ from services.executor.worker import (
 )
 from shared.wire import messages, subjects
 from shared.wire.bus import Bus, BusError, Msg
+from shared.wire.keepalive import SilenceTracker, send_keepalives
 from shared.wire.kv_events import (
     KV_CACHE_SNAPSHOT,
     KV_EVENTS_MESSAGE,
@@ -101,6 +109,7 @@ class _Live:
     num_prefill_tokens: int  # counted in the pending prefill until it starts
     started: bool = False
     aborting: bool = False
+    bus_lost: bool = False  # aborted because the bus connection dropped: ends with an error
 
 
 @dataclass
@@ -122,8 +131,10 @@ class ExecutorService:
         self._tasks: list[asyncio.Task[None]] = []
         self._idle = asyncio.Event()
         self._idle.set()
+        self._silence = SilenceTracker()  # when each live request's stream last carried something
 
     async def start(self) -> None:
+        self.bus.on_connection_lost(self._on_bus_lost)
         loop = asyncio.get_running_loop()
         # The engine thread hands events over without ever blocking on the loop.
         self.worker.start(lambda events: loop.call_soon_threadsafe(self._events.put_nowait, events))
@@ -168,6 +179,7 @@ class ExecutorService:
             self._load_version += 1
             self._peak_admitted_weight = max(self._peak_admitted_weight, self._admitted_weight)
             self._idle.clear()
+            self._silence.touch(rid, time.monotonic())
             self.worker.submit(Add(req))
         if msg.reply:
             reply = ExecuteReply(
@@ -196,6 +208,7 @@ class ExecutorService:
     def _release(self, rid: str) -> _Live | None:
         """Forget a request that ended (its 'finished' progress follows)."""
         live = self._live.pop(rid, None)
+        self._silence.forget(rid)
         if live is not None:
             self._admitted_weight -= live.n
             if not live.started:
@@ -219,6 +232,15 @@ class ExecutorService:
         if live is not None and not live.aborting:
             live.aborting = True
             self.worker.submit(Abort(rid))
+
+    def _on_bus_lost(self) -> None:
+        lost = [rid for rid, live in self._live.items() if not live.aborting]
+        for rid in lost:
+            live = self._live[rid]
+            live.aborting = live.bus_lost = True
+            self.worker.submit(Abort(rid))
+        if lost:
+            log.warning("lost the message bus: aborting the %d request(s) held here", len(lost))
 
     # -- engine events → the wire (one task: per-request order is kept) -------------------------
 
@@ -248,6 +270,7 @@ class ExecutorService:
                         StreamOutput(executor_id=self.config.executor_id, output=out)
                     ),
                 )
+                self._silence.touch(out.request_id, time.monotonic())
                 if out.finished:
                     self._release(out.request_id)
                     await self._progress(out.request_id, "finished")
@@ -258,7 +281,14 @@ class ExecutorService:
                 )
         elif isinstance(event, Aborted):
             live = self._release(event.request_id)
-            if live is not None:
+            if live is not None and live.bus_lost:
+                await self._end_with_error(
+                    event.request_id,
+                    502 if live.started else 503,
+                    f"executor {self.config.executor_id} lost its connection to the message bus; "
+                    + ("the output is incomplete" if live.started else "retry the request"),
+                )
+            elif live is not None:
                 final = RequestOutput(
                     request_id=event.request_id,
                     num_prompt_tokens=live.num_prompt_tokens,
@@ -353,8 +383,22 @@ class ExecutorService:
                 return
             try:
                 await self._heartbeat()
-            except BusError:
-                log.exception("heartbeat failed")
+                await self._keepalives()
+            except BusError as e:
+                log.warning("heartbeat failed: %s", e)
+
+    async def _keepalives(self) -> None:
+        """A keepalive on the stream of each live request silent for an interval."""
+        due = self._silence.due(time.monotonic())
+        await send_keepalives(
+            self.bus,
+            self.config.executor_id,
+            (
+                (rid, "running" if self._live[rid].started else "waiting")
+                for rid in due
+                if rid in self._live
+            ),
+        )
 
     # -- drain -------------------------------------------------------------------------------------
 

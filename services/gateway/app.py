@@ -4,9 +4,11 @@
     GET  /v1/models              GET  /v1/models/{model}
     WS   /v1/ws                  (see websocket.py)
     GET  /health                 200 iff NATS is connected, a tokenizer answers and the scheduler
-                                 reports >= 1 executor; the body's "models" says, per model, how
-                                 many executors serve it and the context the tokenizer checks
-                                 (null: no tokenizer serves it; see health.py)
+                                 reports >= 1 executor, else 503 naming what is down, with
+                                 Retry-After; "dependencies" says which of NATS, tokenizer,
+                                 scheduler, executors, prefix index and Redis are up, "models"
+                                 per model how many executors serve it and the context the
+                                 tokenizer checks (null: no tokenizer serves it; see health.py)
     GET  /metrics                Prometheus text
 
 Every error is an OpenAI error body (errors.py). Auth (when an API key is configured) guards /v1/*;
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -39,9 +42,9 @@ from shared.wire.outputs import RequestOutput
 from . import protocol
 from .body import read_body, require_json
 from .config import GatewayConfig
-from .errors import APIError, route_not_found, unauthorized
+from .errors import UNAVAILABLE_RETRY_AFTER_S, APIError, route_not_found, unauthorized
 from .generation import ClientDisconnected, Gateway, Prepared
-from .health import model_health
+from .health import health_report, nats_down_report
 from .metrics import CLIENT_CLOSED, GatewayMetrics, RequestTracker
 from .sse import DONE, EventStreamResponse, sse_event
 from .streams import GenerationStream
@@ -83,6 +86,7 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
             auth=config.bus_auth,
             connect_timeout_s=config.nats_connect_timeout_s,
         )
+        gw.bus.on_connection_lost(gw.on_bus_lost)
         log.info(
             "gateway serving %s on %s:%d (nats %s, auth %s)",
             ", ".join(config.model_names) or "(the executors' models)",
@@ -118,33 +122,29 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        retry_after = {"Retry-After": str(math.ceil(UNAVAILABLE_RETRY_AFTER_S))}
         if gw.draining.is_set():  # a load balancer must stop sending requests here
-            return JSONResponse({"status": "draining", "reason": "shutting down"}, status_code=503)
-        # Both asked at once; the scheduler's failure is the reason given when both fail.
-        status, tokenizer = await asyncio.gather(
-            gw.scheduler_status(), gw.tokenizer_status(), return_exceptions=True
-        )
-        for answer in (status, tokenizer):
-            if isinstance(answer, APIError):
-                return JSONResponse(
-                    {"status": "unavailable", "reason": answer.message}, status_code=503
-                )
-            if isinstance(answer, BaseException):
-                raise answer
-        assert not isinstance(status, BaseException)  # raised or answered above
-        assert not isinstance(tokenizer, BaseException)
-        if not status.executors:
             return JSONResponse(
-                {"status": "unavailable", "reason": "no live executor"}, status_code=503
+                {"status": "draining", "reason": "shutting down"},
+                status_code=503,
+                headers=retry_after,
             )
-        return JSONResponse(
-            {
-                "status": "ok",
-                "num_executors": len(status.executors),
-                "num_queued": status.num_queued,
-                "models": model_health(config.model_names, status, tokenizer),
-            }
+        if gw.bus is None or not gw.bus.is_connected:
+            return JSONResponse(
+                nats_down_report(gw.bus_down_detail()), status_code=503, headers=retry_after
+            )
+        # All asked at once; an answer that is an APIError is that service's failure.
+        status, tokenizer, index = await asyncio.gather(
+            gw.scheduler_status(),
+            gw.tokenizer_status(),
+            gw.prefix_index_probe(),
+            return_exceptions=True,
         )
+        for answer in (status, tokenizer, index):
+            if isinstance(answer, BaseException) and not isinstance(answer, APIError):
+                raise answer
+        code, body = health_report(config.model_names, status, tokenizer, index)
+        return JSONResponse(body, status_code=code, headers=retry_after if code != 200 else None)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -17,6 +17,7 @@ from services.runtime import (
 )
 from services.served_models import split_names
 from shared.wire.bus_auth import BusAuth
+from shared.wire.messages import KEEPALIVE_INTERVAL_S
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -32,6 +33,14 @@ class GatewayConfig:
     bus_auth: BusAuth = field(default_factory=BusAuth)  # who it is on NATS (services.connections)
     api_key: str | None = field(default=None, repr=False)  # None: no auth; never printed
     request_timeout_s: float = 600.0  # whole request, first byte to last; then abort + 504
+    # A request's stream silent this long (no output, error or keepalive: whoever holds it sends
+    # one every KEEPALIVE_INTERVAL_S) is failed and aborted: 503 before its first output, 502
+    # after. The bound on how long a client waits for anything once the process holding its
+    # request died, whichever it was.
+    progress_timeout_s: float = 10.0
+    # How long a tokenizer may take to acknowledge a request (it does so on receipt): past it,
+    # 503 and abort.
+    ack_timeout_s: float = 5.0
     max_tokens_default: int | None = None  # None: 16 for completions (OpenAI), unlimited for chat
     health_timeout_s: float = 2.0  # scheduler status request of GET /health
     nats_connect_timeout_s: float = 30.0
@@ -68,8 +77,14 @@ class GatewayConfig:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.progress_timeout_s < 3 * KEEPALIVE_INTERVAL_S:
+            raise ValueError(
+                f"progress_timeout_s must be >= {3 * KEEPALIVE_INTERVAL_S:g} (three keepalive "
+                f"intervals), got {self.progress_timeout_s}"
+            )
         for name in (
             "request_timeout_s",
+            "ack_timeout_s",
             "health_timeout_s",
             "nats_connect_timeout_s",
             "keep_alive_timeout_s",
@@ -113,6 +128,23 @@ def build_parser() -> argparse.ArgumentParser:
         default=600.0,
         metavar="SECONDS",
         help="abort a request (504) that has not finished after this long",
+    )
+    p.add_argument(
+        "--progress-timeout",
+        type=float,
+        default=env_float("LLMSERVE_PROGRESS_TIMEOUT", 10.0),
+        metavar="SECONDS",
+        help="fail (503, or 502 once output began) and abort a request whose stream has been "
+        "silent this long: no output, error or keepalive from whoever holds it "
+        f"(keepalives come every {KEEPALIVE_INTERVAL_S:g} s; env LLMSERVE_PROGRESS_TIMEOUT)",
+    )
+    p.add_argument(
+        "--ack-timeout",
+        type=float,
+        default=env_float("LLMSERVE_ACK_TIMEOUT", 5.0),
+        metavar="SECONDS",
+        help="503 when no tokenizer acknowledges a request within this long "
+        "(env LLMSERVE_ACK_TIMEOUT)",
     )
     p.add_argument(
         "--max-tokens-default",
@@ -185,6 +217,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         bus_auth=nats_auth_from_args(args),
         api_key=api_key_from_args(args),
         request_timeout_s=args.request_timeout,
+        progress_timeout_s=args.progress_timeout,
+        ack_timeout_s=args.ack_timeout,
         max_tokens_default=args.max_tokens_default,
         max_body_bytes=args.max_body_bytes,
         keep_alive_timeout_s=args.keep_alive_timeout,

@@ -30,6 +30,11 @@ _DEFAULT_CODES: dict[int, str] = {
 }
 MODEL_NOT_FOUND = "model_not_found"
 
+# Retry-After of a 503 the gateway decides alone (the bus or a service is away), or one that came
+# without: about the time a supervised process takes to come back. A 429 or 503 from the scheduler
+# carries its own, from the queue's measured drain rate.
+UNAVAILABLE_RETRY_AFTER_S = 2.0
+
 
 def _default_type(status: int) -> str:
     if status == 429:
@@ -94,7 +99,10 @@ def from_stream_error(err: StreamError) -> APIError:
     # StreamError.type defaults to "server_error" even for client errors; prefer the status' type.
     type_ = err.type if err.type != "server_error" or status >= 500 else ""
     code = MODEL_NOT_FOUND if status == 404 and err.param == "model" else None
-    return APIError(status, err.message, type_, err.param, code, retry_after_s=err.retry_after_s)
+    retry_after_s = err.retry_after_s
+    if retry_after_s is None and status in (429, 503):  # "come back later" always says when
+        retry_after_s = UNAVAILABLE_RETRY_AFTER_S
+    return APIError(status, err.message, type_, err.param, code, retry_after_s=retry_after_s)
 
 
 def unauthorized() -> APIError:
@@ -151,5 +159,29 @@ def request_timeout(timeout_s: float) -> APIError:
     return APIError(504, f"The request did not complete within {timeout_s:g} s and was aborted.")
 
 
-def service_unavailable(message: str) -> APIError:
-    return APIError(503, message)
+def service_unavailable(message: str, retry_after_s: float = UNAVAILABLE_RETRY_AFTER_S) -> APIError:
+    """A 503, always with Retry-After: the client should come back, not give up."""
+    return APIError(503, message, retry_after_s=retry_after_s)
+
+
+def bus_unavailable(detail: str = "") -> APIError:
+    return service_unavailable(
+        "The message bus (NATS) is unreachable from the gateway"
+        + (f" ({detail})" if detail else "")
+        + "; retry shortly."
+    )
+
+
+def no_progress(timeout_s: float, num_outputs: int, last_heard: str) -> APIError:
+    """The request's stream was silent for ``timeout_s``: whoever held it stopped. Before any
+    output the request can be retried as it is (503); after, the output is incomplete (502)."""
+    if num_outputs == 0:
+        return service_unavailable(
+            f"The request made no progress for {timeout_s:g} s (last heard from {last_heard}); "
+            "the service holding it may have stopped. Retry it."
+        )
+    return APIError(
+        502,
+        f"The response stalled for {timeout_s:g} s (last heard from {last_heard}); "
+        "the output is incomplete.",
+    )

@@ -24,7 +24,7 @@ import anyio
 import msgspec
 
 from shared.wire import subjects
-from shared.wire.bus import Bus, BusError, BusTimeout
+from shared.wire.bus import Bus, BusError, BusNoResponders, BusTimeout
 from shared.wire.messages import (
     GENERATE_REQUEST,
     PREFIX_INDEX_STATUS,
@@ -46,8 +46,10 @@ from shared.wire.outputs import RequestOutput
 from . import protocol
 from .config import GatewayConfig
 from .errors import (
+    UNAVAILABLE_RETRY_AFTER_S,
     APIError,
     bad_request,
+    bus_unavailable,
     model_not_found,
     payload_too_large,
     service_unavailable,
@@ -97,27 +99,50 @@ class Gateway:
         if self.draining.is_set():
             raise shutting_down()
 
-    def interrupt_streams(self) -> int:
-        """End every running stream with a 503 (an error event once streaming began); each is
-        aborted on the bus when closed. Returns how many were running."""
+    def interrupt_streams(self, error: APIError | None = None, reason: str | None = None) -> int:
+        """End every running stream with ``error`` (default: a 503, the gateway shutting down;
+        an error event once streaming began); each is aborted on the bus when closed. Returns how
+        many were running."""
+        if error is None:
+            error = APIError(
+                503,
+                "The server is shutting down; the request was cut short.",
+                retry_after_s=1.0,
+            )
         streams = list(self.streams)
         for stream in streams:
-            stream.interrupt(
-                APIError(
-                    503,
-                    "The server is shutting down; the request was cut short.",
-                    retry_after_s=1.0,
-                ),
-                "gateway shutting down",
-            )
+            stream.interrupt(error, reason or "gateway shutting down")
         return len(streams)
+
+    def on_bus_lost(self) -> None:
+        """The connection to NATS dropped: whatever was published to us meanwhile is lost, so no
+        running stream can be trusted to be complete. Each ends now with a 503 (an error event
+        once streaming began) and is aborted once the bus is back; new requests get 503 until
+        it is (``_bus``)."""
+        num = self.interrupt_streams(
+            APIError(
+                503,
+                "The gateway lost its connection to the message bus (NATS); the request was "
+                "cut short. Retry it.",
+                retry_after_s=UNAVAILABLE_RETRY_AFTER_S,
+            ),
+            "gateway lost the message bus",
+        )
+        if num:
+            log.warning("lost the message bus: ended %d running request(s) with an error", num)
 
     # -- backend status ------------------------------------------------------------------------
 
     def _bus(self) -> Bus:
         if self.bus is None or not self.bus.is_connected:
-            raise service_unavailable("The gateway is not connected to the message bus.")
+            raise bus_unavailable(self.bus_down_detail())
         return self.bus
+
+    def bus_down_detail(self) -> str:
+        since = self.bus.disconnected_since if self.bus is not None else None
+        if since is None:
+            return "not connected"
+        return f"disconnected {time.monotonic() - since:.1f} s ago, reconnecting"
 
     async def scheduler_status(self) -> SchedulerStatus:
         data = await self._status_request(
@@ -141,7 +166,7 @@ class Gateway:
         except BusTimeout:
             raise service_unavailable(f"The {service} did not answer.") from None
         except BusError as e:
-            raise service_unavailable(f"The message bus is unavailable: {e}") from None
+            raise bus_unavailable(str(e)) from None
 
     async def refresh_stack_metrics(self) -> None:
         """Fetch the scheduler's and the prefix index's status for this scrape; one that does not
@@ -160,6 +185,23 @@ class Gateway:
             PREFIX_INDEX_STATUS_REQUEST.encode(PrefixIndexStatusRequest()),
             "prefix index",
         )
+        return PREFIX_INDEX_STATUS.decode(data)
+
+    async def prefix_index_probe(self) -> PrefixIndexStatus | APIError | None:
+        """For /health: the index's status, the error asking it met, or None when no replica
+        runs (a stack may run without one)."""
+        try:
+            data = await self._bus().request(
+                subjects.PREFIX_INDEX_STATUS,
+                PREFIX_INDEX_STATUS_REQUEST.encode(PrefixIndexStatusRequest()),
+                timeout=self.config.health_timeout_s,
+            )
+        except BusNoResponders:
+            return None
+        except BusTimeout:
+            return service_unavailable("The prefix index did not answer.")
+        except BusError as e:
+            return bus_unavailable(str(e))
         return PREFIX_INDEX_STATUS.decode(data)
 
     async def served_models(self, refresh: bool = False) -> list[str]:
@@ -236,7 +278,12 @@ class Gateway:
         (aborted)."""
         self.check_admission()
         stream = GenerationStream(
-            self._bus(), p.generate, self.config.request_timeout_s, payload=p.payload
+            self._bus(),
+            p.generate,
+            self.config.request_timeout_s,
+            payload=p.payload,
+            progress_timeout_s=self.config.progress_timeout_s,
+            ack_timeout_s=self.config.ack_timeout_s,
         )
         self.streams.add(stream)
         try:

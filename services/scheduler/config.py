@@ -61,7 +61,13 @@ def parse_config(argv: list[str] | None = None) -> SchedulerConfig:
         default=env_int("LLMSERVE_MAX_IN_FLIGHT", None),
         help="sequences routed to one executor at once (default: its max_num_seqs)",
     )
-    p.add_argument("--retry-after", type=float, default=1.0, help="Retry-After seconds on 429")
+    p.add_argument(
+        "--retry-after",
+        type=float,
+        default=1.0,
+        help="Retry-After seconds on 429 until the queue's drain rate is measured (then: the "
+        "queue's length over that rate)",
+    )
     p.add_argument(
         "--routing",
         choices=ROUTING_POLICIES,

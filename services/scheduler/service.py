@@ -11,6 +11,12 @@ routing, full blocks in the prompt), the prefix index is asked which executor ho
 routed by load alone, the outage is logged once and counted, and the index is asked again after
 ``index_retry_s``: routing recovers by itself. A dispatch is a request/reply to the executor, whose
 answer (accepted or full) goes back to the router.
+
+Bounded waits: every request waiting in the queue gets a StreamKeepalive on its stream every
+KEEPALIVE_INTERVAL_S (from the ticker), so if this process dies the gateway fails those requests
+within its progress timeout. When the bus connection drops, the router forgets every request
+(``Router.forget_requests``): queued ones end with a 503 (sent once the bus is back), routed ones
+are left to their executors.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.router import Action, Dispatch, Fail, Router
 from shared.wire import messages, subjects
 from shared.wire.bus import Bus, BusError, BusNoResponders, BusTimeout, Msg
+from shared.wire.keepalive import KEEPALIVE_INTERVAL_S, send_keepalives
 from shared.wire.messages import PrefixMatchRequest, TokenizedRequest
 
 log = logging.getLogger("llmserve.scheduler")
@@ -41,8 +48,11 @@ class SchedulerService:
         self._index_down_since: float | None = None  # monotonic time of the failed lookup
         self.num_index_fallbacks = 0
         self._lookup_ms: collections.deque[float] = collections.deque(maxlen=1000)
+        self._last_keepalive = time.monotonic()
+        self._background: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
+        self.bus.on_connection_lost(self._on_bus_lost)
         await self.bus.subscribe(
             subjects.SCHEDULER_SUBMIT, self._on_submit, queue=subjects.QUEUE_SCHEDULER
         )
@@ -59,6 +69,18 @@ class SchedulerService:
         if self._ticker is not None:
             self._ticker.cancel()
             await asyncio.gather(self._ticker, return_exceptions=True)
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+    def _on_bus_lost(self) -> None:
+        actions = self.router.forget_requests(time.monotonic())
+        log.warning(
+            "lost the message bus: %d queued request(s) end with 503, routed ones are forgotten",
+            len(actions),
+        )
+        # Published once the bus is back (nats-py buffers them meanwhile).
+        task = asyncio.create_task(self._apply(actions))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # -- handlers (each small; the router holds the logic) --------------------------------------
 
@@ -136,8 +158,22 @@ class SchedulerService:
             await asyncio.sleep(self.config.tick_interval_s)
             try:
                 await self._apply(self.router.tick(time.monotonic(), time.time()))
+                await self._keepalives()
             except Exception:
                 log.exception("scheduler tick failed")
+
+    async def _keepalives(self) -> None:
+        """Every interval, a keepalive on the stream of every queued request (a request queued
+        since the last round waits at most one interval for its first)."""
+        now = time.monotonic()
+        if now - self._last_keepalive < KEEPALIVE_INTERVAL_S:
+            return
+        self._last_keepalive = now
+        queued = self.router.queued_request_ids()
+        try:
+            await send_keepalives(self.bus, self.config.name, ((rid, "queued") for rid in queued))
+        except BusError as e:
+            log.debug("keepalives not sent: %s", e)
 
     async def _apply(self, actions: list[Action], headers: dict[str, str] | None = None) -> None:
         dispatches = [a for a in actions if isinstance(a, Dispatch)]

@@ -10,15 +10,24 @@ as a 503 on its stream, instead of waiting out its timeout. Each submit waits fo
 of its own, so the next request is taken and tokenized meanwhile instead of waiting for every
 earlier one's ack round trip; ``stop`` waits for those tasks before the connection may close.
 
+Held requests: the subscription's handler only decodes, acks and queues a request (so the ack is
+immediate however long the queue), and one worker task tokenizes the queue in order. From the ack
+until the scheduler acks its submit (or it ends with an error) a request is *held*: its stream gets
+a StreamKeepalive every interval (shared/wire/keepalive.py), so if this process dies the gateway
+fails it within its progress timeout. When the bus connection drops, requests still queued here are
+ended with a 503 instead of being submitted after the reconnect: their gateway may have given up.
+
 Tokenizing runs in one worker thread, off the event loop (the encoder releases the GIL), so the
-loop keeps acking, answering status and failing requests while a long prompt is encoded; requests
-are still tokenized one at a time per process (a callback subscription handles one message at a
-time), and each is bounded in time by the prompt's character cap (prompts.check_prompt_size)."""
+loop keeps acking, answering status, sending keepalives and failing requests while a long prompt is
+encoded; requests are tokenized one at a time per process, each bounded in time by the prompt's
+character cap (prompts.check_prompt_size)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
@@ -29,6 +38,7 @@ from services.tokenizer.prompts import ModelTokenizer, PromptError, select_model
 from shared.engine.tokenizer import Tokenizer
 from shared.wire import messages, subjects
 from shared.wire.bus import Bus, BusError, BusNoResponders, BusTimeout, Msg
+from shared.wire.keepalive import SilenceTracker, send_keepalives
 
 log = logging.getLogger("llmserve.tokenizer")
 
@@ -37,16 +47,28 @@ SUBMIT_ACK_TIMEOUT_S = 5.0
 
 
 class TokenizerService:
-    def __init__(self, bus: Bus, models: Mapping[str, ModelTokenizer]) -> None:
+    def __init__(
+        self, bus: Bus, models: Mapping[str, ModelTokenizer], name: str = "tokenizer"
+    ) -> None:
         if not models:
             raise ValueError("a tokenizer serves at least one model")
         self.bus = bus
+        self.name = name
         self.models = dict(models)  # served name → its tokenizer and limits
         self._subscriptions: list = []
         self._submits: set[asyncio.Task] = set()  # submits waiting for the scheduler's ack
         self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        # Acked, not yet tokenized: (request, trace headers, the connection generation it came in)
+        self._inbox: asyncio.Queue[tuple[messages.GenerateRequest, dict[str, str] | None, int]] = (
+            asyncio.Queue()
+        )
+        self._held = SilenceTracker()  # every request from its ack to its submit's end
+        self._states: dict[str, str] = {}  # held request → "queued" | "tokenizing" | "submitting"
+        self._generation = 0  # +1 each time the bus connection drops
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
+        self.bus.on_connection_lost(self._on_bus_lost)
         self._subscriptions = [
             await self.bus.subscribe(
                 subjects.TOKENIZER_GENERATE, self._on_generate, queue=subjects.QUEUE_TOKENIZER
@@ -56,16 +78,28 @@ class TokenizerService:
             ),
         ]
         await self.bus.flush()
+        self._tasks = [
+            asyncio.create_task(self._work_loop()),
+            asyncio.create_task(self._keepalive_loop()),
+        ]
 
     async def stop(self) -> None:
-        """Stop taking requests, handle those already delivered, and wait until every submit in
+        """Stop taking requests, tokenize those already taken, and wait until every submit in
         flight is acknowledged or has ended its request with an error. The connection stays open."""
         subscriptions, self._subscriptions = self._subscriptions, []
         for sub in subscriptions:
             await sub.drain()
+        await self._inbox.join()
         while self._submits:
             await asyncio.wait(set(self._submits))
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         self._encoder.shutdown(wait=False)
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
 
     async def _on_status(self, msg: Msg) -> None:
         status = messages.TokenizerStatus(
@@ -86,27 +120,102 @@ class TokenizerService:
             return
         if msg.reply:  # the gateway waits for this ack: "a tokenizer has the request"
             await msg.respond(b"")
+        self._hold(req.request_id, "queued")
+        self._inbox.put_nowait((req, msg.headers, self._generation))
+
+    # -- held requests ---------------------------------------------------------------------------
+
+    def _hold(self, request_id: str, state: str) -> None:
+        if request_id not in self._held:
+            self._held.touch(request_id, time.monotonic())
+        self._states[request_id] = state
+
+    def _release(self, request_id: str) -> None:
+        self._held.forget(request_id)
+        self._states.pop(request_id, None)
+
+    def _on_bus_lost(self) -> None:
+        # What is queued here came in before the drop; whoever waits for it may have given up.
+        self._generation += 1
+
+    async def _keepalive_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._held.interval_s / 4)
+            due = self._held.due(time.monotonic())
+            try:
+                await send_keepalives(
+                    self.bus, self.name, ((rid, self._states.get(rid, "")) for rid in due)
+                )
+            except BusError as e:
+                log.debug("keepalives not sent: %s", e)
+
+    # -- the work ----------------------------------------------------------------------------------
+
+    async def _work_loop(self) -> None:
+        while True:
+            req, headers, generation = await self._inbox.get()
+            try:
+                await self._tokenize_and_submit(req, headers, generation)
+            except Exception:  # never the end of the loop: the request ends, the next is taken
+                log.exception("handling %s failed", req.request_id)
+                self._release(req.request_id)
+            finally:
+                self._inbox.task_done()
+
+    async def _tokenize_and_submit(
+        self, req: messages.GenerateRequest, headers: dict[str, str] | None, generation: int
+    ) -> None:
+        rid = req.request_id
+        if generation != self._generation:
+            return await self._drop_lost(rid)
+        self._hold(rid, "tokenizing")
         try:
             model = select_model(self.models, req.model)
             tokenized = await asyncio.get_running_loop().run_in_executor(
                 self._encoder, tokenize_request, req, model.tokenizer, model.limits
             )
         except PromptError as e:
-            await self._fail(e.to_stream_error(req.request_id))
+            self._release(rid)
+            await self._fail(e.to_stream_error(rid))
             return
         except Exception as e:  # a tokenizer bug must still end the request, not leave it hanging
-            log.exception("tokenizing %s failed", req.request_id)
+            log.exception("tokenizing %s failed", rid)
+            self._release(rid)
             await self._fail(
-                messages.StreamError(
-                    request_id=req.request_id, status=500, message=f"tokenizer failed: {e}"
-                )
+                messages.StreamError(request_id=rid, status=500, message=f"tokenizer failed: {e}")
             )
             return
-        task = asyncio.create_task(self._submit(tokenized, msg.headers))
+        if generation != self._generation:
+            return await self._drop_lost(rid)
+        self._hold(rid, "submitting")
+        task = asyncio.create_task(self._submit(tokenized, headers))
         self._submits.add(task)
         task.add_done_callback(self._submits.discard)
 
+    async def _drop_lost(self, request_id: str) -> None:
+        self._release(request_id)
+        with contextlib.suppress(BusError):
+            await self._fail(
+                messages.StreamError(
+                    request_id=request_id,
+                    status=503,
+                    message="The tokenizer lost its connection to the message bus while it held "
+                    "the request; retry it.",
+                    retry_after_s=2.0,
+                )
+            )
+
     async def _submit(
+        self, tokenized: messages.TokenizedRequest, headers: dict[str, str] | None
+    ) -> None:
+        try:
+            await self._submit_once(tokenized, headers)
+        except BusError as e:  # an error could not be published either: the connection is gone
+            log.error("ending %s failed: %s", tokenized.request_id, e)
+        finally:
+            self._release(tokenized.request_id)
+
+    async def _submit_once(
         self, tokenized: messages.TokenizedRequest, headers: dict[str, str] | None
     ) -> None:
         try:
@@ -162,7 +271,9 @@ async def serve(
     """``tokenizers``: each of ``config.models``' tokenizer, by served name."""
     bus = await Bus.connect(config.nats_url, config.name, auth=config.bus_auth)
     service = TokenizerService(
-        bus, {m.name: ModelTokenizer(tokenizers[m.name], m.limits) for m in config.models}
+        bus,
+        {m.name: ModelTokenizer(tokenizers[m.name], m.limits) for m in config.models},
+        name=config.name,
     )
     await service.start()
     for m in config.models:

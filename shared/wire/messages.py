@@ -91,7 +91,25 @@ class StreamOutput(msgspec.Struct, kw_only=True, frozen=True, tag="output", tag_
     output: RequestOutput
 
 
-StreamMessage = StreamOutput | StreamError
+class StreamKeepalive(msgspec.Struct, kw_only=True, frozen=True, tag="keepalive", tag_field="kind"):
+    """Whoever holds a request that has nothing to stream yet (tokenizer: queued or tokenizing;
+    scheduler: waiting in its queue; executor: not started, or silent since its last output) says
+    so on the request's stream every ``KEEPALIVE_INTERVAL_S``. It carries no output: the gateway
+    only restarts its progress clock, so a request whose holder died is failed once its stream has
+    been silent for the gateway's progress timeout instead of waiting out the request timeout."""
+
+    request_id: str
+    holder: str  # the process that holds it: "tokenizer", "scheduler", an executor id
+    state: str = ""  # what it waits for there: "tokenizing", "queued", "prefilling", "running"
+
+
+# How often a holder sends a StreamKeepalive for a request it holds. The gateway's progress timeout
+# must be several of these (GatewayConfig checks it), so a slow loop never fails a live request.
+KEEPALIVE_INTERVAL_S = 2.0
+
+# Every message on ``subjects.stream(rid)``, told apart by ``kind``. A reader must accept (skip) the
+# variants it has no use for: keepalives were added after outputs and errors.
+StreamMessage = StreamOutput | StreamError | StreamKeepalive
 
 
 class AbortRequest(msgspec.Struct, kw_only=True, frozen=True):
@@ -233,6 +251,10 @@ class SchedulerStatus(msgspec.Struct, kw_only=True, frozen=True):
     num_index_fallbacks: int = 0  # requests routed without the index's answer because of that
     index_lookup_ms_p50: float = 0.0  # median prefix-index round trip, of the last 1000 lookups
     num_refused_dispatches: int = 0  # dispatches an executor refused as full (then re-routed)
+    # Requests leaving the queue per second while it is not empty, smoothed (0: not measured yet),
+    # and the Retry-After a 429 would carry now: the queue's length over that rate.
+    drain_rate_per_s: float = 0.0
+    retry_after_s: float = 0.0
 
 
 GENERATE_REQUEST = Codec[GenerateRequest](GenerateRequest)
@@ -258,6 +280,7 @@ __all__ = [
     "EXECUTE_REQUEST",
     "EXECUTOR_HEARTBEAT",
     "GENERATE_REQUEST",
+    "KEEPALIVE_INTERVAL_S",
     "PREFIX_INDEX_STATUS",
     "PREFIX_INDEX_STATUS_REQUEST",
     "PREFIX_MATCH_REPLY",
@@ -288,6 +311,7 @@ __all__ = [
     "SchedulerStatus",
     "SchedulerStatusRequest",
     "StreamError",
+    "StreamKeepalive",
     "StreamMessage",
     "StreamOutput",
     "TokenLogprobs",

@@ -18,7 +18,8 @@ Each kind connects as the NATS user of its name. What each may do, and why::
                   INFO, CREATE, its consumer, acks     executor.*.stats
 
 (every subject under ``llm.v1.``; a tokenizer or scheduler publishes on ``stream.*`` only to end a
-request with an error). Nobody else connects: an anonymous client is refused.
+request with an error, or to say it still holds it: a StreamKeepalive). Nobody else connects: an
+anonymous client is refused.
 
 Replies: a requester subscribes to its own inbox prefix, ``_INBOX.<user>.>``, and nothing else's
 (nats-py is told the prefix: ``BusAuth.inbox_prefix``), so no kind reads the replies another asked

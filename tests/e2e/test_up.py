@@ -7,12 +7,13 @@
   key on any process's command line (``ps``); each service holds its own kind's credentials alone.
 - ``llmserve up`` as a subprocess: ready banner, a curl example without the key, a completion,
   no secret on a command line or in what it prints, SIGINT stops every child; a SIGKILLed
-  launcher leaves no orphan either (PR_SET_PDEATHSIG).
+  launcher leaves no orphan either (PR_SET_PDEATHSIG), nor its servers' temp dirs (the reaper).
 """
 
 from __future__ import annotations
 
 import asyncio
+import glob
 import json
 import os
 import pathlib
@@ -22,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -36,6 +38,7 @@ from services.cli.launcher import (
     launch,
     set_executor_openmp_policy,
 )
+from services.cli.reaper import STACK_DIR_PREFIX, sweep_orphaned_dirs
 from services.cli.servers import (
     ServerStartError,
     detach_child,
@@ -395,21 +398,41 @@ def test_llmserve_up_serves_and_sigint_stops_everything(tmp_path, pid_alive):
         up.wait()
 
 
-def test_killed_launcher_leaves_no_orphans(tmp_path, pid_alive):
+def test_killed_launcher_leaves_no_orphans_and_no_temp_dir(tmp_path, pid_alive):
+    """SIGKILL: no child survives (PR_SET_PDEATHSIG), and the reaper removes the servers' temp
+    dirs (nats-server's config and JetStream store, redis-server's dir) once they have exited."""
     up, _ = _start_up(tmp_path)
+    pattern = os.path.join(tempfile.gettempdir(), f"{STACK_DIR_PREFIX}{up.pid}-*")
     try:
         deadline = time.monotonic() + 60
         children: list[int] = []
-        while len(children) < 5 and time.monotonic() < deadline:  # servers + services spawned
+        while len(children) < 6 and time.monotonic() < deadline:  # servers + services spawned
             time.sleep(0.2)
             children = children_of(up.pid)
-        assert len(children) >= 5, (tmp_path / "up.stderr").read_text()
+        assert len(children) >= 6, (tmp_path / "up.stderr").read_text()
+        [stack_dir] = glob.glob(pattern)  # this run's, named after its launcher
+        server_dirs = os.listdir(stack_dir)
+        assert {d.split("-")[1] for d in server_dirs} == {"nats", "redis"}, server_dirs
     finally:
         up.kill()
         up.wait()
     assert (
         wait_all_dead(children, pid_alive, 45.0) == []
-    )  # a service caught mid-drain may wait on nats
+    )  # a service caught mid-drain may wait on nats; the reaper exits once it has cleaned up
+    assert glob.glob(pattern) == [] and not os.path.exists(stack_dir)
+
+
+def test_a_stack_dir_left_by_a_dead_launcher_is_swept(tmp_path):
+    """Only a launcher and its reaper both SIGKILLed leave a stack dir: the next launch removes
+    it, and leaves a live launcher's alone."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan = tmp_path / f"{STACK_DIR_PREFIX}{dead.pid}-abc"
+    live = tmp_path / f"{STACK_DIR_PREFIX}{os.getpid()}-def"
+    for d in (orphan, live):
+        (d / "llmserve-nats-x").mkdir(parents=True)
+    assert sweep_orphaned_dirs(str(tmp_path)) == [str(orphan)]
+    assert not orphan.exists() and live.exists()
 
 
 def test_executor_openmp_policy_is_a_default_not_an_override():

@@ -19,6 +19,10 @@ The script is chosen by a keyword in the prompt (completions) or last message (c
     paced             max_tokens tokens, one every 50 ms, then 'length' (a stream that ends on its
                       own, but not at once)
     garbage           an undecodable message
+    stall_after_first one output, then nothing (a holder that died mid-stream)
+    keepalive         a StreamKeepalive every 0.5 s for 8 s, then one finished output (a request
+                      held alive, e.g. queued, longer than a short progress timeout)
+    noack             not even acknowledged (a tokenizer that took it and stopped)
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from shared.wire.messages import (
     GenerateRequest,
     SchedulerStatus,
     StreamError,
+    StreamKeepalive,
     StreamOutput,
     TokenizerModelStatus,
     TokenizerStatus,
@@ -207,6 +212,9 @@ class FakeBackend:
 
     async def _on_generate(self, msg: Any) -> None:
         req = GENERATE_REQUEST.decode(msg.data)
+        if "noack" in _prompt_text(req):
+            self.requests[req.request_id] = req
+            return
         await msg.respond(b"")
         self.requests[req.request_id] = req
         self._aborted.setdefault(req.request_id, asyncio.Event())
@@ -214,7 +222,7 @@ class FakeBackend:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _send(self, rid: str, message: StreamOutput | StreamError) -> None:
+    async def _send(self, rid: str, message: StreamOutput | StreamError | StreamKeepalive) -> None:
         assert self._bus is not None
         await self._bus.publish(subjects.stream(rid), STREAM_MESSAGE.encode(message))
 
@@ -284,6 +292,15 @@ class FakeBackend:
             await self._bus.publish(subjects.stream(rid), b"\xc1 not msgpack")
         elif "hang" in text:
             pass
+        elif "stall_after_first" in text:
+            await self._output(req, [self._delta(req, 0, 0, False)], False)
+        elif "keepalive" in text:
+            for _ in range(16):
+                await asyncio.sleep(0.5)
+                await self._send(
+                    rid, StreamKeepalive(request_id=rid, holder="fake-scheduler", state="queued")
+                )
+            await self._output(req, [self._delta(req, 0, 0, True)], True)
         elif "paced" in text:
             num_tokens = req.params.max_tokens or 16
             for step in range(num_tokens):
