@@ -143,6 +143,10 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
         for answer in (status, tokenizer, index):
             if isinstance(answer, BaseException) and not isinstance(answer, APIError):
                 raise answer
+        if not gw.bus.is_connected:  # lost while asking: the services' silence is NATS's
+            return JSONResponse(
+                nats_down_report(gw.bus_down_detail()), status_code=503, headers=retry_after
+            )
         code, body = health_report(config.model_names, status, tokenizer, index)
         return JSONResponse(body, status_code=code, headers=retry_after if code != 200 else None)
 

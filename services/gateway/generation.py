@@ -164,6 +164,8 @@ class Gateway:
         try:
             return await self._bus().request(subject, payload, timeout=self.config.health_timeout_s)
         except BusTimeout:
+            if self.bus is not None and not self.bus.is_connected:
+                raise bus_unavailable(self.bus_down_detail()) from None
             raise service_unavailable(f"The {service} did not answer.") from None
         except BusError as e:
             raise bus_unavailable(str(e)) from None
