@@ -1,7 +1,8 @@
 """A stack's credentials: one NATS user per service kind with the permissions of
-``shared.wire.permissions``, an admin NATS user for operators and tests, and the prefix index's
-Redis user. ``llmserve up`` generates a fresh set per stack; ``llmserve credentials DIR`` writes a
-set to files for servers run by someone else (``write``, ``load``)::
+``shared.wire.permissions``, an admin NATS user for operators and tests, and two Redis users: the
+prefix index's and the gateway's (per-key limits), each on its own key prefix alone.
+``llmserve up`` generates a fresh set per stack; ``llmserve credentials DIR`` writes a set to files
+for servers run by someone else (``write``, ``load``)::
 
     DIR/nats-users.conf     the nats-server ``authorization`` block: ``include`` it in its config
     DIR/redis-users.acl     the Redis ACL: ``aclfile`` it in redis.conf
@@ -13,8 +14,8 @@ Where each secret lives (never on a command line: ``ps`` shows every process's a
 - the launcher's memory (``Stack.credentials``);
 - the servers' config files, mode 0600 in their private (0700) temp dirs, removed with them;
 - each service's environment, its own kind's credentials alone: ``NATS_USER`` / ``NATS_PASSWORD``,
-  and for the prefix index ``REDIS_USERNAME`` / ``REDIS_PASSWORD`` (a process's environment is
-  readable by its own user and root only).
+  and for the prefix index and the gateway ``REDIS_USERNAME`` / ``REDIS_PASSWORD`` (a process's
+  environment is readable by its own user and root only).
 """
 
 from __future__ import annotations
@@ -31,15 +32,28 @@ from services.connections import (
     ENV_REDIS_PASSWORD,
     ENV_REDIS_USERNAME,
 )
+from services.gateway.limiter import DEFAULT_KEY_PREFIX as DEFAULT_LIMITS_KEY_PREFIX
 from services.prefix_index.config import DEFAULT_KEY_PREFIX
 from services.prefix_index.logic import hash_tag_prefix
 from shared.wire.bus_auth import BusAuth
 from shared.wire.permissions import ADMIN_USER, PERMISSIONS, SERVICE_KINDS, Permissions
 
-__all__ = ["NATS_CONFIG_FILE", "REDIS_ACL_FILE", "REDIS_INDEX_USER", "StackCredentials"]
+__all__ = [
+    "NATS_CONFIG_FILE",
+    "REDIS_ACL_FILE",
+    "REDIS_GATEWAY_USER",
+    "REDIS_INDEX_USER",
+    "StackCredentials",
+]
 
-# The prefix index is Redis's one user.
 REDIS_INDEX_USER = "prefix_index"
+# The gateway keeps per-key limits (services/gateway/limiter.py) under its own prefix, with the
+# few commands its scripts run: it can neither read nor touch the index.
+REDIS_GATEWAY_USER = "gateway"
+_GATEWAY_COMMANDS = (
+    "evalsha script|load ping time hmget hset pexpire zadd zremrangebyscore zcard zrange zscore "
+    "zrem"
+)
 
 
 def _password() -> str:
@@ -52,12 +66,19 @@ class StackCredentials:
     nats_passwords: Mapping[str, str] = field(repr=False)  # user -> password
     redis_password: str = field(repr=False)  # REDIS_INDEX_USER's
     redis_key_prefix: str = DEFAULT_KEY_PREFIX  # the only keys that user may touch
+    # REDIS_GATEWAY_USER's, on the gateway's limits prefix alone.
+    redis_gateway_password: str = field(default_factory=lambda: _password(), repr=False)
+    redis_gateway_key_prefix: str = DEFAULT_LIMITS_KEY_PREFIX
 
     def __post_init__(self) -> None:
         missing = set(PERMISSIONS) - set(self.nats_passwords)
         if missing:
             raise ValueError(f"no NATS password for {sorted(missing)}")
-        if not self.redis_password or not all(self.nats_passwords.values()):
+        if (
+            not self.redis_password
+            or not self.redis_gateway_password
+            or not all(self.nats_passwords.values())
+        ):
             raise ValueError("a password must not be empty")
         hash_tag_prefix(self.redis_key_prefix)
 
@@ -110,17 +131,21 @@ class StackCredentials:
     def load(cls, directory: str) -> StackCredentials:
         """The set ``write`` wrote (its .env files); ValueError naming what is missing."""
         passwords: dict[str, str] = {}
-        redis_password = ""
+        redis_passwords: dict[str, str] = {}
         for user in PERMISSIONS:
             env = _read_env_file(os.path.join(directory, f"{user}.env"))
             if env.get(ENV_NATS_USER) != user or not env.get(ENV_NATS_PASSWORD):
                 raise ValueError(f"{directory}/{user}.env lacks {user}'s NATS_USER/NATS_PASSWORD")
             passwords[user] = env[ENV_NATS_PASSWORD]
-            if user == REDIS_INDEX_USER:
-                redis_password = env.get(ENV_REDIS_PASSWORD, "")
-                if not redis_password:
+            if user in (REDIS_INDEX_USER, REDIS_GATEWAY_USER):
+                if not env.get(ENV_REDIS_PASSWORD):
                     raise ValueError(f"{directory}/{user}.env lacks REDIS_PASSWORD")
-        return cls(nats_passwords=passwords, redis_password=redis_password)
+                redis_passwords[user] = env[ENV_REDIS_PASSWORD]
+        return cls(
+            nats_passwords=passwords,
+            redis_password=redis_passwords[REDIS_INDEX_USER],
+            redis_gateway_password=redis_passwords[REDIS_GATEWAY_USER],
+        )
 
     def nats_env(self, kind: str) -> dict[str, str]:
         """What a service of ``kind`` finds in its environment for NATS: its own user."""
@@ -129,14 +154,19 @@ class StackCredentials:
         return {ENV_NATS_USER: kind, ENV_NATS_PASSWORD: self.nats_passwords[kind]}
 
     def redis_env(self, kind: str) -> dict[str, str]:
-        """For Redis: the prefix index's user for the prefix index, nothing for the others."""
-        if kind != REDIS_INDEX_USER:
-            return {}
-        return {ENV_REDIS_USERNAME: REDIS_INDEX_USER, ENV_REDIS_PASSWORD: self.redis_password}
+        """For Redis: its own user for the prefix index and the gateway, nothing for the others."""
+        if kind == REDIS_INDEX_USER:
+            return {ENV_REDIS_USERNAME: REDIS_INDEX_USER, ENV_REDIS_PASSWORD: self.redis_password}
+        if kind == REDIS_GATEWAY_USER:
+            return {
+                ENV_REDIS_USERNAME: REDIS_GATEWAY_USER,
+                ENV_REDIS_PASSWORD: self.redis_gateway_password,
+            }
+        return {}
 
     def secrets(self) -> list[str]:
         """Every password (for tests that check none leaks)."""
-        return [*self.nats_passwords.values(), self.redis_password]
+        return [*self.nats_passwords.values(), self.redis_password, self.redis_gateway_password]
 
     def nats_authorization(self) -> str:
         """The nats-server config block: every user with its password and permissions; anyone
@@ -151,12 +181,16 @@ class StackCredentials:
     def redis_acl(self) -> str:
         """Redis 6 ACL directives: the default (unauthenticated) user off, so any other client gets
         NOAUTH; the prefix index's user on its own keys, no pub/sub, no dangerous command but INFO
-        (it reads the server's version)."""
+        (it reads the server's version); the gateway's on its limits' keys, with only the commands
+        its scripts run."""
         keys = f"~{hash_tag_prefix(self.redis_key_prefix)}:*"
+        gateway_commands = " ".join(f"+{c}" for c in _GATEWAY_COMMANDS.split())
         return (
             "user default off\n"
             f"user {REDIS_INDEX_USER} on >{self.redis_password} {keys} resetchannels "
-            "+@all -@dangerous +info"
+            "+@all -@dangerous +info\n"
+            f"user {REDIS_GATEWAY_USER} on >{self.redis_gateway_password} "
+            f"~{self.redis_gateway_key_prefix}:* resetchannels -@all {gateway_commands}"
         )
 
 

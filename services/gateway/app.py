@@ -21,7 +21,6 @@ While draining (server.py) new generation requests and /health get 503.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import math
 import time
@@ -35,6 +34,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.prefix_index.store import connect_redis
 from shared.wire.bus import Bus
 from shared.wire.bus_auth import redact_url
 from shared.wire.outputs import RequestOutput
@@ -42,9 +42,10 @@ from shared.wire.outputs import RequestOutput
 from . import protocol
 from .body import read_body, require_json
 from .config import GatewayConfig
-from .errors import UNAVAILABLE_RETRY_AFTER_S, APIError, route_not_found, unauthorized
+from .errors import UNAVAILABLE_RETRY_AFTER_S, APIError, route_not_found
 from .generation import ClientDisconnected, Gateway, Prepared
 from .health import health_report, nats_down_report
+from .limiter import Limiter
 from .metrics import CLIENT_CLOSED, GatewayMetrics, RequestTracker
 from .sse import DONE, EventStreamResponse, sse_event
 from .streams import GenerationStream
@@ -62,17 +63,6 @@ def error_response(e: APIError, headers: dict[str, str] | None = None) -> JSONRe
     return JSONResponse(e.body(), status_code=e.status, headers={**e.headers(), **(headers or {})})
 
 
-def check_api_key(config: GatewayConfig, authorization: str | None) -> None:
-    if config.api_key is None:
-        return
-    scheme, _, token = (authorization or "").partition(" ")
-    # Constant-time comparison: the key must not leak through response timing.
-    if scheme.lower() != "bearer" or not hmac.compare_digest(
-        token.strip().encode(), config.api_key.encode()
-    ):
-        raise unauthorized()
-
-
 def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
     """The app. With ``bus`` given (tests), it is used as is and not closed by the app."""
     gw = Gateway(config, GatewayMetrics())
@@ -87,17 +77,34 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
             connect_timeout_s=config.nats_connect_timeout_s,
         )
         gw.bus.on_connection_lost(gw.on_bus_lost)
+        if any(k.limited for k in config.api_keys):
+            assert config.redis_url is not None  # GatewayConfig checks it
+            gw.limiter = Limiter(
+                connect_redis(config.redis_url, config.limits_redis_timeout_s, config.redis_auth),
+                gw.metrics,
+                key_prefix=config.limits_key_prefix,
+                lease_ttl_s=config.limits_lease_ttl_s,
+            )
+            gw.limiter.start()
         log.info(
             "gateway serving %s on %s:%d (nats %s, auth %s)",
             ", ".join(config.model_names) or "(the executors' models)",
             config.host,
             config.port,
             redact_url(config.nats_url),
-            "on" if config.api_key else "off",
+            f"on, {len(gw.keys)} key(s)" if len(gw.keys) else "off",
         )
+        if gw.limiter is not None:
+            log.info(
+                "per-key limits in redis %s (%s)",
+                redact_url(config.redis_url or ""),
+                config.redis_auth.describe(),
+            )
         try:
             yield
         finally:
+            if gw.limiter is not None:
+                await gw.limiter.close()
             if bus is None:
                 await gw.bus.drain()
 
@@ -160,27 +167,28 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, Any]:
-        check_api_key(config, request.headers.get("authorization"))
+        gw.authenticate(request.headers.get("authorization"))
         return {"object": "list", "data": [model_card(m) for m in await gw.served_models()]}
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str, request: Request) -> dict[str, Any]:
-        check_api_key(config, request.headers.get("authorization"))
+        gw.authenticate(request.headers.get("authorization"))
         await gw.check_model(model)
         return model_card(model)
 
     async def generate(api: protocol.Api, endpoint: str, request: Request) -> Response:
         try:
-            check_api_key(config, request.headers.get("authorization"))
+            key = gw.authenticate(request.headers.get("authorization"))
             gw.check_admission()
             require_json(request)
             p = await gw.prepare(api, await read_body(request, config.max_body_bytes))
+            lease = await gw.admit(key, p)
         except APIError as e:
             gw.metrics.count(endpoint, e.status)
             return error_response(e, _CLOSE if e.status == 413 else None)
         # From here the request is in flight until tracker.done(), which every path below reaches
-        # (the SSE body's, or its on_close when the body never ran).
-        tracker = gw.metrics.tracker(endpoint)
+        # (the SSE body's, or its on_close when the body never ran); done() gives the lease back.
+        tracker = gw.metrics.tracker(endpoint, lambda: gw.release(lease))
         headers = {"X-Request-Id": p.generate.request_id}
 
         async def disconnected() -> None:
@@ -220,7 +228,7 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await generate("chat", "chat_completions", request)
 
-    register_websocket(app, gw, check_api_key)
+    register_websocket(app, gw)
     return app
 
 

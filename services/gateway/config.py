@@ -6,7 +6,13 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from services.connections import add_nats_auth_arguments, nats_auth_from_args
+from services.connections import (
+    RedisAuth,
+    add_nats_auth_arguments,
+    add_redis_auth_arguments,
+    nats_auth_from_args,
+    redis_auth_from_args,
+)
 from services.runtime import (
     env_bool,
     env_float,
@@ -18,6 +24,8 @@ from services.runtime import (
 from services.served_models import split_names
 from shared.wire.bus_auth import BusAuth
 from shared.wire.messages import KEEPALIVE_INTERVAL_S
+
+from .api_keys import ApiKey, parse_api_keys
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -32,6 +40,17 @@ class GatewayConfig:
     model_names: tuple[str, ...] = ()
     bus_auth: BusAuth = field(default_factory=BusAuth)  # who it is on NATS (services.connections)
     api_key: str | None = field(default=None, repr=False)  # None: no auth; never printed
+    # Keys of --api-keys-file, each with its limits (api_keys.py). Auth is on when any key is
+    # configured; ``api_key`` (no limits) is accepted alongside them, named "default".
+    api_keys: tuple[ApiKey, ...] = field(default=(), repr=False)
+    # Where per-key limits are kept, shared by every replica (limiter.py). Needed when a key has
+    # limits; None: no key may have any.
+    redis_url: str | None = None
+    redis_auth: RedisAuth = field(default_factory=RedisAuth)
+    limits_key_prefix: str = "llmserve:gw"  # every Redis key of the limits starts with it
+    # A concurrency slot not renewed for this long (its gateway died) is freed.
+    limits_lease_ttl_s: float = 30.0
+    limits_redis_timeout_s: float = 0.5  # a Redis call slower than this fails open
     request_timeout_s: float = 600.0  # whole request, first byte to last; then abort + 504
     # A request's stream silent this long (no output, error or keepalive: whoever holds it sends
     # one every KEEPALIVE_INTERVAL_S) is failed and aborted: 503 before its first output, 502
@@ -73,6 +92,16 @@ class GatewayConfig:
             not self.api_key or any(c.isspace() for c in self.api_key)
         ):
             raise ValueError("api_key must be non-empty and contain no whitespace (or be unset)")
+        if any(k.limited for k in self.api_keys) and self.redis_url is None:
+            raise ValueError(
+                "API keys with limits need Redis to keep them in (--redis-url or REDIS_URL)"
+            )
+        if self.api_key is not None and any(k.name == "default" for k in self.api_keys):
+            raise ValueError("the single API key is named 'default': no keys-file key may be")
+        if not self.limits_lease_ttl_s > 0 or not self.limits_redis_timeout_s > 0:
+            raise ValueError("limits_lease_ttl_s and limits_redis_timeout_s must be > 0")
+        if not self.limits_key_prefix or any(c in self.limits_key_prefix for c in " {}*?"):
+            raise ValueError(f"limits_key_prefix {self.limits_key_prefix!r}: no spaces, {{}}, *, ?")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.drain_timeout_s < 0:
@@ -115,6 +144,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_nats_auth_arguments(p)
     add_api_key_arguments(p)
+    p.add_argument(
+        "--api-keys-file",
+        default=env_str("LLMSERVE_API_KEYS_FILE", None),
+        metavar="PATH",
+        help='API keys with per-key limits, one JSON object a line: {"key": ..., "name": '
+        '..., "requests_per_minute": 60, "tokens_per_minute": 20000, "max_concurrent": '
+        "4} (limits optional; env LLMSERVE_API_KEYS_FILE); limits are kept in Redis",
+    )
+    p.add_argument(
+        "--redis-url",
+        default=env_str("REDIS_URL", None),
+        help="Redis holding the per-key limits, shared by every gateway replica (env REDIS_URL)",
+    )
+    add_redis_auth_arguments(p)
+    p.add_argument(
+        "--limits-lease-ttl",
+        type=float,
+        default=env_float("LLMSERVE_LIMITS_LEASE_TTL", 30.0),
+        metavar="SECONDS",
+        help="a concurrency slot its gateway stopped renewing is freed after this long "
+        "(env LLMSERVE_LIMITS_LEASE_TTL)",
+    )
     p.add_argument(
         "--access-log",
         action="store_true",
@@ -205,6 +256,18 @@ def api_key_from_args(args: argparse.Namespace) -> str | None:
     return env_str(ENV_API_KEY, None)
 
 
+def api_keys_from_args(args: argparse.Namespace) -> tuple[ApiKey, ...]:
+    """The keys of --api-keys-file (none without it); ValueError naming the line at fault."""
+    if args.api_keys_file is None:
+        return ()
+    try:
+        with open(args.api_keys_file) as f:
+            text = f.read()
+    except OSError as e:
+        raise ValueError(f"cannot read the API keys file: {e.strerror or e}") from None
+    return parse_api_keys(text, args.api_keys_file)
+
+
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     # The flag's list, else the variable's names (an appending flag cannot default to them:
     # argparse would append to the default).
@@ -216,6 +279,10 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         model_names=tuple(names),
         bus_auth=nats_auth_from_args(args),
         api_key=api_key_from_args(args),
+        api_keys=api_keys_from_args(args),
+        redis_url=args.redis_url,
+        redis_auth=redis_auth_from_args(args),
+        limits_lease_ttl_s=args.limits_lease_ttl,
         request_timeout_s=args.request_timeout,
         progress_timeout_s=args.progress_timeout,
         ack_timeout_s=args.ack_timeout,

@@ -44,6 +44,7 @@ from shared.wire.messages import (
 from shared.wire.outputs import RequestOutput
 
 from . import protocol
+from .api_keys import ApiKey, KeyRing, reserved_tokens
 from .config import GatewayConfig
 from .errors import (
     UNAVAILABLE_RETRY_AFTER_S,
@@ -54,7 +55,9 @@ from .errors import (
     payload_too_large,
     service_unavailable,
     shutting_down,
+    unauthorized,
 )
+from .limiter import Lease, Limiter
 from .metrics import CLIENT_CLOSED, GatewayMetrics, RequestTracker
 from .openai_schema import ChatCompletionRequest, parse_chat_request, parse_completion_request
 from .streams import GenerationStream
@@ -91,6 +94,47 @@ class Gateway:
         # Every stream between start() and its close(): what a drain waits for, and interrupts.
         self.streams: set[GenerationStream] = set()
         self.draining = asyncio.Event()  # set once: SIGTERM was received (server.py)
+        keys = list(config.api_keys)
+        if config.api_key is not None:
+            keys.append(ApiKey(name="default", key=config.api_key))
+        self.keys = KeyRing(keys)
+        # Set by the app's lifespan when a key has limits (it needs a running loop).
+        self.limiter: Limiter | None = None
+        self._releases: set[asyncio.Task[None]] = set()
+
+    # -- auth and per-key limits ---------------------------------------------------------------
+
+    def authenticate(self, authorization: str | None) -> ApiKey | None:
+        """The request's key (None when no key is configured: auth off); 401 without a known
+        one."""
+        if not len(self.keys):
+            return None
+        scheme, _, token = (authorization or "").partition(" ")
+        key = self.keys.find(token.strip()) if scheme.lower() == "bearer" else None
+        if key is None:
+            raise unauthorized()
+        return key
+
+    async def admit(self, key: ApiKey | None, p: Prepared) -> Lease | None:
+        """Take the request's due from its key's limits: a Lease to release when it ends, or
+        APIError 429 (the limit's name, Retry-After)."""
+        if key is None:
+            return None
+        cost = reserved_tokens(p.generate)
+        lease = None
+        if self.limiter is not None:
+            lease = await self.limiter.admit(key, cost)
+        self.metrics.api_key_requests.labels(key.name).inc()
+        self.metrics.api_key_tokens_reserved.labels(key.name).inc(cost)
+        return lease
+
+    def release(self, lease: Lease | None) -> None:
+        """Give a lease's slot back, in the background (callable from sync code, any path)."""
+        if lease is None or lease.lease_id is None or self.limiter is None:
+            return
+        task = asyncio.get_running_loop().create_task(self.limiter.release(lease))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     # -- drain ---------------------------------------------------------------------------------
 

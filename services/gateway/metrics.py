@@ -11,6 +11,7 @@ the SSE error event; 499 (nginx's convention) when the client went away first.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -139,19 +140,49 @@ class GatewayMetrics:
         self.generation_tokens = Counter(
             "llmserve:generation_tokens", "Generated tokens.", labels, registry=r
         )
+        # Per API key, labelled by the key's name (never the key).
+        self.api_key_requests = Counter(
+            "llmserve:api_key_requests",
+            "Generation requests admitted, by API key name.",
+            ["key_name"],
+            registry=r,
+        )
+        self.api_key_rejected = Counter(
+            "llmserve:api_key_rejected",
+            "Generation requests refused by a per-key limit, by API key name and limit.",
+            ["key_name", "limit"],
+            registry=r,
+        )
+        self.api_key_tokens_reserved = Counter(
+            "llmserve:api_key_tokens_reserved",
+            "Tokens reserved at admission (prompt estimate + max_tokens x n), by API key name.",
+            ["key_name"],
+            registry=r,
+        )
+        self.api_key_limiter_unavailable = Counter(
+            "llmserve:api_key_limiter_unavailable",
+            "Requests admitted unchecked because Redis (per-key limits) was unreachable.",
+            registry=r,
+        )
         self.stack = StackMetrics(r)
 
     def count(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
 
-    def tracker(self, endpoint: str) -> RequestTracker:
-        return RequestTracker(self, endpoint)
+    def tracker(self, endpoint: str, on_done: Callable[[], None] | None = None) -> RequestTracker:
+        return RequestTracker(self, endpoint, on_done)
 
 
 class RequestTracker:
     """Timing of one generation request; ``done`` records it exactly once."""
 
-    def __init__(self, metrics: GatewayMetrics, endpoint: str) -> None:
+    def __init__(
+        self,
+        metrics: GatewayMetrics,
+        endpoint: str,
+        on_done: Callable[[], None] | None = None,
+    ) -> None:
+        self._on_done = on_done  # called once, by done(): e.g. gives back a concurrency slot
         self._m = metrics
         self._endpoint = endpoint
         self._start = time.monotonic()
@@ -180,6 +211,8 @@ class RequestTracker:
         if self._done:
             return
         self._done = True
+        if self._on_done is not None:
+            self._on_done()
         m = self._m
         m.in_flight.dec()
         m.count(self._endpoint, status)

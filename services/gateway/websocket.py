@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import anyio
 import msgspec
 from fastapi import FastAPI, WebSocket
 
+from .api_keys import ApiKey
 from .errors import APIError, bad_request
 from .generation import ClientDisconnected, Gateway, race_disconnect
 from .metrics import CLIENT_CLOSED
@@ -78,9 +78,7 @@ class _Inbox:
         self._task.cancel()
 
 
-def register_websocket(
-    app: FastAPI, gw: Gateway, check_api_key: Callable[[Any, str | None], None]
-) -> None:
+def register_websocket(app: FastAPI, gw: Gateway) -> None:
     @app.websocket("/v1/ws")
     async def ws(websocket: WebSocket) -> None:
         await websocket.accept()
@@ -89,7 +87,7 @@ def register_websocket(
                 raise APIError(
                     403, "Cross-origin WebSocket connections are not allowed.", code="forbidden"
                 )
-            check_api_key(gw.config, websocket.headers.get("authorization"))
+            key = gw.authenticate(websocket.headers.get("authorization"))
         except APIError as e:
             gw.metrics.count(ENDPOINT, e.status)
             await websocket.send_text(_encoder.encode(e.body()).decode())
@@ -99,7 +97,7 @@ def register_websocket(
         try:
             while (data := await _next_request(gw, inbox)) is not None:
                 try:
-                    if not await _serve_one(gw, websocket, data, inbox):
+                    if not await _serve_one(gw, websocket, data, inbox, key):
                         return
                 except _Refused as e:
                     await _send(websocket, e.error.body())
@@ -150,7 +148,9 @@ async def _send(websocket: WebSocket, obj: Any) -> None:
     await websocket.send_text(_encoder.encode(obj).decode())
 
 
-async def _serve_one(gw: Gateway, websocket: WebSocket, data: bytes, inbox: _Inbox) -> bool:
+async def _serve_one(
+    gw: Gateway, websocket: WebSocket, data: bytes, inbox: _Inbox, key: ApiKey | None
+) -> bool:
     """Serve one request; False when the client is gone."""
     try:
         try:
@@ -162,13 +162,14 @@ async def _serve_one(gw: Gateway, websocket: WebSocket, data: bytes, inbox: _Inb
             raise
         api: Api = "chat" if "messages" in obj else "completion"
         p = await gw.prepare(api, data, force_stream=True)
+        lease = await gw.admit(key, p)
     except APIError as e:
         gw.metrics.count(ENDPOINT, e.status)
         await _send(websocket, e.body())
         await _send(websocket, _DONE)
         return True
 
-    tracker = gw.metrics.tracker(ENDPOINT)
+    tracker = gw.metrics.tracker(ENDPOINT, lambda: gw.release(lease))
     aborted = False
 
     async def stopped() -> None:

@@ -273,7 +273,7 @@ def test_a_stack_is_closed_to_strangers_and_shows_no_secret_in_ps(stack, pid_ali
         held = {v for v in env.values() if v in secrets}
         mine = {s.credentials.nats_passwords[kind]}
         mine |= {s.credentials.redis_password} if kind == "prefix_index" else set()
-        mine |= {key} if kind == "gateway" else set()
+        mine |= {key, s.credentials.redis_gateway_password} if kind == "gateway" else set()
         assert held == mine, name
 
     with httpx.Client(base_url=s.base_url, timeout=60) as http:

@@ -212,7 +212,10 @@ def test_the_launcher_gives_each_service_its_own_credentials_by_environment(monk
             assert not any(url in arg for url in (stack.nats_url, stack.redis_url) for arg in args)
             assert env["NATS_USER"] == kind
             assert env["NATS_PASSWORD"] == stack.credentials.nats_passwords[kind]
-            assert ("REDIS_PASSWORD" in env) == (kind == "prefix_index")
+            # The prefix index and the gateway (per-key limits) each have their own Redis user.
+            assert ("REDIS_PASSWORD" in env) == (kind in ("prefix_index", "gateway"))
+            if kind in ("prefix_index", "gateway"):
+                assert env["REDIS_PASSWORD"] == stack.credentials.redis_env(kind)["REDIS_PASSWORD"]
             assert ("LLMSERVE_API_KEY" in env) == (kind == "gateway")
             assert not any(v.startswith("inherited-") for v in env.values()), name
         [gateway_env] = [env for name, _, env in started if name == "gateway"]

@@ -149,7 +149,7 @@ def test_every_subject_is_granted_to_a_sender_and_a_receiver():
 def test_the_credentials_give_each_kind_its_own_secret_and_print_none():
     creds = StackCredentials.generate()
     passwords = creds.secrets()
-    assert len(set(passwords)) == len(passwords) == len(PERMISSIONS) + 1
+    assert len(set(passwords)) == len(passwords) == len(PERMISSIONS) + 2  # + 2 Redis users
     assert all(len(p) >= 40 for p in passwords)
     assert not any(p in repr(creds) for p in passwords)
     assert creds.nats_env("tokenizer") == {
@@ -165,6 +165,8 @@ def test_the_credentials_give_each_kind_its_own_secret_and_print_none():
     assert '"$JS.API.STREAM.INFO.LLMSERVE_KV_EVENTS"' in config  # quoted: '$' stays literal
     acl = creds.redis_acl()
     assert acl.startswith("user default off\n") and "~{llmserve:pi}:*" in acl
+    assert "user gateway on" in acl and "~llmserve:gw:*" in acl
+    assert creds.redis_env("gateway")["REDIS_PASSWORD"] == creds.redis_gateway_password
 
 
 def test_urls_are_printed_without_their_password():
