@@ -181,11 +181,12 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
             key = gw.authenticate(request.headers.get("authorization"))
             gw.check_admission()
             require_json(request)
-            p = await gw.prepare(api, await read_body(request, config.max_body_bytes))
+            body = await read_body(request, config.max_body_bytes, config.body_timeout_s)
+            p = await gw.prepare(api, body)
             lease = await gw.admit(key, p)
         except APIError as e:
             gw.metrics.count(endpoint, e.status)
-            return error_response(e, _CLOSE if e.status == 413 else None)
+            return error_response(e, _CLOSE if e.status in (408, 413) else None)
         # From here the request is in flight until tracker.done(), which every path below reaches
         # (the SSE body's, or its on_close when the body never ran); done() gives the lease back.
         tracker = gw.metrics.tracker(endpoint, lambda: gw.release(lease))

@@ -67,6 +67,8 @@ class GatewayConfig:
     # never read whole. Below the bus's max_payload (8 MiB in `llmserve up`), so a request that
     # passes it also fits one NATS message; one that does not is a 413 too (generation.py).
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # The whole body must arrive within this long once its head has (408 otherwise, body.py).
+    body_timeout_s: float = 30.0
     # An idle connection is closed after this long: between requests, and before its first
     # request's head is complete (server.py).
     keep_alive_timeout_s: float = 30.0
@@ -117,6 +119,7 @@ class GatewayConfig:
             "health_timeout_s",
             "nats_connect_timeout_s",
             "keep_alive_timeout_s",
+            "body_timeout_s",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -221,6 +224,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(env LLMSERVE_MAX_BODY_BYTES; default 4 MiB)",
     )
     p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=env_float("LLMSERVE_BODY_TIMEOUT", 30.0),
+        metavar="SECONDS",
+        help="answer 408 when a request body takes longer than this to arrive "
+        "(env LLMSERVE_BODY_TIMEOUT)",
+    )
+    p.add_argument(
         "--keep-alive-timeout",
         type=float,
         default=env_float("LLMSERVE_KEEP_ALIVE_TIMEOUT", 30.0),
@@ -288,6 +299,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         ack_timeout_s=args.ack_timeout,
         max_tokens_default=args.max_tokens_default,
         max_body_bytes=args.max_body_bytes,
+        body_timeout_s=args.body_timeout,
         keep_alive_timeout_s=args.keep_alive_timeout,
         drain_timeout_s=args.drain_timeout,
     )

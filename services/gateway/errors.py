@@ -159,6 +159,15 @@ def request_timeout(timeout_s: float) -> APIError:
     return APIError(504, f"The request did not complete within {timeout_s:g} s and was aborted.")
 
 
+def body_timeout(timeout_s: float) -> APIError:
+    return APIError(
+        408,
+        f"The request body did not arrive within {timeout_s:g} s of the request's start.",
+        INVALID_REQUEST,
+        code="body_timeout",
+    )
+
+
 def service_unavailable(message: str, retry_after_s: float = UNAVAILABLE_RETRY_AFTER_S) -> APIError:
     """A 503, always with Retry-After: the client should come back, not give up."""
     return APIError(503, message, retry_after_s=retry_after_s)

@@ -22,6 +22,7 @@ from websockets.typing import Origin
 from helpers.gateway_harness import FAKE_MODEL, GatewayProcess, expected_text
 
 KEEP_ALIVE_S = 1.0
+BODY_TIMEOUT_S = 1.5
 MiB = 1024 * 1024
 
 
@@ -33,6 +34,8 @@ def gateway(nats_server, backend) -> Iterator[GatewayProcess]:
         "5",
         "--keep-alive-timeout",
         str(KEEP_ALIVE_S),
+        "--body-timeout",
+        str(BODY_TIMEOUT_S),
     )
     yield gw
     gw.stop()
@@ -358,6 +361,45 @@ def closed_within(sock: socket.socket, seconds: float) -> float:
             return time.monotonic() - t0
         except TimeoutError:
             raise AssertionError(f"connection still open after {seconds} s") from None
+
+
+def test_a_trickled_body_is_408_within_the_body_timeout(gateway):
+    """A body sent a byte every 0.1 s (its head complete, so the keep-alive timeout no longer
+    applies) is answered 408 once the body timeout passes, and the connection is closed; a small
+    request meanwhile is served as usual."""
+    body = json.dumps(completion(prompt="x" * 200)).encode()
+    with socket.create_connection(("127.0.0.1", gateway.port)) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        )
+        t0 = time.monotonic()
+        sock.settimeout(0.1)
+        response = b""
+        for byte in body:
+            try:
+                sock.sendall(bytes([byte]))
+                response += sock.recv(65536)
+            except TimeoutError:
+                pass
+            except OSError:
+                break
+            if response or time.monotonic() - t0 > BODY_TIMEOUT_S + 3:
+                break
+        sock.settimeout(5)
+        elapsed = time.monotonic() - t0
+        small_request(gateway.base_url)
+        try:
+            while part := sock.recv(65536):
+                response += part
+        except ConnectionResetError:
+            pass
+    assert BODY_TIMEOUT_S - 0.2 <= elapsed < BODY_TIMEOUT_S + 2
+    assert response.startswith(b"HTTP/1.1 408"), response[:200]
+    error = json.loads(response.split(b"\r\n\r\n", 1)[1])["error"]
+    assert error["code"] == "body_timeout"
+    assert b"connection: close" in response.lower()
+    assert in_flight(gateway) == 0
 
 
 def test_idle_connections_are_closed(gateway):
