@@ -13,8 +13,10 @@ in Redis, so names are distinct, as are keys.
 
 What a request costs against ``tokens_per_minute`` (``reserved_tokens``): its prompt as the gateway
 sees it before tokenization, and ``max_tokens`` for each of its ``n`` choices, reserved at
-admission and not refunded. The prompt counts one token per 4 UTF-8 bytes of its text (rounded
-up), or the number of its token ids when it was given as ids.
+admission. The prompt counts one token per 4 UTF-8 bytes of its text (rounded up), or the number of
+its token ids when it was given as ids. When the request ends, what it did not use is given back
+(``Limiter.release``): it is charged its prompt (as tokenized, once known) and the tokens it
+generated.
 """
 
 from __future__ import annotations
@@ -140,15 +142,18 @@ class KeyRing:
         return self._by_digest.get(_digest(presented))
 
 
+def estimated_prompt_tokens(generate: GenerateRequest) -> int:
+    """The request's prompt in tokens as the gateway counts it before tokenization."""
+    if generate.prompt_token_ids is not None:
+        return len(generate.prompt_token_ids)
+    if generate.prompt is not None:
+        return math.ceil(len(generate.prompt.encode()) / BYTES_PER_TOKEN)
+    text = sum(len(m.content.encode()) for m in generate.messages or ())
+    return math.ceil(text / BYTES_PER_TOKEN)
+
+
 def reserved_tokens(generate: GenerateRequest) -> int:
     """The tokens a request takes from its key's token rate at admission (see the module doc)."""
-    if generate.prompt_token_ids is not None:
-        prompt = len(generate.prompt_token_ids)
-    elif generate.prompt is not None:
-        prompt = math.ceil(len(generate.prompt.encode()) / BYTES_PER_TOKEN)
-    else:
-        text = sum(len(m.content.encode()) for m in generate.messages or ())
-        prompt = math.ceil(text / BYTES_PER_TOKEN)
     params = generate.params
     max_tokens = params.max_tokens if params.max_tokens is not None else DEFAULT_RESERVED_MAX_TOKENS
-    return max(1, prompt + max_tokens * params.n)
+    return max(1, estimated_prompt_tokens(generate) + max_tokens * params.n)

@@ -189,7 +189,7 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
             return error_response(e, _CLOSE if e.status in (408, 413) else None)
         # From here the request is in flight until tracker.done(), which every path below reaches
         # (the SSE body's, or its on_close when the body never ran); done() gives the lease back.
-        tracker = gw.metrics.tracker(endpoint, lambda: gw.release(lease))
+        tracker = gw.metrics.tracker(endpoint, gw.releaser(lease, p))
         headers = {"X-Request-Id": p.generate.request_id}
 
         async def disconnected() -> None:

@@ -44,7 +44,7 @@ from shared.wire.messages import (
 from shared.wire.outputs import RequestOutput
 
 from . import protocol
-from .api_keys import ApiKey, KeyRing, reserved_tokens
+from .api_keys import ApiKey, KeyRing, estimated_prompt_tokens, reserved_tokens
 from .config import GatewayConfig
 from .errors import (
     UNAVAILABLE_RETRY_AFTER_S,
@@ -128,11 +128,22 @@ class Gateway:
         self.metrics.api_key_tokens_reserved.labels(key.name).inc(cost)
         return lease
 
-    def release(self, lease: Lease | None) -> None:
-        """Give a lease's slot back, in the background (callable from sync code, any path)."""
-        if lease is None or lease.lease_id is None or self.limiter is None:
+    def releaser(self, lease: Lease | None, p: Prepared) -> Callable[[int, int], None]:
+        """The tracker's on_done for a request admitted with ``lease``: it is charged its prompt
+        (the admission estimate while the tokenized length is unknown) and what it generated."""
+
+        def release(num_prompt_tokens: int, num_generated_tokens: int) -> None:
+            prompt = num_prompt_tokens or estimated_prompt_tokens(p.generate)
+            self.release(lease, prompt + num_generated_tokens)
+
+        return release
+
+    def release(self, lease: Lease | None, num_used_tokens: int) -> None:
+        """Give back what a lease holds beyond ``num_used_tokens``, in the background (callable
+        from sync code, any path)."""
+        if lease is None or not lease.holds_anything or self.limiter is None:
             return
-        task = asyncio.get_running_loop().create_task(self.limiter.release(lease))
+        task = asyncio.get_running_loop().create_task(self.limiter.release(lease, num_used_tokens))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 

@@ -4,6 +4,8 @@ atomic check-and-take).
     admit(key, cost)   → a Lease (release it when the request ends), or APIError 429 naming
                          the limit, with Retry-After; 400 when the request alone costs more
                          than tokens_per_minute
+    release(lease, n)  gives back the concurrency slot, and the reserved tokens beyond the n
+                       the request used
     a renewal task     pushes back the expiry of this gateway's leases every lease_ttl_s / 3, so a
                        crashed gateway's concurrency slots expire after lease_ttl_s
 
@@ -38,18 +40,29 @@ RETRY_DOWN_S = 1.0  # after a failed call, requests are let through unchecked th
 
 _SHAS = {
     name: hashlib.sha1(script.encode()).hexdigest()
-    for name, script in (("admit", limits_lua.ADMIT), ("renew", limits_lua.RENEW))
+    for name, script in (
+        ("admit", limits_lua.ADMIT),
+        ("renew", limits_lua.RENEW),
+        ("refund", limits_lua.REFUND),
+    )
 }
-_SCRIPTS = {"admit": limits_lua.ADMIT, "renew": limits_lua.RENEW}
+_SCRIPTS = {"admit": limits_lua.ADMIT, "renew": limits_lua.RENEW, "refund": limits_lua.REFUND}
 
 
 @dataclass(eq=False)
 class Lease:
-    """A request's concurrency slot (``lease_id`` None: none taken)."""
+    """What a request took from its key's limits: a concurrency slot (``lease_id`` None: none
+    taken) and ``num_reserved_tokens`` from a ``tokens_per_minute`` bucket (0: none)."""
 
     key_name: str
     lease_id: str | None = None
+    tokens_per_minute: int = 0
+    num_reserved_tokens: int = 0
     released: bool = field(default=False)
+
+    @property
+    def holds_anything(self) -> bool:
+        return self.lease_id is not None or self.num_reserved_tokens > 0
 
 
 def rate_limited(key: ApiKey, limit: str, wait_ms: float) -> APIError:
@@ -125,25 +138,37 @@ class Limiter:
                 f"key '{key.name}' may use: tokens_per_minute ({key.tokens_per_minute}).",
                 param="max_tokens",
             )
-        if not lease_id:
-            return Lease(key.name)
-        self._held.setdefault(key.name, set()).add(lease_id)
-        return Lease(key.name, lease_id)
+        tokens_per_minute = key.tokens_per_minute or 0
+        lease = Lease(
+            key.name,
+            lease_id or None,
+            tokens_per_minute,
+            num_reserved_tokens=cost if tokens_per_minute else 0,
+        )
+        if lease_id:
+            self._held.setdefault(key.name, set()).add(lease_id)
+        return lease
 
-    async def release(self, lease: Lease) -> None:
-        """Give back a lease's slot; idempotent, and never raises (a slot that could not be given
-        back expires with its lease)."""
-        if lease.released or lease.lease_id is None:
-            lease.released = True
+    async def release(self, lease: Lease, num_used_tokens: int) -> None:
+        """Give back a lease's slot and the reserved tokens beyond ``num_used_tokens``;
+        idempotent, and never raises (a slot that could not be given back expires with its lease;
+        tokens that could not be, stay spent)."""
+        if lease.released:
             return
         lease.released = True
-        held = self._held.get(lease.key_name)
-        if held is not None:
-            held.discard(lease.lease_id)
+        buckets, leases = self._keys(lease.key_name)
         try:
-            await self.client.zrem(self._keys(lease.key_name)[1], lease.lease_id)
+            if lease.lease_id is not None:
+                held = self._held.get(lease.key_name)
+                if held is not None:
+                    held.discard(lease.lease_id)
+                await self.client.zrem(leases, lease.lease_id)
+            unused = lease.num_reserved_tokens - num_used_tokens
+            if unused > 0:
+                await self._call("refund", [buckets], [lease.tokens_per_minute, unused])
+                self.metrics.api_key_tokens_refunded.labels(lease.key_name).inc(unused)
         except redis.exceptions.RedisError as e:
-            log.info("could not release a concurrency slot of key %r (%s)", lease.key_name, e)
+            log.info("could not give back what key %r's request held (%s)", lease.key_name, e)
 
     def _fail_open(self, key: ApiKey, error: Exception | None) -> Lease:
         self.metrics.api_key_limiter_unavailable.inc()

@@ -19,11 +19,13 @@ admit(rpm, tpm, max_concurrent, cost, lease_id, lease_ttl_ms) → reply
       max_concurrent, the time until the earliest lease expires (a release may come sooner).
   {'too_large', 'tokens_per_minute', cost}: the request costs more than the bucket ever holds.
 renew(lease_ttl_ms, lease ids...) → how many of them were still held (their expiry pushed back).
+refund(tpm, tokens) → the tokens bucket's level after ``tokens`` went back into it (capped at tpm):
+  what a request reserved and did not use. A missing hash reads as a full bucket: nothing to do.
 """
 
 from __future__ import annotations
 
-__all__ = ["ADMIT", "RENEW"]
+__all__ = ["ADMIT", "REFUND", "RENEW"]
 
 ADMIT = """
 local t = redis.call('TIME')
@@ -82,6 +84,20 @@ if maxc > 0 then
   redis.call('PEXPIRE', KEYS[2], ttl + 1000)
 end
 return {'admitted', 0}
+"""
+
+REFUND = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local tpm, tokens = tonumber(ARGV[1]), tonumber(ARGV[2])
+local r = redis.call('HMGET', KEYS[1], 'tl', 'tt')
+local l, ts = tonumber(r[1]), tonumber(r[2])
+if not l or not ts then return tostring(tpm) end
+local elapsed = now - ts
+if elapsed < 0 then elapsed = 0 end
+l = math.min(tpm, l + elapsed * tpm / 60000 + tokens)
+redis.call('HSET', KEYS[1], 'tl', string.format('%.6f', l), 'tt', now)
+return string.format('%.6f', l)
 """
 
 RENEW = """

@@ -159,6 +159,12 @@ class GatewayMetrics:
             ["key_name"],
             registry=r,
         )
+        self.api_key_tokens_refunded = Counter(
+            "llmserve:api_key_tokens_refunded",
+            "Reserved tokens given back when a request ended having used fewer, by API key name.",
+            ["key_name"],
+            registry=r,
+        )
         self.api_key_limiter_unavailable = Counter(
             "llmserve:api_key_limiter_unavailable",
             "Requests admitted unchecked because Redis (per-key limits) was unreachable.",
@@ -169,7 +175,9 @@ class GatewayMetrics:
     def count(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
 
-    def tracker(self, endpoint: str, on_done: Callable[[], None] | None = None) -> RequestTracker:
+    def tracker(
+        self, endpoint: str, on_done: Callable[[int, int], None] | None = None
+    ) -> RequestTracker:
         return RequestTracker(self, endpoint, on_done)
 
 
@@ -180,13 +188,16 @@ class RequestTracker:
         self,
         metrics: GatewayMetrics,
         endpoint: str,
-        on_done: Callable[[], None] | None = None,
+        on_done: Callable[[int, int], None] | None = None,
     ) -> None:
-        self._on_done = on_done  # called once, by done(): e.g. gives back a concurrency slot
+        # Called once, by done(), with (prompt tokens, 0 when unknown; generated tokens): gives
+        # back what the request held of its key's limits.
+        self._on_done = on_done
         self._m = metrics
         self._endpoint = endpoint
         self._start = time.monotonic()
         self._last_token_at: float | None = None
+        self._num_generated_tokens = 0
         self._done = False
         metrics.in_flight.inc()
 
@@ -199,6 +210,7 @@ class RequestTracker:
         else:
             self._m.itl.observe(now - self._last_token_at)
         self._last_token_at = now
+        self._num_generated_tokens += num_tokens
         self._m.generation_tokens.inc(num_tokens)
 
     def done(
@@ -212,7 +224,7 @@ class RequestTracker:
             return
         self._done = True
         if self._on_done is not None:
-            self._on_done()
+            self._on_done(num_prompt_tokens, self._num_generated_tokens)
         m = self._m
         m.in_flight.dec()
         m.count(self._endpoint, status)

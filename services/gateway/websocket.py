@@ -169,7 +169,7 @@ async def _serve_one(
         await _send(websocket, _DONE)
         return True
 
-    tracker = gw.metrics.tracker(ENDPOINT, lambda: gw.release(lease))
+    tracker = gw.metrics.tracker(ENDPOINT, gw.releaser(lease, p))
     aborted = False
 
     async def stopped() -> None:

@@ -113,21 +113,58 @@ def test_two_replicas_share_a_request_rate_exactly(replicas):
 
 
 def test_retry_after_of_the_token_bucket_is_enough_to_get_through(replicas):
-    # 600 tokens a minute = 10 a second; a request costs 200 (prompt: 800 bytes / 4) + 2 = 202.
+    # 600 tokens a minute = 10 a second. The fake backend's prompts are 7 tokens once tokenized
+    # (NUM_PROMPT_TOKENS) and it generates max_tokens: a request reserving 2 ("hello": 5 bytes / 4,
+    # rounded up) + 291 uses 7 + 291 = 298, all of its reservation and more.
     _, key, line = _key(tokens_per_minute=600)
     a, b = replicas(line)
-    prompt = "x" * 800
-    assert _post(a.base_url, key, prompt=prompt).status_code == 200
-    assert _post(b.base_url, key, prompt=prompt).status_code == 200
-    r = _post(a.base_url, key, prompt=prompt)
+    assert _post(a.base_url, key, max_tokens=291).status_code == 200
+    assert _post(b.base_url, key, max_tokens=291).status_code == 200
+    # 600 - 2 x 298 = 4 left; this one reserves 2 + 20 = 22: 18 short, at 10 a second 1.8 s
+    # (less what refilled while the two ran).
+    r = _post(a.base_url, key, max_tokens=20)
     assert r.status_code == 429 and r.json()["error"]["param"] == "tokens_per_minute"
     retry_after = int(r.headers["Retry-After"])
-    assert 1 <= retry_after <= 2  # 6 tokens short, at 10 a second: 0.6 s, rounded up
+    assert 1 <= retry_after <= 2
     time.sleep(retry_after)
-    assert _post(b.base_url, key, prompt=prompt).status_code == 200
+    assert _post(b.base_url, key, max_tokens=20).status_code == 200
     # More than the bucket ever holds: no wait would help, so not a 429.
     r = _post(a.base_url, key, prompt="x" * 4000)
     assert r.status_code == 400 and "tokens_per_minute" in r.json()["error"]["message"]
+
+
+def test_tokens_reserved_and_not_used_are_given_back(replicas, redis_server):
+    # 600 tokens a minute; a request reserves 4 (prompt: 16 bytes / 4) + 500 = 504 tokens.
+    name, key, line = _key(tokens_per_minute=600)
+    a, b = replicas(line)
+    # It generates one token, then fails: charged its 7 prompt tokens (NUM_PROMPT_TOKENS, as the
+    # stream reported them) + 1, so 496 go back into the bucket.
+    r = _post(a.base_url, key, prompt="fail_after_first", max_tokens=500, stream=True)
+    assert r.status_code == 200 and "executor died" in r.text
+    # Without the refund the bucket would hold 96 (+ 10 a second) and this one wait ~40 s: 429.
+    ok = _post(b.base_url, key, prompt="hello", max_tokens=500)
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["usage"]["completion_tokens"] == 500
+    refunded = sum(
+        _metric(
+            httpx.get(gw.base_url + "/metrics").text,
+            "llmserve:api_key_tokens_refunded_total",
+            key_name=name,
+        )
+        for gw in (a, b)
+    )
+    # The first request's 496; the second reserved 2 + 500 and used 7 + 500: nothing back.
+    assert refunded == 496
+    client = connect_redis(redis_server.url, 5.0)
+    level = float(asyncio.run(_hget(client, f"llmserve:gw:{{{name}}}:buckets", "tl")))
+    assert level < 200  # the second request's 500 generated tokens stay spent
+
+
+async def _hget(client, key: str, field: str):
+    try:
+        return await client.hget(key, field)
+    finally:
+        await client.aclose()
 
 
 def _open_stream(base_url: str, key: str, stack: ExitStack) -> httpx.Response:
@@ -185,11 +222,14 @@ def test_the_gateways_redis_user_runs_the_limits_and_nothing_else():
         async def main() -> None:
             auth = RedisAuth(REDIS_GATEWAY_USER, creds.redis_gateway_password)
             limiter = Limiter(connect_redis(server.url, 2.0, auth), GatewayMetrics(), lease_ttl_s=5)
-            key = ApiKey(name="a", key="sk", requests_per_minute=1, max_concurrent=1)
+            key = ApiKey(
+                name="a", key="sk", requests_per_minute=1, tokens_per_minute=100, max_concurrent=1
+            )
             lease = await limiter.admit(key, 1)
-            assert lease.lease_id is not None
+            assert lease.lease_id is not None and lease.num_reserved_tokens == 1
             await limiter.renew()
-            await limiter.release(lease)
+            await limiter.release(lease, 0)  # the slot, and the 1 token unused
+            assert limiter.metrics.api_key_tokens_refunded.labels("a")._value.get() == 1
             with pytest.raises(APIError) as e:
                 await limiter.admit(key, 1)
             assert e.value.status == 429 and e.value.param == "requests_per_minute"
