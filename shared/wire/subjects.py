@@ -38,7 +38,7 @@ EXECUTOR_KV_SNAPSHOT_ALL = f"{PREFIX}.executor.*.kv_snapshot"
 # Every executor's KV events, for wildcard subscribers (the prefix index): see kv_events().
 KV_EVENTS_ALL = f"{PREFIX}.kv_events.*"
 # Every service's MetricsReport (see metrics()), for the gateways' /metrics.
-METRICS_ALL = f"{PREFIX}.metrics.>"
+METRICS_ALL = f"{PREFIX}.metrics.*.*"
 # Token deltas of every request, for wildcard subscribers (the gateway's permission, tests).
 STREAM_ALL = f"{PREFIX}.stream.*"
 
