@@ -58,7 +58,7 @@ def test_metrics_of_every_service_move_under_load(stack):
     wait_for(lambda: "llmserve:kv_cache_usage_perc" in scrape(url), 30, "the executor's report")
     before = scrape(url)
     kv_baseline = total(before, "llmserve:kv_cache_usage_perc")
-    usages: list[dict[str, int]] = []
+    usages: list[dict[str, Any]] = []
 
     # A long request holds blocks: KV usage rises above its baseline while it runs, and back after.
     with ThreadPoolExecutor(4) as pool:

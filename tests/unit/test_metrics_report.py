@@ -9,10 +9,10 @@ import pathlib
 import re
 
 import pytest
-from helpers.stats import engine_stats
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from helpers.stats import engine_stats
 from services.executor.metrics import ExecutorMetrics
 from services.gateway.metrics import GatewayMetrics
 from services.prefix_index.logic import Counters
@@ -146,6 +146,7 @@ def test_gateway_tpot_is_vllms_definition_and_skips_single_token_requests():
     t = m.tracker("completions")
     t._start -= 1.0  # arrived a second ago
     t.on_tokens(1)
+    assert t._first_token_at is not None
     t._first_token_at -= 0.5  # first token half a second ago
     t.on_tokens(2)
     t.on_tokens(2)
