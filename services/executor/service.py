@@ -38,6 +38,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from services.executor.metrics import ExecutorMetrics
 from services.executor.worker import (
     Abort,
     Aborted,
@@ -51,6 +52,7 @@ from services.executor.worker import (
     Snapshot,
     SnapshotTaken,
 )
+from shared.metrics.publisher import MetricsPublisher
 from shared.wire import messages, subjects
 from shared.wire.bus import Bus, BusError, Msg
 from shared.wire.keepalive import SilenceTracker, send_keepalives
@@ -132,6 +134,13 @@ class ExecutorService:
         self._idle = asyncio.Event()
         self._idle.set()
         self._silence = SilenceTracker()  # when each live request's stream last carried something
+        self.metrics = ExecutorMetrics(
+            self.config.executor_id, self.config.model_name, lambda: self.worker.latest_stats
+        )
+        self.worker.observer = self.metrics  # before the engine thread starts
+        self._metrics_publisher = MetricsPublisher(
+            self.bus, "executor", self.config.executor_id, self.metrics.registry
+        )
 
     async def start(self) -> None:
         self.bus.on_connection_lost(self._on_bus_lost)
@@ -153,6 +162,7 @@ class ExecutorService:
             asyncio.create_task(self._heartbeat_loop()),
         ]
         await self._heartbeat()
+        self._metrics_publisher.start()
 
     # -- inputs ----------------------------------------------------------------------------------
 
@@ -418,6 +428,7 @@ class ExecutorService:
                 )
         await asyncio.to_thread(self.worker.stop, 10.0)
         # Events still queued (outputs of aborted requests) are dropped: their requests have ended.
+        await self._metrics_publisher.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -12,6 +12,10 @@ Invariants:
   ``Outputs``), ``Rejected``, ``Aborted`` or ``Failed``.
 - ``latest_stats`` is replaced (never mutated) after every step; reading it from another thread is
   safe.
+- The ``observer`` (metrics), when set before ``start``, is called from this thread: ``on_step``
+  after each step with its wall time and the stats after it, ``on_first_scheduled`` once per
+  request with its queue time (its ExecuteRequest's ``arrival_time``, a wall clock, to the start of
+  the first step that ran it).
 
 No asyncio, no NATS: tested synchronously with a fake engine.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -48,6 +53,12 @@ class EngineLike(Protocol):
     def has_unfinished(self) -> bool: ...
     def stats(self) -> EngineStats: ...
     def kv_cache_snapshot(self) -> tuple[int, list[int]]: ...
+    def take_first_scheduled(self) -> list[str]: ...
+
+
+class StepObserver(Protocol):
+    def on_step(self, duration_s: float, stats: EngineStats) -> None: ...
+    def on_first_scheduled(self, queue_time_s: float) -> None: ...
 
 
 # -- commands (loop → thread) ----------------------------------------------------------------------
@@ -140,6 +151,10 @@ class EngineWorker:
         self._num_threads = num_threads
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._live: set[str] = set()  # ids added to the engine and not yet terminal
+        # Wall-clock arrival of each live request the engine has not scheduled yet.
+        self._arrivals: dict[str, float] = {}
+        self._step_s: float | None = None  # wall time of the step this loop ran, for the observer
+        self.observer: StepObserver | None = None
         self.latest_stats: EngineStats = engine.stats()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
@@ -209,15 +224,18 @@ class EngineWorker:
                 events.append(Rejected(req.request_id, str(e)))
                 return
             self._live.add(req.request_id)
+            self._arrivals[req.request_id] = req.arrival_time or time.time()
         elif isinstance(command, Snapshot):
             seq, block_hashes = self.engine.kv_cache_snapshot()
             events.append(SnapshotTaken(command.reply_to, seq, block_hashes))
         elif isinstance(command, Abort):
             was_running = command.request_id in self._live and self.engine.abort(command.request_id)
             self._live.discard(command.request_id)
+            self._arrivals.pop(command.request_id, None)
             events.append(Aborted(command.request_id, was_running))
 
     def _step(self, events: list[Event]) -> None:
+        started_at, t0 = time.time(), time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as e:
@@ -229,11 +247,18 @@ class EngineWorker:
                 except Exception:
                     log.exception("abort of %s after a failed step failed too", rid)
             self._live.clear()
+            self._arrivals.clear()
             events.append(Failed(dropped, f"the engine failed: {type(e).__name__}: {e}"))
             return
+        self._step_s = time.perf_counter() - t0
+        for rid in self.engine.take_first_scheduled():
+            arrival = self._arrivals.pop(rid, None)
+            if arrival is not None and self.observer is not None:
+                self.observer.on_first_scheduled(started_at - arrival)
         for out in outputs:
             if out.finished:
                 self._live.discard(out.request_id)
+                self._arrivals.pop(out.request_id, None)
         if outputs:
             events.append(Outputs(outputs))
         if self._kv_events and (batch := self.engine.take_kv_events()) is not None:
@@ -244,5 +269,8 @@ class EngineWorker:
             self.latest_stats = self.engine.stats()
         except Exception:
             log.exception("engine stats failed")
+        if self._step_s is not None and self.observer is not None:
+            self.observer.on_step(self._step_s, self.latest_stats)
+        self._step_s = None
         if events:
             self._emit(events)

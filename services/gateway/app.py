@@ -9,7 +9,7 @@
                                  scheduler, executors, prefix index and Redis are up, "models"
                                  per model how many executors serve it and the context the
                                  tokenizer checks (null: no tokenizer serves it; see health.py)
-    GET  /metrics                Prometheus text
+    GET  /metrics                Prometheus text: the whole stack's metrics (metrics.py)
 
 Every error is an OpenAI error body (errors.py). Auth (when an API key is configured) guards /v1/*;
 /health and /metrics stay open for probes and scrapers. Generation bodies must be JSON
@@ -35,6 +35,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.prefix_index.store import connect_redis
+from shared.metrics.publisher import MetricsPublisher
+from shared.wire import subjects
 from shared.wire.bus import Bus
 from shared.wire.bus_auth import redact_url
 from shared.wire.outputs import RequestOutput
@@ -77,6 +79,9 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
             connect_timeout_s=config.nats_connect_timeout_s,
         )
         gw.bus.on_connection_lost(gw.on_bus_lost)
+        await gw.bus.subscribe(subjects.METRICS_ALL, gw.on_metrics_report)
+        publisher = MetricsPublisher(gw.bus, "gateway", gw.metrics.instance, gw.metrics.registry)
+        publisher.start()
         if any(k.limited for k in config.api_keys):
             assert config.redis_url is not None  # GatewayConfig checks it
             gw.limiter = Limiter(
@@ -103,6 +108,7 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
         try:
             yield
         finally:
+            await publisher.stop()
             if gw.limiter is not None:
                 await gw.limiter.close()
             if bus is None:
@@ -160,7 +166,7 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         await gw.refresh_stack_metrics()
-        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(gw.metrics.exposition), media_type=CONTENT_TYPE_LATEST)
 
     def model_card(name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": started_at, "owned_by": "llmserve"}

@@ -24,9 +24,10 @@ import anyio
 import msgspec
 
 from shared.wire import subjects
-from shared.wire.bus import Bus, BusError, BusNoResponders, BusTimeout
+from shared.wire.bus import Bus, BusError, BusNoResponders, BusTimeout, Msg
 from shared.wire.messages import (
     GENERATE_REQUEST,
+    METRICS_REPORT,
     PREFIX_INDEX_STATUS,
     PREFIX_INDEX_STATUS_REQUEST,
     SCHEDULER_STATUS,
@@ -236,6 +237,12 @@ class Gateway:
             index if isinstance(index, PrefixIndexStatus) else None,
         )
 
+    async def on_metrics_report(self, msg: Msg) -> None:
+        try:
+            self.metrics.receive(METRICS_REPORT.decode(msg.data))
+        except msgspec.DecodeError:
+            log.warning("ignoring a malformed metrics report on %s", msg.subject)
+
     async def prefix_index_status(self) -> PrefixIndexStatus:
         data = await self._status_request(
             subjects.PREFIX_INDEX_STATUS,
@@ -345,6 +352,10 @@ class Gateway:
         self.streams.add(stream)
         try:
             await stream.open()
+            if stream.ack_round_trip_s is not None:
+                self.metrics.round_trip.labels("tokenizer.generate").observe(
+                    stream.ack_round_trip_s
+                )
             first = await race_disconnect(stream.next(), disconnected)
         except BaseException:
             with anyio.CancelScope(shield=True):

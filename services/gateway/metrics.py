@@ -1,19 +1,34 @@
 """Prometheus metrics of the gateway, under the ``llmserve:`` prefix with vLLM's names where they
-apply at the API edge. One registry per app (not the process-global one), so several
-apps can live in one test process.
+apply at the API edge, and the exposition of the whole stack's on /metrics.
+
+One registry per app (not the process-global one), so several apps can live in one test process.
+That registry is published to the other gateways like any service's (shared/metrics), and
+/metrics serves, from ``exposition``: this gateway's registry and the latest report of every live
+instance of every service (gateways included), each sample labelled ``service`` and ``replica``,
+plus the scheduler's and the prefix index's status (stack_metrics.py). Every gateway thus serves
+the same stack-wide series: scrape any one of them (or each, and aggregate by ``replica``).
 
 Latencies are measured here, at the edge, from the moment the request body is parsed:
 TTFT = first output carrying tokens, ITL = between consecutive token-carrying outputs,
-E2E = until the last output. ``status`` labels: the HTTP status the client got, or the status of
-the SSE error event; 499 (nginx's convention) when the client went away first.
+E2E = until the last output, TPOT = (E2E - TTFT) / (tokens - 1) per successful request with at
+least two tokens (vLLM's definition; tokens of every choice when n > 1). Prompt and generation
+tokens are the usage the client is told. ``status`` labels: the HTTP status the client got, or the
+status of the SSE error event; 499 (nginx's convention) when the client went away first.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import Metric
+
+from shared.metrics.book import ReportBook
+from shared.metrics.common import round_trip_histogram
+from shared.metrics.publisher import new_instance_id, report_of
+from shared.metrics.report import export_families
+from shared.wire.messages import METRICS_STALE_AFTER_S, MetricsReport
 
 from .stack_metrics import StackMetrics
 
@@ -90,8 +105,33 @@ _E2E_BUCKETS = (
 )
 
 
+# vLLM's buckets for time_per_output_token_seconds.
+_TPOT_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+
+
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, instance: str | None = None) -> None:
+        self.instance = instance or new_instance_id("gateway")
         self.registry = CollectorRegistry()
         r = self.registry
         labels: list[str] = []  # one served model per gateway: no model label
@@ -134,6 +174,14 @@ class GatewayMetrics:
             buckets=_E2E_BUCKETS,
             registry=r,
         )
+        self.tpot = Histogram(
+            "llmserve:time_per_output_token_seconds",
+            "Time per output token after the first: (e2e - ttft) / (tokens - 1).",
+            labels,
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.round_trip = round_trip_histogram(r)
         self.prompt_tokens = Counter(
             "llmserve:prompt_tokens", "Prompt tokens of finished requests.", labels, registry=r
         )
@@ -170,7 +218,17 @@ class GatewayMetrics:
             "Requests admitted unchecked because Redis (per-key limits) was unreachable.",
             registry=r,
         )
-        self.stack = StackMetrics(r)
+        # The other instances' reports (a bus subscription fills it) and the services' status.
+        self.book = ReportBook(METRICS_STALE_AFTER_S)
+        self.stack = StackMetrics()
+        self.exposition = CollectorRegistry()
+        self.exposition.register(_Exposition(self))
+
+    def own_report(self) -> MetricsReport:
+        return report_of("gateway", self.instance, self.registry)
+
+    def receive(self, report: MetricsReport) -> None:
+        self.book.put(report, time.monotonic())
 
     def count(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
@@ -196,6 +254,7 @@ class RequestTracker:
         self._m = metrics
         self._endpoint = endpoint
         self._start = time.monotonic()
+        self._first_token_at: float | None = None
         self._last_token_at: float | None = None
         self._num_generated_tokens = 0
         self._done = False
@@ -206,6 +265,7 @@ class RequestTracker:
             return
         now = time.monotonic()
         if self._last_token_at is None:
+            self._first_token_at = now
             self._m.ttft.observe(now - self._start)
         else:
             self._m.itl.observe(now - self._last_token_at)
@@ -229,7 +289,25 @@ class RequestTracker:
         m.in_flight.dec()
         m.count(self._endpoint, status)
         if status == 200:
-            m.e2e.observe(time.monotonic() - self._start)
+            now = time.monotonic()
+            m.e2e.observe(now - self._start)
+            if self._first_token_at is not None and self._num_generated_tokens > 1:
+                m.tpot.observe((now - self._first_token_at) / (self._num_generated_tokens - 1))
             m.prompt_tokens.inc(num_prompt_tokens)
             for reason in finish_reasons or []:
                 m.request_success.labels(reason or "unknown").inc()
+
+
+class _Exposition:
+    """What /metrics serves: this gateway's registry as a report of its own (fresh at every
+    scrape; within each family its samples come first), the live reports of every other instance,
+    and the stack's status metrics."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self._m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._m
+        others = m.book.live(time.monotonic(), exclude=("gateway", m.instance))
+        yield from export_families([m.own_report(), *others])
+        yield from m.stack.collect()

@@ -89,6 +89,7 @@ class GenerationStream:
         self._last_heard = time.monotonic()
         self.last_holder = "the tokenizer"
         self.num_outputs = 0
+        self.ack_round_trip_s: float | None = None  # tokenizer.generate request → its ack
 
     def interrupt(self, error: APIError, abort_reason: str) -> None:
         """End the stream from our side: the pending ``next()`` (or the next one) raises
@@ -111,9 +112,11 @@ class GenerationStream:
             ack_wait = (
                 remaining if self.ack_timeout_s is None else min(remaining, self.ack_timeout_s)
             )
+            sent = time.perf_counter()
             await self.bus.request(
                 subjects.TOKENIZER_GENERATE, self._payload, timeout=max(ack_wait, 0.001)
             )
+            self.ack_round_trip_s = time.perf_counter() - sent
         except BusNoResponders:
             self.ended = True  # nobody took it, nothing to abort
             raise service_unavailable("No tokenizer is running.") from None

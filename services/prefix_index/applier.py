@@ -22,6 +22,7 @@ import time
 from collections.abc import Awaitable
 
 import msgspec
+from prometheus_client import Histogram
 
 from services.prefix_index.config import PrefixIndexConfig
 from services.prefix_index.logic import Counters, GapAction, GapTracker
@@ -57,8 +58,10 @@ class BatchApplier:
         config: PrefixIndexConfig,
         watch: RedisWatch,
         counters: Counters,
+        lag_histogram: Histogram | None = None,
     ) -> None:
         self.bus = bus
+        self.lag_histogram = lag_histogram  # observes every applied batch's lag
         self.store = store
         self.config = config
         self.watch = watch
@@ -165,6 +168,8 @@ class BatchApplier:
             self.counters.last_apply_lag_s = max(
                 0.0, time.time() - msg.metadata.timestamp.timestamp()
             )
+            if self.lag_histogram is not None:
+                self.lag_histogram.observe(self.counters.last_apply_lag_s)
         elif result is ApplyResult.REPLAY:
             self.counters.num_replays += 1
         elif result is ApplyResult.STALE:

@@ -26,6 +26,7 @@ import msgspec
 from services.prefix_index.applier import BatchApplier
 from services.prefix_index.config import PrefixIndexConfig
 from services.prefix_index.logic import Counters, ExecutorTracker
+from services.prefix_index.metrics import IndexMetrics
 from services.prefix_index.store import (
     IndexAccessDenied,
     IndexStoreError,
@@ -34,6 +35,7 @@ from services.prefix_index.store import (
     connect_redis,
 )
 from services.prefix_index.watch import RedisWatch
+from shared.metrics.publisher import MetricsPublisher, new_instance_id
 from shared.wire import messages, subjects
 from shared.wire.bus import Bus, Msg, PullConsumer
 from shared.wire.bus_auth import redact_url
@@ -58,7 +60,13 @@ class PrefixIndexService:
         self.counters = Counters()
         self.watch = RedisWatch(store)
         self.tracker = ExecutorTracker(config.executor_timeout_s, config.executor_timeout_s)
-        self.applier = BatchApplier(bus, store, config, self.watch, self.counters)
+        self.metrics = IndexMetrics(self.counters)
+        self.applier = BatchApplier(
+            bus, store, config, self.watch, self.counters, self.metrics.apply_lag
+        )
+        self._metrics_publisher = MetricsPublisher(
+            bus, "prefix_index", new_instance_id(config.name), self.metrics.registry
+        )
         self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._resyncs: dict[str, asyncio.Task[None]] = {}
@@ -86,10 +94,12 @@ class PrefixIndexService:
             asyncio.create_task(self.applier.run(consumer, self._stopping)),
             asyncio.create_task(self._tick_loop()),
         ]
+        self._metrics_publisher.start()
 
     async def stop(self) -> None:
         """Finish the batch in hand (or hand it back), then stop every task."""
         self._stopping.set()
+        await self._metrics_publisher.stop()
         if self._tasks:
             await asyncio.gather(self._tasks[0], return_exceptions=True)  # the applier
         others = [*self._tasks[1:], *self._resyncs.values()]

@@ -28,9 +28,12 @@ import statistics
 import time
 
 import msgspec
+from prometheus_client import CollectorRegistry
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.router import Action, Dispatch, Fail, Router
+from shared.metrics.common import round_trip_histogram
+from shared.metrics.publisher import MetricsPublisher, new_instance_id
 from shared.wire import messages, subjects
 from shared.wire.bus import Bus, BusError, BusNoResponders, BusTimeout, Msg
 from shared.wire.keepalive import KEEPALIVE_INTERVAL_S, send_keepalives
@@ -50,6 +53,12 @@ class SchedulerService:
         self._lookup_ms: collections.deque[float] = collections.deque(maxlen=1000)
         self._last_keepalive = time.monotonic()
         self._background: set[asyncio.Task[None]] = set()
+        # Its MetricsReport: the round trips of the index lookups and dispatches it makes.
+        self.registry = CollectorRegistry()
+        self._round_trip = round_trip_histogram(self.registry)
+        self._metrics = MetricsPublisher(
+            bus, "scheduler", new_instance_id(config.name), self.registry
+        )
 
     async def start(self) -> None:
         self.bus.on_connection_lost(self._on_bus_lost)
@@ -64,8 +73,10 @@ class SchedulerService:
         )
         await self.bus.flush()
         self._ticker = asyncio.create_task(self._tick_loop())
+        self._metrics.start()
 
     async def stop(self) -> None:
+        await self._metrics.stop()
         if self._ticker is not None:
             self._ticker.cancel()
             await asyncio.gather(self._ticker, return_exceptions=True)
@@ -147,7 +158,9 @@ class SchedulerService:
             self._index_down_since = time.monotonic()
             self.num_index_fallbacks += 1
             return None
-        self._lookup_ms.append((time.perf_counter() - started) * 1e3)
+        elapsed = time.perf_counter() - started
+        self._lookup_ms.append(elapsed * 1e3)
+        self._round_trip.labels("prefix_index.match").observe(elapsed)
         if down_since is not None:
             log.info("prefix index available again; routing by cache and load")
             self._index_down_since = None
@@ -199,6 +212,7 @@ class SchedulerService:
 
     async def _dispatch(self, action: Dispatch, headers: dict[str, str] | None) -> None:
         rid, executor_id = action.request.request_id, action.executor_id
+        sent = time.perf_counter()
         try:
             data = await self.bus.request(
                 subjects.executor_decode(executor_id),
@@ -220,6 +234,7 @@ class SchedulerService:
         except BusError:
             log.exception("cannot dispatch %s to %s", rid, executor_id)
             return
+        self._round_trip.labels("executor.decode").observe(time.perf_counter() - sent)
         reply = messages.EXECUTE_REPLY.decode(data)
         await self._apply(self.router.on_dispatch_reply(rid, reply, time.monotonic()), headers)
 

@@ -32,10 +32,13 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
+from prometheus_client import CollectorRegistry
 
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.prompts import ModelTokenizer, PromptError, select_model, tokenize_request
 from shared.engine.tokenizer import Tokenizer
+from shared.metrics.common import round_trip_histogram
+from shared.metrics.publisher import MetricsPublisher, new_instance_id
 from shared.wire import messages, subjects
 from shared.wire.bus import Bus, BusError, BusNoResponders, BusTimeout, Msg
 from shared.wire.keepalive import SilenceTracker, send_keepalives
@@ -66,6 +69,10 @@ class TokenizerService:
         self._states: dict[str, str] = {}  # held request → "queued" | "tokenizing" | "submitting"
         self._generation = 0  # +1 each time the bus connection drops
         self._tasks: list[asyncio.Task[None]] = []
+        # Its MetricsReport: the submit round trip (the scheduler acks once it has routed).
+        self.registry = CollectorRegistry()
+        self._round_trip = round_trip_histogram(self.registry)
+        self._metrics = MetricsPublisher(bus, "tokenizer", new_instance_id(name), self.registry)
 
     async def start(self) -> None:
         self.bus.on_connection_lost(self._on_bus_lost)
@@ -82,6 +89,7 @@ class TokenizerService:
             asyncio.create_task(self._work_loop()),
             asyncio.create_task(self._keepalive_loop()),
         ]
+        self._metrics.start()
 
     async def stop(self) -> None:
         """Stop taking requests, tokenize those already taken, and wait until every submit in
@@ -95,6 +103,7 @@ class TokenizerService:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._metrics.stop()
         self._encoder.shutdown(wait=False)
 
     @property
@@ -218,6 +227,7 @@ class TokenizerService:
     async def _submit_once(
         self, tokenized: messages.TokenizedRequest, headers: dict[str, str] | None
     ) -> None:
+        sent = time.perf_counter()
         try:
             await self.bus.request(
                 subjects.SCHEDULER_SUBMIT,
@@ -225,6 +235,7 @@ class TokenizerService:
                 timeout=SUBMIT_ACK_TIMEOUT_S,
                 headers=headers,
             )
+            self._round_trip.labels("scheduler.submit").observe(time.perf_counter() - sent)
         except BusNoResponders:
             await self._fail(
                 messages.StreamError(

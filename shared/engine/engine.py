@@ -112,7 +112,10 @@ class Engine:
             num_generated_tokens=0,
             num_steps=0,
             last_step_num_tokens=0,
+            last_step_num_seqs=0,
         )
+        # Requests whose first step ran since the last take_first_scheduled (queue-time metric).
+        self._first_scheduled: list[str] = []
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -219,6 +222,12 @@ class Engine:
         batch, self._kv_events = self._kv_events, None
         return batch
 
+    def take_first_scheduled(self) -> list[str]:
+        """Ids of the requests scheduled for the first time since the last call (a request
+        preempted and scheduled again is not named twice)."""
+        ids, self._first_scheduled = self._first_scheduled, []
+        return ids
+
     def kv_cache_snapshot(self) -> tuple[int, list[int]]:
         """(seq, cached block hashes): the cache as the KV event batches up to ``seq`` describe it.
         Call it between steps (the executor's engine thread does)."""
@@ -228,6 +237,11 @@ class Engine:
         sched = self.scheduler.schedule()
         self._counters["num_steps"] += 1
         self._counters["last_step_num_tokens"] = sched.num_tokens
+        self._counters["last_step_num_seqs"] = len(sched.scheduled)
+        for seq, _ in sched.scheduled:
+            if not seq.request.scheduled_once:
+                seq.request.scheduled_once = True
+                self._first_scheduled.append(seq.request.request_id)
         if not sched.scheduled:
             return []
         self.kv_cache.copy_blocks(self.block_manager.take_pending_copies())

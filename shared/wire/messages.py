@@ -257,6 +257,44 @@ class SchedulerStatus(msgspec.Struct, kw_only=True, frozen=True):
     retry_after_s: float = 0.0
 
 
+class MetricSample(msgspec.Struct, kw_only=True, frozen=True, array_like=True):
+    """One sample as prometheus-client names it: ``name`` is the family's name plus its suffix
+    (``_total``, ``_bucket``, ``_sum``, ``_count``), ``labels`` include ``le`` on a bucket."""
+
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+class MetricFamilyData(msgspec.Struct, kw_only=True, frozen=True):
+    """One metric family of a service's registry: ``type`` is prometheus-client's ('counter',
+    'gauge', 'histogram', 'summary'); counters and histogram buckets are cumulative since that
+    process started."""
+
+    name: str
+    type: str
+    documentation: str
+    samples: list[MetricSample]
+
+
+class MetricsReport(msgspec.Struct, kw_only=True, frozen=True):
+    """Every service → gateways (publish on ``subjects.metrics(service, instance)`` every
+    METRICS_INTERVAL_S): the whole of its metrics registry. A gateway's /metrics re-exports the
+    latest report of each live instance, labelled ``service`` and ``instance``; an instance whose
+    reports stop is left out (shared/metrics/book.py)."""
+
+    service: str  # the kind: 'gateway', 'tokenizer', 'scheduler', 'executor', 'prefix_index'
+    instance: str  # unique per process (an executor: its id)
+    sent_at: float  # wall clock
+    families: list[MetricFamilyData]
+
+
+# How often each service publishes its MetricsReport. A gateway drops an instance whose last report
+# is older than METRICS_STALE_AFTER_S: several intervals, so one late report does not flap it.
+METRICS_INTERVAL_S = 1.0
+METRICS_STALE_AFTER_S = 5.0
+
+
 GENERATE_REQUEST = Codec[GenerateRequest](GenerateRequest)
 TOKENIZED_REQUEST = Codec[TokenizedRequest](TokenizedRequest)
 EXECUTE_REQUEST = Codec[ExecuteRequest](ExecuteRequest)
@@ -273,6 +311,7 @@ PREFIX_MATCH_REQUEST = Codec[PrefixMatchRequest](PrefixMatchRequest)
 PREFIX_MATCH_REPLY = Codec[PrefixMatchReply](PrefixMatchReply)
 PREFIX_INDEX_STATUS_REQUEST = Codec[PrefixIndexStatusRequest](PrefixIndexStatusRequest)
 PREFIX_INDEX_STATUS = Codec[PrefixIndexStatus](PrefixIndexStatus)
+METRICS_REPORT = Codec[MetricsReport](MetricsReport)
 
 __all__ = [
     "ABORT_REQUEST",
@@ -281,6 +320,9 @@ __all__ = [
     "EXECUTOR_HEARTBEAT",
     "GENERATE_REQUEST",
     "KEEPALIVE_INTERVAL_S",
+    "METRICS_INTERVAL_S",
+    "METRICS_REPORT",
+    "METRICS_STALE_AFTER_S",
     "PREFIX_INDEX_STATUS",
     "PREFIX_INDEX_STATUS_REQUEST",
     "PREFIX_MATCH_REPLY",
@@ -301,6 +343,9 @@ __all__ = [
     "ExecutorLoad",
     "ExecutorStatus",
     "GenerateRequest",
+    "MetricFamilyData",
+    "MetricSample",
+    "MetricsReport",
     "PrefixIndexStatus",
     "PrefixIndexStatusRequest",
     "PrefixMatchReply",

@@ -6,7 +6,8 @@ granted here is a subject no service can use: grant a new subject here, to the k
 Each kind connects as the NATS user of its name. What each may do, and why::
 
     kind          publishes                            subscribes
-    gateway       tokenizer.generate, *.status, abort  stream.* (its requests' outputs)
+    gateway       tokenizer.generate, *.status, abort  stream.* (its requests' outputs),
+                                                       metrics.> (the stack's, for /metrics)
     tokenizer     scheduler.submit, abort, stream.*    tokenizer.generate, tokenizer.status
     scheduler     prefix_index.match,                  scheduler.submit, scheduler.status,
                   executor.*.decode, stream.*          scheduler.progress, executor.*.stats,
@@ -17,7 +18,8 @@ Each kind connects as the NATS user of its name. What each may do, and why::
     prefix_index  executor.*.kv_snapshot, JetStream:   prefix_index.match, prefix_index.status,
                   INFO, CREATE, its consumer, acks     executor.*.stats
 
-(every subject under ``llm.v1.``; a tokenizer or scheduler publishes on ``stream.*`` only to end a
+(every subject under ``llm.v1.``; each kind also publishes its MetricsReport on
+``metrics.<kind>.*``; a tokenizer or scheduler publishes on ``stream.*`` only to end a
 request with an error, or to say it still holds it: a StreamKeepalive). Nobody else connects: an
 anonymous client is refused.
 
@@ -90,11 +92,17 @@ PERMISSIONS: dict[str, Permissions] = {
             subjects.SCHEDULER_STATUS,
             subjects.PREFIX_INDEX_STATUS,
             subjects.ABORT,
+            subjects.metrics_of("gateway"),
         ),
-        subscribe=(subjects.STREAM_ALL, _own_inbox("gateway")),
+        subscribe=(subjects.STREAM_ALL, subjects.METRICS_ALL, _own_inbox("gateway")),
     ),
     "tokenizer": Permissions(
-        publish=(subjects.SCHEDULER_SUBMIT, subjects.ABORT, subjects.STREAM_ALL),
+        publish=(
+            subjects.SCHEDULER_SUBMIT,
+            subjects.ABORT,
+            subjects.STREAM_ALL,
+            subjects.metrics_of("tokenizer"),
+        ),
         subscribe=(
             subjects.TOKENIZER_GENERATE,
             subjects.TOKENIZER_STATUS,
@@ -103,7 +111,12 @@ PERMISSIONS: dict[str, Permissions] = {
         allow_responses=True,
     ),
     "scheduler": Permissions(
-        publish=(subjects.PREFIX_INDEX_MATCH, subjects.EXECUTOR_DECODE_ALL, subjects.STREAM_ALL),
+        publish=(
+            subjects.PREFIX_INDEX_MATCH,
+            subjects.EXECUTOR_DECODE_ALL,
+            subjects.STREAM_ALL,
+            subjects.metrics_of("scheduler"),
+        ),
         subscribe=(
             subjects.SCHEDULER_SUBMIT,
             subjects.SCHEDULER_STATUS,
@@ -120,6 +133,7 @@ PERMISSIONS: dict[str, Permissions] = {
             subjects.SCHEDULER_PROGRESS,
             subjects.EXECUTOR_STATS_ALL,
             subjects.KV_EVENTS_ALL,
+            subjects.metrics_of("executor"),
             *_KV_STREAM_ENSURE,
         ),
         subscribe=(
@@ -131,7 +145,12 @@ PERMISSIONS: dict[str, Permissions] = {
         allow_responses=True,
     ),
     "prefix_index": Permissions(
-        publish=(subjects.EXECUTOR_KV_SNAPSHOT_ALL, *_KV_STREAM_ENSURE, *_KV_STREAM_CONSUME),
+        publish=(
+            subjects.EXECUTOR_KV_SNAPSHOT_ALL,
+            subjects.metrics_of("prefix_index"),
+            *_KV_STREAM_ENSURE,
+            *_KV_STREAM_CONSUME,
+        ),
         subscribe=(
             subjects.PREFIX_INDEX_MATCH,
             subjects.PREFIX_INDEX_STATUS,

@@ -37,6 +37,8 @@ EXECUTOR_DECODE_ALL = f"{PREFIX}.executor.*.decode"
 EXECUTOR_KV_SNAPSHOT_ALL = f"{PREFIX}.executor.*.kv_snapshot"
 # Every executor's KV events, for wildcard subscribers (the prefix index): see kv_events().
 KV_EVENTS_ALL = f"{PREFIX}.kv_events.*"
+# Every service's MetricsReport (see metrics()), for the gateways' /metrics.
+METRICS_ALL = f"{PREFIX}.metrics.*.*"
 # Token deltas of every request, for wildcard subscribers (the gateway's permission, tests).
 STREAM_ALL = f"{PREFIX}.stream.*"
 
@@ -84,3 +86,13 @@ def kv_events(executor_id: str) -> str:
     KVEventsMessage after every step that changed its cached blocks; its batch's seq counts that
     executor's batches (a new epoch starts it again at 1)."""
     return f"{PREFIX}.kv_events.{_token(executor_id, 'executor id')}"
+
+
+def metrics(service: str, instance: str) -> str:
+    """A service instance → every gateway (publish, fan-out): its MetricsReport, periodically."""
+    return f"{PREFIX}.metrics.{_token(service, 'service')}.{_token(instance, 'instance')}"
+
+
+def metrics_of(service: str) -> str:
+    """Every instance of one kind of service's reports: what that kind may publish."""
+    return f"{PREFIX}.metrics.{_token(service, 'service')}.*"

@@ -46,12 +46,14 @@ from shared.wire.bus import Bus
 from shared.wire.messages import (
     ABORT_REQUEST,
     GENERATE_REQUEST,
+    METRICS_REPORT,
     SCHEDULER_STATUS,
     STREAM_MESSAGE,
     TOKENIZER_STATUS,
     AbortRequest,
     ExecutorStatus,
     GenerateRequest,
+    MetricsReport,
     SchedulerStatus,
     StreamError,
     StreamKeepalive,
@@ -138,6 +140,18 @@ class FakeBackend:
             assert time.monotonic() < deadline, f"no request with {keyword!r} reached the backend"
             time.sleep(0.02)
         return found()[-1]
+
+    def publish_metrics(self, report: MetricsReport) -> None:
+        """Publish a MetricsReport, as a service instance would."""
+
+        async def publish() -> None:
+            assert self._bus is not None
+            await self._bus.publish(
+                subjects.metrics(report.service, report.instance), METRICS_REPORT.encode(report)
+            )
+            await self._bus.flush()
+
+        self._call(publish())
 
     # -- the backend (its own loop) ----------------------------------------------------------------
 

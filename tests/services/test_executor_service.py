@@ -101,6 +101,9 @@ class FakeEngine:
         self.thread_ids.add(threading.get_ident())
         return None
 
+    def take_first_scheduled(self) -> list[str]:
+        return []
+
     def kv_cache_snapshot(self) -> tuple[int, list[int]]:
         return 0, []
 

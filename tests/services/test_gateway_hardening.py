@@ -64,7 +64,10 @@ def error_of(r: httpx.Response, status: int) -> dict:
 
 def in_flight(gateway: GatewayProcess) -> float:
     text = httpx.get(gateway.base_url + "/metrics").text
-    [line] = [x for x in text.splitlines() if x.startswith("llmserve:gateway_requests_in_flight ")]
+    # Other gateways on this bus are in its /metrics too; its own series come first.
+    line = next(
+        x for x in text.splitlines() if x.startswith("llmserve:gateway_requests_in_flight{")
+    )
     return float(line.split()[1])
 
 

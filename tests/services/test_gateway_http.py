@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry, Counter
 
 from helpers.gateway_harness import (
     FAKE_MODEL,
@@ -20,6 +21,7 @@ from helpers.gateway_harness import (
     sse_events,
     token_id,
 )
+from shared.metrics.publisher import report_of
 
 API_KEY = "test-key"
 REQUEST_TIMEOUT_S = 3.0
@@ -185,16 +187,30 @@ def test_models_health_metrics(client, gateway, backend):
     finally:
         backend.set_tokenizer_listening(True)
     assert httpx.get(gateway.base_url + "/health").status_code == 200
-    text = httpx.get(gateway.base_url + "/metrics").text
+    # An executor's MetricsReport (what services/executor/metrics.py publishes) reaches /metrics,
+    # labelled by service and replica.
+    registry = CollectorRegistry()
+    labels = ["executor", "model_name"]
+    queries = Counter("llmserve:prefix_cache_queries", "", labels, registry=registry)
+    queries.labels("fake-0", FAKE_MODEL).inc(100)
+    backend.publish_metrics(report_of("executor", "fake-0", registry))
+    exported = (
+        'llmserve:prefix_cache_queries_total{executor="fake-0",model_name="fake-model",'
+        'replica="fake-0",service="executor"} 100.0'
+    )
+    deadline = time.monotonic() + 5
+    while exported not in (text := httpx.get(gateway.base_url + "/metrics").text):
+        assert time.monotonic() < deadline, text
+        time.sleep(0.05)
     for name in (
         "llmserve:time_to_first_token_seconds_bucket",
         "llmserve:e2e_request_latency_seconds_count",
         "llmserve:inter_token_latency_seconds_count",
+        "llmserve:time_per_output_token_seconds_count",
         "llmserve:generation_tokens_total",
-        'llmserve:gateway_requests_total{endpoint="completions",status="200"}',
-        # The stack's, from the scheduler's status: per executor, and the routing state.
-        f'llmserve:prefix_cache_queries_total{{executor="fake-0",model_name="{FAKE_MODEL}"}} 100.0',
-        f'llmserve:prefix_cache_hits_total{{executor="fake-0",model_name="{FAKE_MODEL}"}} 50.0',
+        'llmserve:gateway_requests_total{endpoint="completions",replica="gateway-',
+        'llmserve:nats_round_trip_seconds_count{replica="gateway-',
+        # The stack's, from the scheduler's status: the routing state.
         "llmserve:routing_index_available 1.0",
     ):
         assert name in text, name

@@ -79,6 +79,16 @@ def _metric(text: str, name: str, **labels: str) -> float:
     return 0.0
 
 
+def _metric_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` whose labels include ``labels`` (every replica's)."""
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{re.escape(name)}\{{(.*)\}} (\S+)$", line)
+        if m and all(f'{k}="{v}"' in m.group(1) for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
 def test_two_replicas_share_a_request_rate_exactly(replicas):
     n = 4  # a request every 15 s refills: the burst below is far shorter
     name, key, line = _key(requests_per_minute=n)
@@ -101,15 +111,21 @@ def test_two_replicas_share_a_request_rate_exactly(replicas):
             # Truthful: the next token is due within one refill, and not before elapsed allows.
             retry_after = int(r.headers["Retry-After"])
             assert refill_s - elapsed - 1 <= retry_after <= refill_s
-    # The metrics of both replicas add up to the same split.
-    texts = [httpx.get(gw.base_url + "/metrics").text for gw in (a, b)]
-    admitted = [_metric(t, "llmserve:api_key_requests_total", key_name=name) for t in texts]
-    rejected = [
-        _metric(t, "llmserve:api_key_rejected_total", key_name=name, limit="requests_per_minute")
-        for t in texts
-    ]
-    assert sum(admitted) == n and sum(rejected) == 12 - n
-    assert all(key not in t for t in texts)
+    # Either replica's /metrics serves both replicas' series (labelled by replica; the other's
+    # from its last report, within a report interval): they add up to the same split.
+    for gw in (a, b):
+        deadline = time.monotonic() + 5
+        while True:
+            text = httpx.get(gw.base_url + "/metrics").text
+            admitted = _metric_sum(text, "llmserve:api_key_requests_total", key_name=name)
+            rejected = _metric_sum(
+                text, "llmserve:api_key_rejected_total", key_name=name, limit="requests_per_minute"
+            )
+            if (admitted, rejected) == (n, 12 - n) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert (admitted, rejected) == (n, 12 - n)
+        assert key not in text
 
 
 def test_retry_after_of_the_token_bucket_is_enough_to_get_through(replicas):
@@ -145,16 +161,14 @@ def test_tokens_reserved_and_not_used_are_given_back(replicas, redis_server):
     ok = _post(b.base_url, key, prompt="hello", max_tokens=500)
     assert ok.status_code == 200, ok.text
     assert ok.json()["usage"]["completion_tokens"] == 500
-    refunded = sum(
-        _metric(
-            httpx.get(gw.base_url + "/metrics").text,
-            "llmserve:api_key_tokens_refunded_total",
-            key_name=name,
-        )
-        for gw in (a, b)
-    )
+
+    # One gateway's /metrics serves both replicas' series (the other's within a report interval).
+    def refunded() -> float:
+        text = httpx.get(a.base_url + "/metrics").text
+        return _metric_sum(text, "llmserve:api_key_tokens_refunded_total", key_name=name)
+
     # The first request's 496; the second reserved 2 + 500 and used 7 + 500: nothing back.
-    assert refunded == 496
+    wait_until(lambda: refunded() == 496)
     client = connect_redis(redis_server.url, 5.0)
     level = float(asyncio.run(_hget(client, f"llmserve:gw:{{{name}}}:buckets", "tl")))
     assert level < 200  # the second request's 500 generated tokens stay spent

@@ -126,7 +126,9 @@ def test_every_subject_is_granted_to_a_sender_and_a_receiver():
     } | {
         f("x")
         for name, f in inspect.getmembers(subjects, inspect.isfunction)
-        if not name.startswith("_") and f.__module__ == subjects.__name__
+        if not name.startswith("_")
+        and f.__module__ == subjects.__name__
+        and len(inspect.signature(f).parameters) == 1
     }
     concrete = {s for s in concrete if "*" not in s and ">" not in s}
 
@@ -144,6 +146,11 @@ def test_every_subject_is_granted_to_a_sender_and_a_receiver():
         if subject != subjects.kv_events("x"):
             assert any(granted(p.subscribe, subject) for p in services), f"nobody reads {subject}"
     assert set(PERMISSIONS) == {*SERVICE_KINDS, ADMIN_USER}
+    # Every kind publishes its own metrics reports (and no other kind's); gateways read them all.
+    for kind in SERVICE_KINDS:
+        subject = subjects.metrics(kind, "x")
+        assert [k for k in SERVICE_KINDS if granted(PERMISSIONS[k].publish, subject)] == [kind]
+        assert granted(PERMISSIONS["gateway"].subscribe, subject)
 
 
 def test_the_credentials_give_each_kind_its_own_secret_and_print_none():
