@@ -18,6 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 FORBIDDEN = {
     "shared/wire": ("shared.engine", "services", "kernels", "torch", "triton"),
     "shared/engine": ("services",),
+    "shared/metrics": ("shared.engine", "services", "kernels", "torch", "triton"),
     "services/gateway": ("torch", "kernels", "shared.engine.models", "services.cli"),
     "services/tokenizer": ("torch", "kernels", "shared.engine.models", "services.cli"),
     "services/scheduler": ("torch", "kernels", "shared.engine", "services.cli"),
