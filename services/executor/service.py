@@ -38,6 +38,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from services.executor.spans import ExecutorSpans
 from services.executor.worker import (
     Abort,
     Aborted,
@@ -50,6 +51,7 @@ from services.executor.worker import (
     Rejected,
     Snapshot,
     SnapshotTaken,
+    StepTraced,
 )
 from shared.wire import messages, subjects
 from shared.wire.bus import Bus, BusError, Msg
@@ -132,6 +134,7 @@ class ExecutorService:
         self._idle = asyncio.Event()
         self._idle.set()
         self._silence = SilenceTracker()  # when each live request's stream last carried something
+        self._spans = ExecutorSpans(self.config.executor_id)  # traced requests only
 
     async def start(self) -> None:
         self.bus.on_connection_lost(self._on_bus_lost)
@@ -180,6 +183,7 @@ class ExecutorService:
             self._peak_admitted_weight = max(self._peak_admitted_weight, self._admitted_weight)
             self._idle.clear()
             self._silence.touch(rid, time.monotonic())
+            self._spans.accepted(req, msg.headers)
             self.worker.submit(Add(req))
         if msg.reply:
             reply = ExecuteReply(
@@ -271,6 +275,7 @@ class ExecutorService:
                     ),
                 )
                 self._silence.touch(out.request_id, time.monotonic())
+                self._spans.on_output(out)
                 if out.finished:
                     self._release(out.request_id)
                     await self._progress(out.request_id, "finished")
@@ -289,6 +294,7 @@ class ExecutorService:
                     + ("the output is incomplete" if live.started else "retry the request"),
                 )
             elif live is not None:
+                self._spans.end(event.request_id, finish_reason="abort")
                 final = RequestOutput(
                     request_id=event.request_id,
                     num_prompt_tokens=live.num_prompt_tokens,
@@ -320,6 +326,8 @@ class ExecutorService:
             await self.bus.publish(
                 subjects.kv_events(self.config.executor_id), KV_EVENTS_MESSAGE.encode(message)
             )
+        elif isinstance(event, StepTraced):
+            self._spans.on_step(event.record)
         elif isinstance(event, SnapshotTaken):
             snapshot = KVCacheSnapshot(
                 executor_id=self.config.executor_id,
@@ -333,6 +341,7 @@ class ExecutorService:
     async def _end_with_error(
         self, rid: str, status: int, message: str, type_: str = "server_error"
     ) -> None:
+        self._spans.end(rid, f"{status}: {message}")
         await self.bus.publish(
             subjects.stream(rid),
             messages.STREAM_MESSAGE.encode(
