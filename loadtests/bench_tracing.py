@@ -33,6 +33,7 @@ sys.path.insert(
 from helpers.otlp import OtlpReceiver  # noqa: E402 (after the path)
 from loadtests.bench_serving import parse_args as serving_args  # noqa: E402
 from loadtests.bench_serving import run as run_serving  # noqa: E402
+from loadtests.bench_stack_vs_engine import cpu_seconds  # noqa: E402
 from loadtests.results import write_json  # noqa: E402
 
 
@@ -65,10 +66,54 @@ def serving_namespace(args: argparse.Namespace, base_url: str) -> argparse.Names
     )
 
 
+def noop_cost_us(num: int = 20_000) -> float:
+    """Microseconds per request that every tracing hook of the request path costs with tracing off
+    (no provider installed: this process installs none), timed in process."""
+    from services.executor.spans import ExecutorSpans
+    from services.gateway.tracing import start_request_span
+    from services.scheduler.router import Dispatch
+    from services.scheduler.spans import SchedulerSpans
+    from shared.tracing import extract, headers_for
+    from shared.wire.messages import ExecuteRequest
+    from shared.wire.outputs import CompletionDelta, RequestOutput
+    from shared.wire.sampling_params import SamplingParams
+
+    req = ExecuteRequest(
+        request_id="r",
+        model="m",
+        prompt_token_ids=[1] * 128,
+        block_hashes=[],
+        params=SamplingParams(),
+    )
+    out = RequestOutput(
+        request_id="r",
+        deltas=[CompletionDelta(index=0, token_ids=[1], text="x")],
+        num_prompt_tokens=128,
+        num_cached_tokens=0,
+        finished=False,
+    )
+    executor, scheduler = ExecutorSpans("e"), SchedulerSpans("cache")
+    start = time.perf_counter()
+    for _ in range(num):
+        span = start_request_span("POST", "/v1/chat/completions", {})  # gateway
+        headers_for(span)
+        span.is_recording()
+        span.end()
+        extract(None)  # tokenizer
+        scheduler.submitted("r", None)  # scheduler
+        scheduler.route(Dispatch("e", req))
+        executor.accepted(req, None)  # executor
+        for _ in range(32):  # one lookup per output step
+            executor.on_output(out)
+    return (time.perf_counter() - start) / num * 1e6
+
+
 def main(argv: list[str] | None = None) -> int:
     from services.cli.launcher import StackConfig, launch
 
     args = parse_args(argv)
+    noop_us = noop_cost_us()
+    print(f"tracing off: {noop_us:.1f} µs of hooks per request (32 output steps)", file=sys.stderr)
     for name in [n for n in os.environ if n.startswith("OTEL_")]:
         del os.environ[name]  # "off" means off: nothing inherited from this shell
     common = dict(
@@ -85,18 +130,29 @@ def main(argv: list[str] | None = None) -> int:
         StackConfig.of(**common, extra_env=(("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.url),))
     )
     runs: dict[str, list[float]] = {"off": [], "on": []}
+    # CPU seconds the stack's processes spent per 1000 output tokens: robust to a busy host, where
+    # the wall-clock throughput swings with what else runs.
+    cpu_per_kt: dict[str, list[float]] = {"off": [], "on": []}
     summaries: dict[str, list[dict]] = {"off": [], "on": []}
     try:
         for i in range(args.rounds):
             for label, stack in (("off", off), ("on", on)):
                 assert stack.base_url is not None
+                pids = [svc.pid for svc in stack.services.values()]
+                cpu0 = sum(cpu_seconds(pid) for pid in pids)
                 summary = asyncio.run(run_serving(serving_namespace(args, stack.base_url)))
+                cpu = sum(cpu_seconds(pid) for pid in pids) - cpu0
+                cpu_per_kt[label].append(1000 * cpu / summary["total_output_tokens"])
                 if summary["num_failed"]:
                     raise SystemExit(f"{label}: {summary['num_failed']} requests failed")
                 tps = summary["output_throughput_tps"]
                 runs[label].append(tps)
                 summaries[label].append(summary)
-                print(f"round {i + 1} {label:>3}: {tps:7.1f} output tokens/s", file=sys.stderr)
+                print(
+                    f"round {i + 1} {label:>3}: {tps:7.1f} output tokens/s, "
+                    f"{cpu_per_kt[label][-1]:.2f} CPU s per 1000 tokens",
+                    file=sys.stderr,
+                )
         time.sleep(1.0)  # the traced services' last export (5 s batches; some are still queued)
     finally:
         on.stop()
@@ -113,7 +169,25 @@ def main(argv: list[str] | None = None) -> int:
         f"\nspans received: {len(spans)} over {receiver.num_requests} OTLP requests "
         f"({len({s.trace_id for s in spans})} traces)"
     )
+    # The off path's hooks as CPU time: at the off runs' request rate, the share of one core.
+    off_rps = statistics.median(x["request_throughput_rps"] for x in summaries["off"])
+    noop_share = noop_us * 1e-6 * off_rps
+    print(
+        f"tracing off: {noop_us:.1f} µs of hooks per request = "
+        f"{100 * noop_share:.4f}% of one core at {off_rps:.2f} requests/s"
+    )
+    cpu_median = {label: statistics.median(v) for label, v in cpu_per_kt.items()}
+    cpu_cost = cpu_median["on"] / cpu_median["off"] - 1.0
+    print(
+        f"CPU seconds per 1000 output tokens (services, warm-up included), median: "
+        f"off {cpu_median['off']:.2f}, on {cpu_median['on']:.2f}: tracing costs "
+        f"{100 * cpu_cost:.1f}% more CPU"
+    )
     result = {
+        "cpu_s_per_1000_tokens": cpu_per_kt,
+        "cpu_cost": cpu_cost,
+        "noop_hooks_us_per_request": noop_us,
+        "noop_share_of_one_core": noop_share,
         "config": vars(args),
         "output_tps": runs,
         "median_output_tps": median,
