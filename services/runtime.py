@@ -17,6 +17,7 @@ import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
+from shared.tracing import setup_tracing
 from shared.wire.bus_auth import AccessRefused
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "read_secret_file",
     "refuse_secret_flag",
     "run_service",
+    "service_name",
     "setup_logging",
 ]
 
@@ -137,6 +139,11 @@ def run_service(name: str, serve: Callable[[asyncio.Event], Awaitable[None]]) ->
     returns), a second one exits at once. Returns the process exit code."""
     setup_logging(name)
     log = logging.getLogger(f"llmserve.{name}")
+    try:
+        tracer_provider = setup_tracing(service_name(name))
+    except ValueError as e:
+        log.error("%s cannot start: %s", name, e)
+        return 2
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -168,5 +175,14 @@ def run_service(name: str, serve: Callable[[asyncio.Event], Awaitable[None]]) ->
     except Exception:
         log.exception("%s failed", name)
         return 1
+    finally:
+        if tracer_provider is not None:
+            tracer_provider.shutdown()  # exports the spans still buffered
     log.info("stopped")
     return 0
+
+
+def service_name(name: str) -> str:
+    """The OpenTelemetry service.name of a service (``prefix_index`` → ``llmserve-prefix-index``),
+    unless OTEL_SERVICE_NAME says otherwise."""
+    return "llmserve-" + name.replace("_", "-")

@@ -56,6 +56,7 @@ from services.cli.servers import (
 from services.connections import NATS_ENV, REDIS_ENV
 from services.executor.config import SERVED_ENGINE_DEFAULTS
 from services.gateway.config import ENV_API_KEY
+from services.runtime import service_name
 from services.scheduler.placement import ROUTING_POLICIES
 from services.served_models import ServedModel, check_unique, default_model_name
 from services.tokenizer.config import TOKENIZER_LIMIT_SETTINGS
@@ -568,7 +569,9 @@ def launch(
             env.pop(name, None)
 
         def env_of(kind: str) -> dict[str, str]:
-            own = {}
+            # OTEL_* reach every service as they are (tracing is off unless they turn it on); each
+            # service gets its own service.name whatever OTEL_SERVICE_NAME said for the stack.
+            own = {"OTEL_SERVICE_NAME": service_name(kind)}
             if _covers(config, "nats"):
                 own.update(credentials.nats_env(kind))
             if _covers(config, "redis"):

@@ -9,6 +9,7 @@ import sys
 from services.executor.config import parse_config
 from services.runtime import run_service, setup_logging
 from shared.engine.quantization import kv_dtype_name
+from shared.tracing import tracing_configured
 
 log = logging.getLogger("llmserve.executor")
 
@@ -51,7 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     async def serve(stop) -> None:
         bus = await Bus.connect(config.nats_url, config.executor_id, auth=config.bus_auth)
         worker = EngineWorker(
-            engine, num_threads=engine_config.num_threads, kv_events=config.kv_events
+            engine,
+            num_threads=engine_config.num_threads,
+            kv_events=config.kv_events,
+            record_steps=tracing_configured(),  # the engine's step records become spans
         )
         service = ExecutorService(bus, worker, service_config)
         await service.start()

@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass, field
 
 from services.executor.metrics import ExecutorMetrics
+from services.executor.spans import ExecutorSpans
 from services.executor.worker import (
     Abort,
     Aborted,
@@ -51,6 +52,7 @@ from services.executor.worker import (
     Rejected,
     Snapshot,
     SnapshotTaken,
+    StepTraced,
 )
 from shared.metrics.publisher import MetricsPublisher
 from shared.wire import messages, subjects
@@ -141,6 +143,7 @@ class ExecutorService:
         self._metrics_publisher = MetricsPublisher(
             self.bus, "executor", self.config.executor_id, self.metrics.registry
         )
+        self._spans = ExecutorSpans(self.config.executor_id)  # traced requests only
 
     async def start(self) -> None:
         self.bus.on_connection_lost(self._on_bus_lost)
@@ -190,6 +193,7 @@ class ExecutorService:
             self._peak_admitted_weight = max(self._peak_admitted_weight, self._admitted_weight)
             self._idle.clear()
             self._silence.touch(rid, time.monotonic())
+            self._spans.accepted(req, msg.headers)
             self.worker.submit(Add(req))
         if msg.reply:
             reply = ExecuteReply(
@@ -281,6 +285,7 @@ class ExecutorService:
                     ),
                 )
                 self._silence.touch(out.request_id, time.monotonic())
+                self._spans.on_output(out)
                 if out.finished:
                     self._release(out.request_id)
                     await self._progress(out.request_id, "finished")
@@ -299,6 +304,7 @@ class ExecutorService:
                     + ("the output is incomplete" if live.started else "retry the request"),
                 )
             elif live is not None:
+                self._spans.end(event.request_id, finish_reason="abort")
                 final = RequestOutput(
                     request_id=event.request_id,
                     num_prompt_tokens=live.num_prompt_tokens,
@@ -330,6 +336,8 @@ class ExecutorService:
             await self.bus.publish(
                 subjects.kv_events(self.config.executor_id), KV_EVENTS_MESSAGE.encode(message)
             )
+        elif isinstance(event, StepTraced):
+            self._spans.on_step(event.record)
         elif isinstance(event, SnapshotTaken):
             snapshot = KVCacheSnapshot(
                 executor_id=self.config.executor_id,
@@ -343,6 +351,7 @@ class ExecutorService:
     async def _end_with_error(
         self, rid: str, status: int, message: str, type_: str = "server_error"
     ) -> None:
+        self._spans.end(rid, f"{status}: {message}")
         await self.bus.publish(
             subjects.stream(rid),
             messages.STREAM_MESSAGE.encode(

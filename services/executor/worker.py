@@ -28,8 +28,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
+from shared.engine.step_record import StepRecord
 from shared.wire.kv_events import KVEventBatch
 from shared.wire.messages import ExecuteRequest
 from shared.wire.outputs import EngineStats, RequestOutput
@@ -59,6 +60,15 @@ class EngineLike(Protocol):
 class StepObserver(Protocol):
     def on_step(self, duration_s: float, stats: EngineStats) -> None: ...
     def on_first_scheduled(self, queue_time_s: float) -> None: ...
+
+
+@runtime_checkable
+class StepRecorder(Protocol):
+    """An engine that can report what each step did (shared/engine/step_record.py)."""
+
+    record_steps: bool
+
+    def take_step_record(self) -> StepRecord | None: ...
 
 
 # -- commands (loop → thread) ----------------------------------------------------------------------
@@ -136,16 +146,37 @@ class SnapshotTaken:
     block_hashes: list[int]
 
 
-Event = Outputs | Rejected | Aborted | Failed | KVEvents | SnapshotTaken
+@dataclass(frozen=True)
+class StepTraced:
+    """What a step did, for tracing (only when the worker records steps). Emitted before that
+    step's Outputs, so the shell sees a request's prefill before its first token."""
+
+    record: StepRecord
+
+
+Event = Outputs | Rejected | Aborted | Failed | KVEvents | SnapshotTaken | StepTraced
 
 
 class EngineWorker:
     def __init__(
-        self, engine: EngineLike, *, num_threads: int | None = None, kv_events: bool = True
+        self,
+        engine: EngineLike,
+        *,
+        num_threads: int | None = None,
+        kv_events: bool = True,
+        record_steps: bool = False,
     ) -> None:
         """kv_events: hand each step's KV events on as a KVEvents event; False leaves them to the
-        engine, which drops them at its next step."""
+        engine, which drops them at its next step. record_steps: have the engine record each step
+        and hand the records on as StepTraced events (tracing on; the engine must be a
+        StepRecorder)."""
         self.engine = engine
+        self._recorder: StepRecorder | None = None
+        if record_steps:
+            if not isinstance(engine, StepRecorder):
+                raise TypeError(f"{type(engine).__name__} cannot record its steps")
+            engine.record_steps = True
+            self._recorder = engine
         self._kv_events = kv_events
         self._emit: Callable[[list[Event]], object] = lambda events: None
         self._num_threads = num_threads
@@ -259,6 +290,8 @@ class EngineWorker:
             if out.finished:
                 self._live.discard(out.request_id)
                 self._arrivals.pop(out.request_id, None)
+        if self._recorder is not None and (record := self._recorder.take_step_record()):
+            events.append(StepTraced(record))
         if outputs:
             events.append(Outputs(outputs))
         if self._kv_events and (batch := self.engine.take_kv_events()) is not None:

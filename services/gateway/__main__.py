@@ -15,7 +15,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from services.runtime import setup_logging
+from services.runtime import service_name, setup_logging
+from shared.tracing import setup_tracing
 
 from .config import build_parser, config_from_args
 
@@ -29,6 +30,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     os.environ.setdefault("LLMSERVE_LOG_LEVEL", args.log_level)
     setup_logging("gateway")
+    try:
+        tracer_provider = setup_tracing(service_name("gateway"))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     import uvicorn
 
@@ -50,7 +56,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         http=IdleClosingH11Protocol,
         ws_max_size=config.max_body_bytes,  # a bigger WebSocket message: close 1009
     )
-    GatewayServer(uvicorn_config, app.state.gateway, config.drain_timeout_s).run()
+    try:
+        GatewayServer(uvicorn_config, app.state.gateway, config.drain_timeout_s).run()
+    finally:
+        if tracer_provider is not None:
+            tracer_provider.shutdown()  # exports the spans still buffered
     return 0
 
 

@@ -26,6 +26,7 @@ import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -36,6 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.prefix_index.store import connect_redis
 from shared.metrics.publisher import MetricsPublisher
+from shared.tracing import headers_for
 from shared.wire import subjects
 from shared.wire.bus import Bus
 from shared.wire.bus_auth import redact_url
@@ -51,6 +53,7 @@ from .limiter import Limiter
 from .metrics import CLIENT_CLOSED, GatewayMetrics, RequestTracker
 from .sse import DONE, EventStreamResponse, sse_event
 from .streams import GenerationStream
+from .tracing import describe, end_request_span, start_request_span, tracker_for
 from .websocket import register_websocket
 
 log = logging.getLogger("llmserve.gateway")
@@ -114,7 +117,16 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
             if bus is None:
                 await gw.bus.drain()
 
-    app = FastAPI(title="llmserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="llmserve",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        # FastAPI's own spans are off: the request span is ours (tracing.py), lasting until the
+        # stream ends and carrying the GenAI attributes; its per-dependency spans and a span per
+        # /health probe would only add cost and noise to each trace.
+        telemetry={"tracing": False, "operation_spans": False, "auto_configure": False},
+    )
     app.state.gateway = gw
 
     @app.exception_handler(APIError)
@@ -183,6 +195,8 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
         return model_card(model)
 
     async def generate(api: protocol.Api, endpoint: str, request: Request) -> Response:
+        # The trace's root here (or the client's traceparent continued); ended by the tracker.
+        span = start_request_span(request.method, request.url.path, request.headers)
         try:
             key = gw.authenticate(request.headers.get("authorization"))
             gw.check_admission()
@@ -192,10 +206,17 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
             lease = await gw.admit(key, p)
         except APIError as e:
             gw.metrics.count(endpoint, e.status)
+            end_request_span(span, e.status)
             return error_response(e, _CLOSE if e.status in (408, 413) else None)
+        except BaseException:
+            end_request_span(span, 500)
+            raise
+        describe(span, p)
+        if (trace_headers := headers_for(span)) is not None:
+            p = replace(p, trace_headers=trace_headers)
         # From here the request is in flight until tracker.done(), which every path below reaches
         # (the SSE body's, or its on_close when the body never ran); done() gives the lease back.
-        tracker = gw.metrics.tracker(endpoint, gw.releaser(lease, p))
+        tracker = tracker_for(gw.metrics, endpoint, gw.releaser(lease, p), span)
         headers = {"X-Request-Id": p.generate.request_id}
 
         async def disconnected() -> None:

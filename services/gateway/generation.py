@@ -81,6 +81,7 @@ class Prepared:
     generate: GenerateRequest
     spec: protocol.ResponseSpec
     payload: bytes  # ``generate`` encoded for the bus, its size checked against max_payload
+    trace_headers: dict[str, str] | None = None  # the request span's W3C context, for the bus
 
 
 class Gateway:
@@ -348,6 +349,7 @@ class Gateway:
             payload=p.payload,
             progress_timeout_s=self.config.progress_timeout_s,
             ack_timeout_s=self.config.ack_timeout_s,
+            trace_headers=p.trace_headers,
         )
         self.streams.add(stream)
         try:

@@ -71,14 +71,17 @@ class GenerationStream:
         *,
         progress_timeout_s: float | None = None,
         ack_timeout_s: float | None = None,
+        trace_headers: dict[str, str] | None = None,
     ) -> None:
         """``payload``: the request already encoded (by the caller, which checked its size).
-        ``progress_timeout_s`` / ``ack_timeout_s``: None waits up to the deadline alone."""
+        ``progress_timeout_s`` / ``ack_timeout_s``: None waits up to the deadline alone.
+        ``trace_headers``: the request's trace context, sent with it to the tokenizer."""
         self.bus = bus
         self.request = request
         self.timeout_s = timeout_s
         self.progress_timeout_s = progress_timeout_s
         self.ack_timeout_s = ack_timeout_s
+        self._trace_headers = trace_headers
         self._payload = payload if payload is not None else GENERATE_REQUEST.encode(request)
         self._deadline = time.monotonic() + timeout_s
         self._sub: Subscription | None = None
@@ -114,7 +117,10 @@ class GenerationStream:
             )
             sent = time.perf_counter()
             await self.bus.request(
-                subjects.TOKENIZER_GENERATE, self._payload, timeout=max(ack_wait, 0.001)
+                subjects.TOKENIZER_GENERATE,
+                self._payload,
+                timeout=max(ack_wait, 0.001),
+                headers=self._trace_headers,
             )
             self.ack_round_trip_s = time.perf_counter() - sent
         except BusNoResponders:

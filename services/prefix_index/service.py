@@ -7,7 +7,8 @@ Inputs:
   old entries; an executor in the index silent for ``executor_timeout_s`` is purged; one that
   beats although its epoch was purged as dead, or that the index has no record of (new, or Redis
   lost its data), is resynced from its snapshot;
-- PREFIX_INDEX_MATCH and PREFIX_INDEX_STATUS, request/reply in queue group QUEUE_PREFIX_INDEX.
+- PREFIX_INDEX_MATCH and PREFIX_INDEX_STATUS, request/reply in queue group QUEUE_PREFIX_INDEX. A
+  match whose request carries a trace context gets a ``prefix_index.match`` span.
 
 While Redis is down (watch.py) matches answer at once with ``error`` set (the scheduler then
 routes by load), and no batch is acknowledged, so none is lost; the service recovers by itself.
@@ -22,6 +23,8 @@ import time
 from collections.abc import AsyncIterator
 
 import msgspec
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.prefix_index.applier import BatchApplier
 from services.prefix_index.config import PrefixIndexConfig
@@ -36,6 +39,7 @@ from services.prefix_index.store import (
 )
 from services.prefix_index.watch import RedisWatch
 from shared.metrics.publisher import MetricsPublisher, new_instance_id
+from shared.tracing import extract
 from shared.wire import messages, subjects
 from shared.wire.bus import Bus, Msg, PullConsumer
 from shared.wire.bus_auth import redact_url
@@ -43,6 +47,8 @@ from shared.wire.kv_stream import ensure_kv_events_stream
 from shared.wire.messages import PrefixMatchReply
 
 log = logging.getLogger("llmserve.prefix_index")
+SPAN_MATCH = "prefix_index.match"
+_tracer = trace.get_tracer("llmserve.prefix_index")
 
 # How often the executors with a live record are read from Redis, to start the silence clock of
 # those this replica has not heard (a fraction of the timeout, so a purge is at most this late).
@@ -115,6 +121,24 @@ class PrefixIndexService:
     async def _on_match(self, msg: Msg) -> None:
         if not msg.reply:
             return
+        ctx = extract(msg.headers)
+        if ctx is None:
+            await self._answer_match(msg)
+            return
+        # A traced lookup: a SERVER span, child of the scheduler's scheduler.index_lookup.
+        span = _tracer.start_span(SPAN_MATCH, context=ctx, kind=SpanKind.SERVER)
+        try:
+            reply = await self._answer_match(msg)
+            span.set_attribute("llmserve.prefix.num_executors_matched", len(reply.num_blocks))
+            span.set_attribute(
+                "llmserve.prefix.max_matched_blocks", max(reply.num_blocks.values(), default=0)
+            )
+            if reply.error is not None:
+                span.set_status(Status(StatusCode.ERROR, reply.error))
+        finally:
+            span.end()
+
+    async def _answer_match(self, msg: Msg) -> PrefixMatchReply:
         try:
             req = messages.PREFIX_MATCH_REQUEST.decode(msg.data)
         except msgspec.DecodeError as e:
@@ -133,14 +157,15 @@ class PrefixIndexService:
             if isinstance(e, IndexUnavailable):
                 self.watch.failed(e)
             return await self._reply_match(msg, error=f"prefix index unavailable: {e}")
-        await self._reply_match(msg, num_blocks=num_blocks)
+        return await self._reply_match(msg, num_blocks=num_blocks)
 
     @staticmethod
     async def _reply_match(
         msg: Msg, num_blocks: dict[str, int] | None = None, error: str | None = None
-    ) -> None:
+    ) -> PrefixMatchReply:
         reply = PrefixMatchReply(num_blocks=num_blocks or {}, error=error)
         await msg.respond(messages.PREFIX_MATCH_REPLY.encode(reply))
+        return reply
 
     async def _on_status(self, msg: Msg) -> None:
         if not msg.reply:

@@ -12,6 +12,10 @@ routed by load alone, the outage is logged once and counted, and the index is as
 ``index_retry_s``: routing recovers by itself. A dispatch is a request/reply to the executor, whose
 answer (accepted or full) goes back to the router.
 
+Tracing (spans.py): a submit that carries a trace context gets a queue span, an index-lookup span
+whose context the match request carries, and a route span per dispatch whose context the
+ExecuteRequest carries on to the executor.
+
 Bounded waits: every request waiting in the queue gets a StreamKeepalive on its stream every
 KEEPALIVE_INTERVAL_S (from the ticker), so if this process dies the gateway fails those requests
 within its progress timeout. When the bus connection drops, the router forgets every request
@@ -28,12 +32,16 @@ import statistics
 import time
 
 import msgspec
+from opentelemetry.context import Context
+from opentelemetry.trace import Status, StatusCode
 from prometheus_client import CollectorRegistry
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.router import Action, Dispatch, Fail, Router
+from services.scheduler.spans import SchedulerSpans
 from shared.metrics.common import round_trip_histogram
 from shared.metrics.publisher import MetricsPublisher, new_instance_id
+from shared.tracing import headers_for
 from shared.wire import messages, subjects
 from shared.wire.bus import Bus, BusError, BusNoResponders, BusTimeout, Msg
 from shared.wire.keepalive import KEEPALIVE_INTERVAL_S, send_keepalives
@@ -59,6 +67,7 @@ class SchedulerService:
         self._metrics = MetricsPublisher(
             bus, "scheduler", new_instance_id(config.name), self.registry
         )
+        self._spans = SchedulerSpans(config.router.routing)  # traced requests until dispatched
 
     async def start(self) -> None:
         self.bus.on_connection_lost(self._on_bus_lost)
@@ -97,9 +106,11 @@ class SchedulerService:
 
     async def _on_submit(self, msg: Msg) -> None:
         req = messages.TOKENIZED_REQUEST.decode(msg.data)
-        cached_blocks = await self._match(req)
+        ctx = self._spans.submitted(req.request_id, msg.headers)
+        cached_blocks = await self._match(req, ctx)
+        self._spans.matched(req.request_id, cached_blocks)
         actions = self.router.submit(req, time.monotonic(), time.time(), cached_blocks)
-        await self._apply(actions, msg.headers)
+        await self._apply(actions)
         if msg.reply:  # the tokenizer waits for this ack: "a scheduler has routed it"
             await msg.respond(b"")
 
@@ -113,6 +124,7 @@ class SchedulerService:
 
     async def _on_abort(self, msg: Msg) -> None:
         abort = messages.ABORT_REQUEST.decode(msg.data)
+        self._spans.forget(abort.request_id)
         await self._apply(self.router.abort(abort.request_id, time.monotonic()))
 
     async def _on_status(self, msg: Msg) -> None:
@@ -127,8 +139,9 @@ class SchedulerService:
 
     # -- the prefix index ------------------------------------------------------------------------
 
-    async def _match(self, req: TokenizedRequest) -> dict[str, int] | None:
-        """The index's answer for the prompt, or None: nothing to choose, or no answer."""
+    async def _match(self, req: TokenizedRequest, ctx: Context | None) -> dict[str, int] | None:
+        """The index's answer for the prompt, or None: nothing to choose, or no answer. ``ctx``:
+        the request's trace context (None: untraced)."""
         now = time.monotonic()
         if (
             self.config.router.routing != "cache"
@@ -141,17 +154,25 @@ class SchedulerService:
             self.num_index_fallbacks += 1
             return None
         query = PrefixMatchRequest(model=req.model, block_hashes=req.block_hashes)
+        span = self._spans.index_lookup(ctx, req.model, len(req.block_hashes))
         started = time.perf_counter()
         try:
             data = await self.bus.request(
                 subjects.PREFIX_INDEX_MATCH,
                 messages.PREFIX_MATCH_REQUEST.encode(query),
                 timeout=self.config.index_timeout_s,
+                headers=headers_for(span),
             )
             reply = messages.PREFIX_MATCH_REPLY.decode(data)
             error = reply.error
         except BusError as e:
             error = str(e)
+        if span is not None:
+            if error is not None:
+                span.set_status(Status(StatusCode.ERROR, error))
+            else:
+                span.set_attribute("llmserve.prefix.num_executors_matched", len(reply.num_blocks))
+            span.end()
         if error is not None:
             if down_since is None:
                 log.warning("prefix index unavailable (%s); routing by load alone", error)
@@ -188,15 +209,17 @@ class SchedulerService:
         except BusError as e:
             log.debug("keepalives not sent: %s", e)
 
-    async def _apply(self, actions: list[Action], headers: dict[str, str] | None = None) -> None:
+    async def _apply(self, actions: list[Action]) -> None:
         dispatches = [a for a in actions if isinstance(a, Dispatch)]
         if dispatches:
             # Concurrently: each waits for its executor's reply, and what the replies lead to
             # (a refusal re-routes) is applied in turn.
-            await asyncio.gather(*(self._dispatch(d, headers) for d in dispatches))
+            await asyncio.gather(*(self._dispatch(d) for d in dispatches))
         for action in actions:
             try:
                 if isinstance(action, Fail):
+                    error = action.error
+                    self._spans.failed(error.request_id, error.status, error.message)
                     log.info(
                         "request %s failed: %d %s",
                         action.error.request_id,
@@ -210,7 +233,7 @@ class SchedulerService:
             except BusError:
                 log.exception("cannot publish a scheduler action")
 
-    async def _dispatch(self, action: Dispatch, headers: dict[str, str] | None) -> None:
+    async def _dispatch(self, action: Dispatch) -> None:
         rid, executor_id = action.request.request_id, action.executor_id
         sent = time.perf_counter()
         try:
@@ -218,10 +241,11 @@ class SchedulerService:
                 subjects.executor_decode(executor_id),
                 messages.EXECUTE_REQUEST.encode(action.request),
                 timeout=self.config.dispatch_timeout_s,
-                headers=headers,
+                headers=self._spans.route(action),
             )
         except BusNoResponders:
             log.warning("executor %s is unreachable; routing %s again", executor_id, rid)
+            self._spans.answered(rid, executor_id, "unreachable")
             await self._apply(
                 self.router.on_dispatch_unreachable(rid, executor_id, time.monotonic())
             )
@@ -230,13 +254,16 @@ class SchedulerService:
             # It may have taken it: it stays in flight there; if the executor is gone, its
             # heartbeats stop and the request is routed again.
             log.warning("executor %s did not answer the dispatch of %s in time", executor_id, rid)
+            self._spans.answered(rid, executor_id, "no answer")
             return
         except BusError:
             log.exception("cannot dispatch %s to %s", rid, executor_id)
+            self._spans.answered(rid, executor_id, "no answer")
             return
         self._round_trip.labels("executor.decode").observe(time.perf_counter() - sent)
         reply = messages.EXECUTE_REPLY.decode(data)
-        await self._apply(self.router.on_dispatch_reply(rid, reply, time.monotonic()), headers)
+        self._spans.answered(rid, executor_id, "accepted" if reply.accepted else "refused")
+        await self._apply(self.router.on_dispatch_reply(rid, reply, time.monotonic()))
 
 
 async def serve(config: SchedulerConfig, stop: asyncio.Event) -> None:

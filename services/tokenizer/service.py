@@ -1,8 +1,10 @@
 """The tokenizer actor: GenerateRequest (queue group) → TokenizedRequest to the scheduler, or a 4xx
 StreamError straight to the request's stream. It serves every model of its stack, each with its own
 tokenizer, chat template and limits, chosen by the request's ``model`` (one it does not serve: 404
-on the stream). Trace headers are passed along unchanged. It also answers TOKENIZER_STATUS, which
-the gateway's /health asks: every model it serves, with its limits.
+on the stream). A traced request (its message carries a W3C ``traceparent``) gets a
+``tokenizer.tokenize`` span (from its receipt: queue wait included), child of the gateway's span
+and parent of the scheduler's: its context goes on in the submit's headers. It also answers
+TOKENIZER_STATUS, which the gateway's /health asks: every model it serves, with its limits.
 
 Both hand-offs are acknowledged: the tokenizer acks the gateway's request on receipt, and the
 scheduler acks each submit. So a request meets a missing service at once (NATS's "no responders"),
@@ -32,6 +34,8 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry
 
 from services.tokenizer.config import TokenizerConfig
@@ -39,11 +43,14 @@ from services.tokenizer.prompts import ModelTokenizer, PromptError, select_model
 from shared.engine.tokenizer import Tokenizer
 from shared.metrics.common import round_trip_histogram
 from shared.metrics.publisher import MetricsPublisher, new_instance_id
+from shared.tracing import extract, headers_for
 from shared.wire import messages, subjects
 from shared.wire.bus import Bus, BusError, BusNoResponders, BusTimeout, Msg
 from shared.wire.keepalive import SilenceTracker, send_keepalives
 
 log = logging.getLogger("llmserve.tokenizer")
+SPAN_TOKENIZE = "tokenizer.tokenize"
+_tracer = trace.get_tracer("llmserve.tokenizer")
 
 # A scheduler acks a submit as soon as it has routed it; a live one takes well under a millisecond.
 SUBMIT_ACK_TIMEOUT_S = 5.0
@@ -61,10 +68,11 @@ class TokenizerService:
         self._subscriptions: list = []
         self._submits: set[asyncio.Task] = set()  # submits waiting for the scheduler's ack
         self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
-        # Acked, not yet tokenized: (request, trace headers, the connection generation it came in)
-        self._inbox: asyncio.Queue[tuple[messages.GenerateRequest, dict[str, str] | None, int]] = (
-            asyncio.Queue()
-        )
+        # Acked, not yet tokenized: (request, trace headers, the connection generation it came in,
+        # when it came in: time.time_ns())
+        self._inbox: asyncio.Queue[
+            tuple[messages.GenerateRequest, dict[str, str] | None, int, int]
+        ] = asyncio.Queue()
         self._held = SilenceTracker()  # every request from its ack to its submit's end
         self._states: dict[str, str] = {}  # held request → "queued" | "tokenizing" | "submitting"
         self._generation = 0  # +1 each time the bus connection drops
@@ -130,7 +138,7 @@ class TokenizerService:
         if msg.reply:  # the gateway waits for this ack: "a tokenizer has the request"
             await msg.respond(b"")
         self._hold(req.request_id, "queued")
-        self._inbox.put_nowait((req, msg.headers, self._generation))
+        self._inbox.put_nowait((req, msg.headers, self._generation, time.time_ns()))
 
     # -- held requests ---------------------------------------------------------------------------
 
@@ -162,9 +170,9 @@ class TokenizerService:
 
     async def _work_loop(self) -> None:
         while True:
-            req, headers, generation = await self._inbox.get()
+            req, headers, generation, received_ns = await self._inbox.get()
             try:
-                await self._tokenize_and_submit(req, headers, generation)
+                await self._tokenize_and_submit(req, headers, generation, received_ns)
             except Exception:  # never the end of the loop: the request ends, the next is taken
                 log.exception("handling %s failed", req.request_id)
                 self._release(req.request_id)
@@ -172,28 +180,40 @@ class TokenizerService:
                 self._inbox.task_done()
 
     async def _tokenize_and_submit(
-        self, req: messages.GenerateRequest, headers: dict[str, str] | None, generation: int
+        self,
+        req: messages.GenerateRequest,
+        headers: dict[str, str] | None,
+        generation: int,
+        received_ns: int,
     ) -> None:
         rid = req.request_id
         if generation != self._generation:
             return await self._drop_lost(rid)
         self._hold(rid, "tokenizing")
+        span = _start_span(req, headers, received_ns)
         try:
             model = select_model(self.models, req.model)
             tokenized = await asyncio.get_running_loop().run_in_executor(
                 self._encoder, tokenize_request, req, model.tokenizer, model.limits
             )
         except PromptError as e:
+            _end_span(span, f"{e.status}: {e}")
             self._release(rid)
             await self._fail(e.to_stream_error(rid))
             return
         except Exception as e:  # a tokenizer bug must still end the request, not leave it hanging
             log.exception("tokenizing %s failed", rid)
+            _end_span(span, f"tokenizer failed: {e}")
             self._release(rid)
             await self._fail(
                 messages.StreamError(request_id=rid, status=500, message=f"tokenizer failed: {e}")
             )
             return
+        if span is not None:
+            span.set_attribute("gen_ai.usage.input_tokens", len(tokenized.prompt_token_ids))
+            span.set_attribute("llmserve.prompt.num_blocks", len(tokenized.block_hashes))
+            _end_span(span)
+            headers = headers_for(span, headers)
         if generation != self._generation:
             return await self._drop_lost(rid)
         self._hold(rid, "submitting")
@@ -274,6 +294,35 @@ class TokenizerService:
         await self.bus.publish(
             subjects.stream(error.request_id), messages.STREAM_MESSAGE.encode(error)
         )
+
+
+def _start_span(
+    req: messages.GenerateRequest, headers: dict[str, str] | None, received_ns: int
+) -> Span | None:
+    """The request's tokenize span, or None when it is not traced here."""
+    ctx = extract(headers)
+    if ctx is None:
+        return None
+    span = _tracer.start_span(
+        SPAN_TOKENIZE,
+        context=ctx,
+        kind=SpanKind.CONSUMER,
+        start_time=received_ns,
+        attributes={
+            "gen_ai.request.model": req.model,
+            "llmserve.request_id": req.request_id,
+        },
+    )
+    span.add_event("encode")  # queued until now
+    return span
+
+
+def _end_span(span: Span | None, error: str | None = None) -> None:
+    if span is None:
+        return
+    if error is not None:
+        span.set_status(Status(StatusCode.ERROR, error))
+    span.end()
 
 
 async def serve(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 
 import torch
 
@@ -28,6 +29,7 @@ from shared.engine.quantization import kv_dtype_name
 from shared.engine.sampler import SamplingBatch, make_generator, sample
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import Request, Sequence, SequenceStatus
+from shared.engine.step_record import PrefillChunk, StepRecord
 from shared.engine.tokenizer import Tokenizer
 from shared.wire.kv_events import KVEventBatch
 from shared.wire.outputs import EngineStats, RequestOutput
@@ -105,6 +107,9 @@ class Engine:
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._kv_events: KVEventBatch | None = None
+        # Tracing's view of each step (step_record.py); off unless the executor turns it on.
+        self.record_steps = False
+        self._step_record: StepRecord | None = None
         self._arrivals = itertools.count()
         self._counters = dict(
             num_prompt_tokens=0,
@@ -228,12 +233,19 @@ class Engine:
         ids, self._first_scheduled = self._first_scheduled, []
         return ids
 
+    def take_step_record(self) -> StepRecord | None:
+        """What the last step did (None: recording is off, the step ran nothing, or it was
+        taken)."""
+        record, self._step_record = self._step_record, None
+        return record
+
     def kv_cache_snapshot(self) -> tuple[int, list[int]]:
         """(seq, cached block hashes): the cache as the KV event batches up to ``seq`` describe it.
         Call it between steps (the executor's engine thread does)."""
         return self.block_manager.snapshot()
 
     def _step(self) -> list[RequestOutput]:
+        start_ns = time.time_ns() if self.record_steps else 0
         sched = self.scheduler.schedule()
         self._counters["num_steps"] += 1
         self._counters["last_step_num_tokens"] = sched.num_tokens
@@ -244,6 +256,20 @@ class Engine:
                 self._first_scheduled.append(seq.request.request_id)
         if not sched.scheduled:
             return []
+        prefills = (
+            [
+                PrefillChunk(
+                    seq.request.request_id,
+                    seq.num_computed_tokens,
+                    num_new,
+                    seq.request.num_cached_tokens,
+                )
+                for seq, num_new in sched.scheduled
+                if num_new > 1 or seq.num_computed_tokens < seq.num_prompt_tokens
+            ]
+            if self.record_steps
+            else None
+        )
         self.kv_cache.copy_blocks(self.block_manager.take_pending_copies())
         chunks = []
         for seq, num_new in sched.scheduled:
@@ -287,6 +313,13 @@ class Engine:
                     rows.append(row)
             row += 1
         self._sample(logits, to_sample, rows)
+        if prefills is not None:
+            self._step_record = StepRecord(
+                start_ns=start_ns,
+                end_ns=time.time_ns(),
+                prefill_chunks=tuple(prefills),
+                preempted_request_ids=tuple(s.request.request_id for s in sched.preempted),
+            )
         return self._collect_outputs(to_sample)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:

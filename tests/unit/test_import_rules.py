@@ -17,8 +17,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # package prefix -> module prefixes it must never import
 FORBIDDEN = {
     "shared/wire": ("shared.engine", "services", "kernels", "torch", "triton"),
-    "shared/engine": ("services",),
     "shared/metrics": ("shared.engine", "services", "kernels", "torch", "triton"),
+    "shared/engine": ("services", "opentelemetry"),  # the engine reports, the shell traces
     "services/gateway": ("torch", "kernels", "shared.engine.models", "services.cli"),
     "services/tokenizer": ("torch", "kernels", "shared.engine.models", "services.cli"),
     "services/scheduler": ("torch", "kernels", "shared.engine", "services.cli"),

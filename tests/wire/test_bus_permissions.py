@@ -46,7 +46,7 @@ def every_concrete_subject() -> list[str]:
         if k.isupper() and isinstance(v, str) and v.startswith(subjects.PREFIX + ".")
     ]
     builders = [
-        f(f"x-{i}")
+        f(*(f"x-{i}-{j}" for j in range(len(inspect.signature(f).parameters))))
         for i, (name, f) in enumerate(inspect.getmembers(subjects, inspect.isfunction))
         if not name.startswith("_") and f.__module__ == subjects.__name__
     ]
