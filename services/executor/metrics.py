@@ -23,37 +23,15 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from shared.metrics.common import REQUEST_LATENCY_BUCKETS
 from shared.wire.outputs import EngineStats
 
 LABELS = ["executor", "model_name"]
 
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-# vLLM's buckets for iteration_tokens_total and request_queue_time_seconds.
+# vLLM's buckets for iteration_tokens_total (request_queue_time_seconds: REQUEST_LATENCY_BUCKETS).
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-_QUEUE_BUCKETS = (
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-    7680.0,
-)
 
 
 class ExecutorMetrics:
@@ -80,7 +58,7 @@ class ExecutorMetrics:
         self.queue_time = histogram(
             "llmserve:request_queue_time_seconds",
             "From the gateway's arrival to the engine's first step that runs the request.",
-            _QUEUE_BUCKETS,
+            REQUEST_LATENCY_BUCKETS,
         ).labels(*self._labels)
         r.register(self)
 

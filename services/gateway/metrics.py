@@ -25,7 +25,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import Metric
 
 from shared.metrics.book import ReportBook
-from shared.metrics.common import round_trip_histogram
+from shared.metrics.common import (
+    REQUEST_LATENCY_BUCKETS,
+    TOKEN_LATENCY_BUCKETS,
+    TTFT_BUCKETS,
+    round_trip_histogram,
+)
 from shared.metrics.publisher import new_instance_id, report_of
 from shared.metrics.report import export_families
 from shared.wire.messages import METRICS_STALE_AFTER_S, MetricsReport
@@ -33,100 +38,6 @@ from shared.wire.messages import METRICS_STALE_AFTER_S, MetricsReport
 from .stack_metrics import StackMetrics
 
 CLIENT_CLOSED = 499
-
-# vLLM's buckets for the same histograms.
-_TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-)
-_ITL_BUCKETS = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-_E2E_BUCKETS = (
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-    7680.0,
-)
-
-
-# vLLM's buckets for time_per_output_token_seconds.
-_TPOT_BUCKETS = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
 
 
 class GatewayMetrics:
@@ -157,28 +68,28 @@ class GatewayMetrics:
             "llmserve:time_to_first_token_seconds",
             "Time to first token.",
             labels,
-            buckets=_TTFT_BUCKETS,
+            buckets=TTFT_BUCKETS,
             registry=r,
         )
         self.itl = Histogram(
             "llmserve:inter_token_latency_seconds",
             "Time between consecutive token-carrying outputs.",
             labels,
-            buckets=_ITL_BUCKETS,
+            buckets=TOKEN_LATENCY_BUCKETS,
             registry=r,
         )
         self.e2e = Histogram(
             "llmserve:e2e_request_latency_seconds",
             "End-to-end request latency.",
             labels,
-            buckets=_E2E_BUCKETS,
+            buckets=REQUEST_LATENCY_BUCKETS,
             registry=r,
         )
         self.tpot = Histogram(
             "llmserve:time_per_output_token_seconds",
             "Time per output token after the first: (e2e - ttft) / (tokens - 1).",
             labels,
-            buckets=_TPOT_BUCKETS,
+            buckets=TOKEN_LATENCY_BUCKETS,
             registry=r,
         )
         self.round_trip = round_trip_histogram(r)
