@@ -25,6 +25,9 @@ if this process dies they stop, and the gateway fails the request within its pro
 scheduler usually first, from the missing heartbeats). When the bus connection drops, every
 request it holds is aborted and ends with an error (502 once started, else 503), sent when the bus
 is back: outputs or aborts may have been lost meanwhile, and its gateway has given up on it.
+Every ``client_check_interval_s`` it asks whether each request it holds still has a reader
+(keepalive.clients_gone): one whose gateway died is aborted then, not computed to its end for
+nobody.
 
 Drain (SIGTERM): heartbeats say ``draining`` at once so the scheduler routes nothing new here;
 requests that still arrive are refused; in-flight ones may finish for ``drain_timeout_s``, the rest
@@ -57,7 +60,7 @@ from services.executor.worker import (
 from shared.metrics.publisher import MetricsPublisher
 from shared.wire import messages, subjects
 from shared.wire.bus import Bus, BusError, Msg
-from shared.wire.keepalive import SilenceTracker, send_keepalives
+from shared.wire.keepalive import SilenceTracker, clients_gone, send_keepalives
 from shared.wire.kv_events import (
     KV_CACHE_SNAPSHOT,
     KV_EVENTS_MESSAGE,
@@ -89,6 +92,7 @@ class ExecutorServiceConfig:
     heartbeat_interval_s: float = 0.5
     drain_timeout_s: float = 5.0
     role: str = "both"
+    client_check_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
         subjects.executor_decode(self.executor_id)  # ValueError if it cannot be a subject token
@@ -96,6 +100,10 @@ class ExecutorServiceConfig:
             raise ValueError(f"only role 'both' is implemented, got {self.role!r}")
         if self.heartbeat_interval_s <= 0 or self.drain_timeout_s < 0:
             raise ValueError("heartbeat_interval_s must be > 0 and drain_timeout_s >= 0")
+        if self.client_check_interval_s <= 0:
+            raise ValueError(
+                f"client_check_interval_s must be > 0, got {self.client_check_interval_s}"
+            )
         if self.max_num_seqs < 1 or (self.max_queued is not None and self.max_queued < 0):
             raise ValueError("max_num_seqs must be >= 1 and max_queued >= 0")
 
@@ -163,6 +171,7 @@ class ExecutorService:
         self._tasks = [
             asyncio.create_task(self._publish_loop()),
             asyncio.create_task(self._heartbeat_loop()),
+            asyncio.create_task(self._client_check_loop()),
         ]
         await self._heartbeat()
         self._metrics_publisher.start()
@@ -241,7 +250,9 @@ class ExecutorService:
             self.worker.submit(Snapshot(msg.reply))
 
     async def _on_abort(self, msg: Msg) -> None:
-        rid = messages.ABORT_REQUEST.decode(msg.data).request_id
+        self._abort(messages.ABORT_REQUEST.decode(msg.data).request_id)
+
+    def _abort(self, rid: str) -> None:
         live = self._live.get(rid)
         if live is not None and not live.aborting:
             live.aborting = True
@@ -418,6 +429,28 @@ class ExecutorService:
                 if rid in self._live
             ),
         )
+
+    async def _client_check_loop(self) -> None:
+        interval_s = self.config.client_check_interval_s
+        while True:
+            await asyncio.sleep(interval_s)
+            held = [
+                (rid, "running" if live.started else "waiting")
+                for rid, live in self._live.items()
+                if not live.aborting
+            ]
+            if not held:
+                continue
+            try:
+                # Each probe waits at most a fifth of the interval, so checks never pile up.
+                gone = await clients_gone(self.bus, self.config.executor_id, held, interval_s / 5)
+            except BusError as e:
+                log.warning("client check failed: %s", e)
+                continue
+            for rid in gone:
+                self._abort(rid)
+            if gone:
+                log.info("aborted %d request(s) nobody reads any more: %s", len(gone), gone)
 
     # -- drain -------------------------------------------------------------------------------------
 

@@ -8,18 +8,25 @@ scheduler while the request waits in its queue, the executor from accepting it t
 request leaves). A holder that dies stops them, and its requests fail at the gateway within the
 progress timeout instead of hanging until the request timeout.
 
+The other direction: a request whose gateway died (or dropped it without an abort) has nobody
+reading its stream, and its holder would compute it to the end for nobody. ``clients_gone`` sends
+the keepalive as a NATS *request*: the gateway never answers it (it only reads keepalives), so with
+its subscription there the request just times out; with nobody subscribed to the stream the server
+answers at once that there are no responders, and the holder aborts it.
+
 ``SilenceTracker`` is the pure bookkeeping (no asyncio, no NATS); ``send_keepalives`` the publish.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 
 from shared.wire import subjects
-from shared.wire.bus import Bus
+from shared.wire.bus import Bus, BusNoResponders, BusTimeout
 from shared.wire.messages import KEEPALIVE_INTERVAL_S, STREAM_MESSAGE, StreamKeepalive
 
-__all__ = ["KEEPALIVE_INTERVAL_S", "SilenceTracker", "send_keepalives"]
+__all__ = ["KEEPALIVE_INTERVAL_S", "SilenceTracker", "clients_gone", "send_keepalives"]
 
 
 class SilenceTracker:
@@ -66,3 +73,27 @@ async def send_keepalives(bus: Bus, holder: str, items: Iterable[tuple[str, str]
                 StreamKeepalive(request_id=request_id, holder=holder, state=state)
             ),
         )
+
+
+async def clients_gone(
+    bus: Bus, holder: str, items: Iterable[tuple[str, str]], timeout_s: float
+) -> list[str]:
+    """The request ids of ``items`` (request id, state) whose stream nobody reads any more: each
+    gets its keepalive as a request, all at once; no responders means gone, a timeout means a
+    reader is there. Other bus errors propagate."""
+
+    async def gone(request_id: str, state: str) -> bool:
+        keepalive = StreamKeepalive(request_id=request_id, holder=holder, state=state)
+        try:
+            await bus.request(
+                subjects.stream(request_id), STREAM_MESSAGE.encode(keepalive), timeout=timeout_s
+            )
+        except BusNoResponders:
+            return True
+        except BusTimeout:
+            pass
+        return False
+
+    items = list(items)
+    answers = await asyncio.gather(*(gone(rid, state) for rid, state in items))
+    return [rid for (rid, _), is_gone in zip(items, answers, strict=True) if is_gone]

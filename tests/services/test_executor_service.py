@@ -540,3 +540,48 @@ def test_a_request_without_output_gets_keepalives_until_it_ends(nats_url):
             await service_bus.close()
 
     asyncio.run(main())
+
+
+def test_a_request_nobody_reads_is_aborted_and_one_read_is_not(nats_url):
+    """A request whose stream lost its reader (its gateway died: no abort was ever sent) is aborted
+    at the next client check; one whose reader is there runs on, however long it is silent."""
+
+    async def main() -> None:
+        engine = SilentEngine()
+        service_bus = await Bus.connect(nats_url, "executor-orphan-test")
+        service = ExecutorService(
+            service_bus,
+            EngineWorker(engine),
+            ExecutorServiceConfig(
+                executor_id="ex-orphan",
+                model_name="m",
+                max_model_len=64,
+                block_size=16,
+                max_num_seqs=2,
+                client_check_interval_s=0.3,
+            ),
+        )
+        client = Client(await Bus.connect(nats_url, "client-orphan-test"))
+        await client.start()
+        await service.start()
+        read, orphan = uuid.uuid4().hex, uuid.uuid4().hex
+        try:
+            async with await client.bus.subscribe_iter(subjects.stream(read)):
+                async with await client.bus.subscribe_iter(subjects.stream(orphan)):
+                    for rid in (read, orphan):
+                        assert (await client.dispatch("ex-orphan", rid, [777], GREEDY)).accepted
+                    await asyncio.sleep(0.8)  # two checks: both have readers
+                    assert set(engine.requests) == {read, orphan}
+                # The orphan's reader is gone without an abort, as when its gateway dies.
+                t0 = time.monotonic()
+                await wait_for(lambda: (orphan, "finished") in client.progress)
+                assert time.monotonic() - t0 < 0.3 + 0.3 / 5 + 0.5
+                assert set(engine.requests) == {read}
+                await asyncio.sleep(0.8)  # more checks: the request still read stays
+                assert set(engine.requests) == {read} and (read, "finished") not in client.progress
+        finally:
+            await service.drain()
+            await client.bus.close()
+            await service_bus.close()
+
+    asyncio.run(main())
