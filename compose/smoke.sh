@@ -16,7 +16,8 @@
 #      reset), the work dir removed: nothing is left (KEEP=1 keeps the work dir and storage).
 #
 #   sudo compose/smoke.sh     (root: podman with runc and cgroupfs; needs podman, runc, curl)
-# Environment: IMAGE_TAR (a saved image, e.g. build-image.sh's llmserve-image.tar), WORK (default:
+# Environment: IMAGE_TAR (a saved image, e.g. build-image.sh's llmserve-image.tar), STORAGE (a
+# podman storage dir that already holds the image: used, then reset too), WORK (default:
 # a new dir under /var/tmp), COMPOSE (the compose binary), BUILD_WORK (build-image.sh's WORK).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -58,11 +59,12 @@ EOF
 cat >"$WORK/storage.conf" <<EOF
 [storage]
 driver = "overlay"
-graphroot = "$WORK/storage"
+graphroot = "${STORAGE:-$WORK/storage}"
 runroot = "$WORK/run"
 EOF
 export CONTAINERS_CONF=$WORK/containers.conf CONTAINERS_STORAGE_CONF=$WORK/storage.conf
 SERVICE_PID=
+TICKER_PID=
 compose() { "$COMPOSE_BIN" -p "$PROJECT" -f compose.yaml -f compose.offline.yaml "$@"; }
 
 cleanup() {
@@ -70,6 +72,7 @@ cleanup() {
     step "tearing down (exit code so far: $rc)"
     if [ -n "$SERVICE_PID" ]; then
         compose down -v --timeout 40 >&2 || true
+        kill "$TICKER_PID" 2>/dev/null || true
         kill "$SERVICE_PID" 2>/dev/null || true
         wait "$SERVICE_PID" 2>/dev/null || true
     fi
@@ -87,7 +90,9 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 step "compose: $("$COMPOSE_BIN" version), podman $(podman version --format '{{.Client.Version}}')"
-if [ -n "${IMAGE_TAR:-}" ]; then
+if [ -n "${STORAGE:-}" ] && podman image exists "$IMAGE"; then
+    step "$IMAGE is already in $STORAGE"
+elif [ -n "${IMAGE_TAR:-}" ]; then
     step "loading $IMAGE_TAR"
     podman load -q -i "$IMAGE_TAR" >&2
 else
@@ -99,6 +104,16 @@ podman system service --time=0 "unix://$WORK/podman.sock" &
 SERVICE_PID=$!
 export DOCKER_HOST=unix://$WORK/podman.sock
 for _ in $(seq 50); do [ -S "$WORK/podman.sock" ] && break; sleep 0.1; done
+
+# podman runs healthchecks from systemd timers; with no systemd (a container, CI) nothing would
+# run them, and `--wait` / depends_on: service_healthy would wait forever: run them here instead.
+(
+    while :; do
+        for c in $(podman ps -q 2>/dev/null); do podman healthcheck run "$c" >/dev/null 2>&1 || true; done
+        sleep 3
+    done
+) &
+TICKER_PID=$!
 
 step "credentials: llmserve credentials, inside the image"
 podman run --rm --network host -v "$WORK:/work" "$IMAGE" llmserve credentials /work/credentials >&2
