@@ -71,6 +71,10 @@ cleanup() {
     local rc=$?
     step "tearing down (exit code so far: $rc)"
     if [ -n "$SERVICE_PID" ]; then
+        if [ "$rc" != 0 ]; then
+            compose ps -a >&2 || true
+            compose logs --tail 40 gateway executor tokenizer scheduler >&2 || true
+        fi
         compose down -v --timeout 40 >&2 || true
         kill "$TICKER_PID" 2>/dev/null || true
         kill "$SERVICE_PID" 2>/dev/null || true
