@@ -82,6 +82,8 @@ __all__ = [
     "StackConfig",
     "StackStartError",
     "executor_args",
+    "gateway_name",
+    "gateway_ports",
     "launch",
     "served_model_name",
     "served_models",
@@ -105,7 +107,9 @@ class StackConfig:
     # names its models one way only (``served_models``).
     models: tuple[ServedModel, ...] = ()
     host: str = LOOPBACK
-    port: int = 8000  # 0 = a free port
+    # The first gateway's port (0 = a free port for each); gateway i listens on port + i.
+    port: int = 8000
+    num_gateways: int = 1
     num_executors: int = 1
     num_tokenizers: int = 1
     num_schedulers: int = 1
@@ -127,15 +131,22 @@ class StackConfig:
     ready_timeout_s: float = 180.0
     drain_timeout_s: float = 5.0  # in-flight requests get this long on shutdown
     extra_env: tuple[tuple[str, str], ...] = ()
+    # Start a local Prometheus (scraping every gateway) and trace backend where installed
+    # (observability.py); the services then export their traces to it.
+    observability: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("num_executors", "num_tokenizers", "num_schedulers"):
+        for name in ("num_gateways", "num_executors", "num_tokenizers", "num_schedulers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_prefix_indexes < 0:
             raise ValueError(f"num_prefix_indexes must be >= 0, got {self.num_prefix_indexes}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.port and self.port + self.num_gateways > 65536:
+            raise ValueError(
+                f"{self.num_gateways} gateways from port {self.port} run past port 65535"
+            )
         if self.max_queue_len < 0:
             raise ValueError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
         if self.routing not in ROUTING_POLICIES:
@@ -219,7 +230,7 @@ class Stack:
     config: StackConfig
     nats_url: str
     redis_url: str
-    base_url: str  # the gateway's
+    base_url: str  # the (first) gateway's
     services: dict[str, ServiceProcess] = field(default_factory=dict)
     servers: list[ServerProcess] = field(default_factory=list)
     # The users of the servers this stack started or was given (None: neither).
@@ -232,6 +243,15 @@ class Stack:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _supervisor: threading.Thread | None = field(default=None, repr=False)
     _stop_done: threading.Event = field(default_factory=threading.Event, repr=False)
+    # Every gateway's, base_url first (``num_gateways`` of them, on consecutive ports).
+    base_urls: list[str] = field(default_factory=list)
+    # The local Prometheus and trace backend (``observability``): started after the NATS and
+    # Redis servers, stopped after them; each one's name -> its URL.
+    observability: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.base_urls:
+            self.base_urls = [self.base_url]
 
     @property
     def admin_auth(self) -> BusAuth:
@@ -341,11 +361,15 @@ class Stack:
             time.sleep(0.2)
 
     def _ready(self) -> bool:
-        """The gateway is healthy (a tokenizer answers, an executor is live) and its health names
-        each served model with a live executor and a tokenizer that knows it: /health alone is
-        200 once any executor is live, while another model's executors may still be loading."""
+        """Every gateway is healthy (a tokenizer answers, an executor is live) and its health
+        names each served model with a live executor and a tokenizer that knows it: /health alone
+        is 200 once any executor is live, while another model's executors may still be
+        loading."""
+        return all(self._gateway_ready(url) for url in self.base_urls)
+
+    def _gateway_ready(self, base_url: str) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as r:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=2) as r:
                 if int(r.status) != 200:
                     return False
                 models = json.loads(r.read()).get("models", {})
@@ -503,6 +527,26 @@ def tokenizer_args(config: StackConfig) -> list[str]:
     return argv + config.engine.to_argv(include=TOKENIZER_LIMIT_SETTINGS)
 
 
+def gateway_name(index: int) -> str:
+    """The first gateway is "gateway" (as with one), the others "gateway-1", "gateway-2"..."""
+    return "gateway" if index == 0 else f"gateway-{index}"
+
+
+def gateway_ports(config: StackConfig) -> list[int]:
+    """Each gateway's port: consecutive from ``config.port``, or free ones when it is 0. Separate
+    ports rather than one shared with SO_REUSEPORT: each gateway stays addressable (its /health,
+    its /metrics for Prometheus, a request to a chosen one), and a load balancer in front spreads
+    clients over them."""
+    if config.port:
+        return [config.port + i for i in range(config.num_gateways)]
+    ports: list[int] = []
+    while len(ports) < config.num_gateways:
+        port = free_port(config.host)
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
 def gateway_model_args(config: StackConfig) -> list[str]:
     return [arg for m in served_models(config) for arg in ("--model-name", m.name)]
 
@@ -540,18 +584,38 @@ def launch(
             note(f"redis-server on {redis_url} (the prefix index's user only)")
             if reaper is not None:
                 reaper.watch(servers[-1].pid)
-        port = config.port or free_port(config.host)
+        ports = gateway_ports(config)
+        base_urls = [f"http://{config.host}:{p}" for p in ports]
+        observed: dict[str, str] = {}
+        otel_env: dict[str, str] = {}
+        if config.observability:
+            from services.cli.observability import start_observability
+
+            local = start_observability(base_urls, parent_dir=data_dir, note=note)
+            for server in local.servers:
+                servers.append(server)
+                if reaper is not None:
+                    reaper.watch(server.pid)
+            observed, otel_env = local.urls, local.service_env
         stack = Stack(
             config,
             nats_url,
             redis_url,
-            f"http://{config.host}:{port}",
+            base_urls[0],
+            base_urls=base_urls,
+            observability=observed,
             servers=servers,
             credentials=credentials if servers or config.credentials else None,
             data_dir=data_dir,
             reaper=reaper,
         )
-        env = {**os.environ, "NATS_URL": nats_url, "REDIS_URL": redis_url, **dict(config.extra_env)}
+        env = {
+            **os.environ,
+            "NATS_URL": nats_url,
+            "REDIS_URL": redis_url,
+            **otel_env,
+            **dict(config.extra_env),
+        }
         env.setdefault("PYTHONUNBUFFERED", "1")
         set_executor_openmp_policy(env)
         # The engine settings reach the children by argv alone: a variable left in their environment
@@ -614,22 +678,23 @@ def launch(
             stack.start_service(
                 f"tokenizer-{i}", "services.tokenizer", tokenizer_args(config), env_of("tokenizer")
             )
-        args = [
-            "--host",
-            config.host,
-            "--port",
-            str(port),
-            "--drain-timeout",
-            str(config.drain_timeout_s),
-            *gateway_model_args(config),
-        ]
-        if config.request_timeout_s is not None:
-            args += ["--request-timeout", str(config.request_timeout_s)]
         # The key goes through the environment, not argv: argv is visible to every user in `ps`.
         gateway_env = env_of("gateway")
         if config.api_key:
             gateway_env[ENV_API_KEY] = config.api_key
-        stack.start_service("gateway", "services.gateway", args, gateway_env)
+        for i, port in enumerate(ports):
+            args = [
+                "--host",
+                config.host,
+                "--port",
+                str(port),
+                "--drain-timeout",
+                str(config.drain_timeout_s),
+                *gateway_model_args(config),
+            ]
+            if config.request_timeout_s is not None:
+                args += ["--request-timeout", str(config.request_timeout_s)]
+            stack.start_service(gateway_name(i), "services.gateway", args, gateway_env)
         if wait:
             stack.wait_ready(progress)
         return stack

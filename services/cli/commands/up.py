@@ -40,7 +40,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1", help="HTTP host of the gateway")
     p.add_argument(
-        "--port", type=int, default=8000, help="HTTP port of the gateway (0: a free port)"
+        "--port",
+        type=int,
+        default=8000,
+        help="HTTP port of the (first) gateway; gateway i listens on PORT+i (0: free ports)",
+    )
+    p.add_argument(
+        "--gateways",
+        type=int,
+        default=1,
+        help="gateway processes, each on its own port (consecutive from --port): put a load "
+        "balancer in front, or spread clients over the printed URLs",
     )
     p.add_argument(
         "--executors",
@@ -96,6 +106,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="seconds in-flight requests get on shutdown",
     )
     p.add_argument("--log-dir", default=None, help="write each service's log to <dir>/<name>.log")
+    p.add_argument(
+        "--observability",
+        action="store_true",
+        help="also start a local Prometheus (scraping every gateway) and trace backend (Jaeger "
+        "or Arize Phoenix) where installed, and print their URLs; says what is not installed",
+    )
     # Every executor's engine; num_threads None is resolved per executor by the launcher.
     add_engine_arguments(
         p,
@@ -149,6 +165,7 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
         models=models,
         host=args.host,
         port=args.port,
+        num_gateways=args.gateways,
         num_executors=args.executors,
         num_tokenizers=args.tokenizers,
         num_schedulers=args.schedulers,
@@ -164,6 +181,7 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
         log_dir=args.log_dir,
         ready_timeout_s=args.ready_timeout,
         drain_timeout_s=args.drain_timeout,
+        observability=args.observability,
     )
 
 
@@ -200,9 +218,12 @@ def run(args: argparse.Namespace) -> int:
         curl = _curl_example(
             stack.base_url, models[0].name, args.api_key_file, config.api_key is not None
         )
+        more = "".join(f"\n  gateway {i}: {url}" for i, url in enumerate(stack.base_urls))
+        more = more if len(stack.base_urls) > 1 else ""
+        more += "".join(f"\n  {name}: {url}" for name, url in stack.observability.items())
         print(
             f"\nllmserve is ready at {stack.base_url}  (Ctrl-C to stop), serving "
-            f"{', '.join(m.name for m in models)}\n\n"
+            f"{', '.join(m.name for m in models)}{more}\n\n"
             f"{curl}\n",
             flush=True,
         )
