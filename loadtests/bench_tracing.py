@@ -9,6 +9,11 @@ alternate off, on, off, on, ... so a drift of the host's load falls on both alik
 bench_serving's fixed-concurrency client (token-id prompts, greedy, ignore_eos) after a warm-up
 request. Reports each run's output tokens/s, the medians and the cost (1 − on/off), the spans the
 receiver got, and writes loadtests/results/bench_tracing.json.
+
+It also prices the spans themselves: a child process creates a request's worth of spans (as many
+as the traced runs averaged, with attributes and an event each) a thousand times and exports them
+through the same OTLP/HTTP exporter to the receiver; its CPU time per request against the stack's
+CPU time per request gives the share tracing's own work can explain.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import argparse
 import asyncio
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -108,6 +114,44 @@ def noop_cost_us(num: int = 20_000) -> float:
     return (time.perf_counter() - start) / num * 1e6
 
 
+_SPAN_WORK = """
+import sys
+import time
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+url, num_spans, num_requests = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+provider = TracerProvider(resource=Resource.create({"service.name": "bench"}))
+provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url + "/v1/traces")))
+tracer = provider.get_tracer("bench")
+start = time.process_time()  # every thread of the process: the exporter's included
+for i in range(num_requests):
+    with tracer.start_as_current_span("request", attributes={"gen_ai.request.model": "m"}):
+        for j in range(num_spans - 1):
+            span = tracer.start_span("hop", attributes={"llmserve.request_id": str(i), "n": j})
+            span.add_event("event")
+            span.end()
+    if i % 64 == 63:
+        provider.force_flush()  # the exporter's queue never overflows (no span dropped)
+provider.shutdown()
+print(time.process_time() - start)
+"""
+
+
+def span_cost_ms(receiver_url: str, spans_per_request: int, num_requests: int = 1000) -> float:
+    """CPU milliseconds (in a child process, its start-up left out) to create and export one
+    request's ``spans_per_request`` spans over OTLP/HTTP."""
+    done = subprocess.run(
+        [sys.executable, "-c", _SPAN_WORK, receiver_url, str(spans_per_request), str(num_requests)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return 1000 * float(done.stdout) / num_requests
+
+
 def main(argv: list[str] | None = None) -> int:
     from services.cli.launcher import StackConfig, launch
 
@@ -183,9 +227,25 @@ def main(argv: list[str] | None = None) -> int:
         f"off {cpu_median['off']:.2f}, on {cpu_median['on']:.2f}: tracing costs "
         f"{100 * cpu_cost:.1f}% more CPU"
     )
+    # What the spans themselves cost, against what the stack spends on a request untraced.
+    spans_per_request = max(1, round(len(spans) / max(1, len({s.trace_id for s in spans}))))
+    receiver = OtlpReceiver()
+    try:
+        span_ms = span_cost_ms(receiver.url, spans_per_request)
+    finally:
+        receiver.close()
+    stack_ms = cpu_median["off"] * args.output_len  # CPU ms of an untraced request
+    print(
+        f"spans alone: {span_ms:.2f} CPU ms per request ({spans_per_request} spans, created and "
+        f"exported) = {100 * span_ms / stack_ms:.2f}% of the {stack_ms:.0f} CPU ms the stack "
+        f"spends on a request untraced"
+    )
     result = {
         "cpu_s_per_1000_tokens": cpu_per_kt,
         "cpu_cost": cpu_cost,
+        "span_cpu_ms_per_request": span_ms,
+        "spans_per_request": spans_per_request,
+        "stack_cpu_ms_per_request": stack_ms,
         "noop_hooks_us_per_request": noop_us,
         "noop_share_of_one_core": noop_share,
         "config": vars(args),
