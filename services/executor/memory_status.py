@@ -66,6 +66,7 @@ def memory_status(engine: LoadedEngine) -> ExecutorMemory:
         kv_cache_bytes=engine.kv_cache_bytes(),
         num_kv_blocks=num_blocks,
         kv_bytes_per_block=engine.kv_cache_bytes() // max(num_blocks, 1),
+        max_num_batched_tokens=config.max_num_batched_tokens,
     )
 
 

@@ -132,6 +132,7 @@ def _memory(m: ExecutorMemory | None) -> dict[str, Any] | None:
         "kv_dtype": m.kv_dtype,
         "kv_bytes_per_block": m.kv_bytes_per_block,
         "process_rss_bytes": m.process_rss_bytes,
+        "max_num_batched_tokens": m.max_num_batched_tokens,
         # planned: `llmserve plan` for its settings (0 when its pool was sized by a block count);
         # actual: held by the engine. Activations are transient: planned only.
         "rows": [

@@ -175,6 +175,7 @@ class ExecutorMemory(msgspec.Struct, kw_only=True, frozen=True):
     num_kv_blocks: int  # the pool's blocks, padding block included
     kv_bytes_per_block: int
     process_rss_bytes: int = 0  # the whole process's resident memory when sent (0: unknown)
+    max_num_batched_tokens: int = 0  # the step's token budget the activations are planned for
 
 
 class ExecutorHeartbeat(msgspec.Struct, kw_only=True, frozen=True):

@@ -128,10 +128,20 @@ def test_console_in_a_browser(stack, tmp_path):
             assert "weights" in card.inner_text() and "kv cache" in card.inner_text()
             assert "GiB" in card.inner_text()  # the 1 GiB budget, formatted
 
-            # The planner, prefilled from the executor's budget.
+            # The planner, prefilled from the executor's settings: its plan is the executor's.
             page.click("nav button[data-tab=planner]")
             page.wait_for_selector("#plan-table tr[data-row='kv blocks']")
             assert page.input_value("#plan-memory") == str(1 << 30)
+            state = httpx.get(
+                s.base_url + "/console/api/state", headers={"Authorization": f"Bearer {API_KEY}"}
+            ).json()
+            planned = state["executors"][0]["memory"]["planned_num_kv_blocks"]
+            assert planned > 0
+            page.wait_for_function(
+                "(n) => document.querySelector(\"#plan-table tr[data-row='kv blocks'] td\")"
+                ".textContent.startsWith(n)",
+                arg=f"{planned:,} ",
+            )
             samples = [0, 1023, 1024, 524288, 1536, 1 << 30, 22_350_000_000, -2048, 123456789]
             js = page.evaluate(
                 "async (xs) => { const m = await import('/console/format.js');"

@@ -354,6 +354,7 @@ def test_the_executor_reports_the_plan_for_its_settings_and_what_it_holds():
     )
     assert (m.weight_bytes, m.kv_cache_bytes, m.num_kv_blocks) == (123_456_789, 204800, 50)
     assert m.kv_bytes_per_block == 4096 and m.memory_budget_bytes == 1 << 30
+    assert m.max_num_batched_tokens == 256
     # Sized by a block count: nothing was planned.
     by_count = memory_status(FakeEngine(replace(config, num_kv_blocks=50)))
     assert by_count.memory_budget_bytes == 0 and by_count.planned_kv_cache_bytes == 0

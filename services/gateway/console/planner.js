@@ -19,14 +19,23 @@ export async function loadPlanOptions() {
   fill($("plan-quantization"), o.quantizations, "");
 }
 
-// Prefill the budget from a live executor's ledger, once, so the first plan is the stack's own.
+// Prefill the form from a live executor's settings, once, so the first plan is the stack's own.
 let prefilled = false;
 export function prefillFrom(state) {
-  const m = state.executors.find((e) => e.memory?.budget_bytes)?.memory;
-  if (prefilled || !m) return false;
+  const e = state.executors.find((x) => x.memory?.budget_bytes);
+  if (prefilled || !e) return false;
   prefilled = true;
+  const m = e.memory;
+  const choose = (id, value) => {
+    if ([...$(id).options].some((o) => o.value === value)) $(id).value = value;
+  };
   $("plan-memory").value = String(m.budget_bytes);
-  if ([...$("plan-dtype").options].some((o) => o.value === m.weight_dtype)) $("plan-dtype").value = m.weight_dtype;
+  choose("plan-dtype", m.weight_dtype);
+  choose("plan-kv-dtype", m.kv_dtype === m.weight_dtype ? "auto" : m.kv_dtype);
+  $("plan-block-size").value = String(e.block_size);
+  $("plan-context").value = String(e.max_model_len);
+  if (e.max_num_seqs) $("plan-seqs").value = String(e.max_num_seqs);
+  if (m.max_num_batched_tokens) $("plan-batched").value = String(m.max_num_batched_tokens);
   return true;
 }
 
