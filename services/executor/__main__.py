@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
         # Before torch is imported: OpenMP reads it once, for every thread it creates.
         os.environ["OMP_NUM_THREADS"] = str(engine_config.num_threads)
     setup_logging("executor")
+    from services.executor.memory_status import memory_status
     from services.executor.service import ExecutorService, ExecutorServiceConfig
     from services.executor.worker import EngineWorker
     from shared.engine.engine import Engine
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_events=config.kv_events,
             record_steps=tracing_configured(),  # the engine's step records become spans
         )
-        service = ExecutorService(bus, worker, service_config)
+        service = ExecutorService(bus, worker, service_config, memory=memory_status(engine))
         await service.start()
         log.info("%s ready (epoch %s)", config.executor_id, service.epoch)
         await stop.wait()

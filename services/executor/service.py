@@ -41,6 +41,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from services.executor.memory_status import with_rss
 from services.executor.metrics import ExecutorMetrics
 from services.executor.spans import ExecutorSpans
 from services.executor.worker import (
@@ -73,6 +74,7 @@ from shared.wire.messages import (
     CompletionDelta,
     ExecuteReply,
     ExecutorLoad,
+    ExecutorMemory,
     RequestOutput,
     StreamError,
     StreamOutput,
@@ -131,6 +133,7 @@ class ExecutorService:
     config: ExecutorServiceConfig
     epoch: str = field(default_factory=new_epoch)  # fresh per process start
     draining: bool = False
+    memory: ExecutorMemory | None = None  # its ledger (memory_status.py), sent with each heartbeat
 
     def __post_init__(self) -> None:
         self._live: dict[str, _Live] = {}
@@ -397,6 +400,7 @@ class ExecutorService:
             max_num_seqs=c.max_num_seqs,
             draining=self.draining,
             load=self.load,
+            memory=with_rss(self.memory) if self.memory is not None else None,
         )
         await self.bus.publish(
             subjects.executor_stats(c.executor_id), messages.EXECUTOR_HEARTBEAT.encode(hb)

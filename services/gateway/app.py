@@ -10,12 +10,14 @@
                                  per model how many executors serve it and the context the
                                  tokenizer checks (null: no tokenizer serves it; see health.py)
     GET  /metrics                Prometheus text: the whole stack's metrics (metrics.py)
+    GET  /console/               the browser console: playground, live ledgers, capacity planner
+                                 (console_routes.py)
 
-Every error is an OpenAI error body (errors.py). Auth (when an API key is configured) guards /v1/*;
-/health and /metrics stay open for probes and scrapers. Generation bodies must be JSON
-(``Content-Type: application/json``, else 415) and at most ``max_body_bytes`` (413, refused while
-being read; body.py). There is no CORS: no preflight is answered, no Allow-Origin header sent.
-While draining (server.py) new generation requests and /health get 503.
+Every error is an OpenAI error body (errors.py). Auth (when an API key is configured) guards /v1/*
+and /console/api/*; /health, /metrics and the console's static files stay open. Generation bodies
+must be JSON (``Content-Type: application/json``, else 415) and at most ``max_body_bytes`` (413,
+refused while being read; body.py). There is no CORS: no preflight is answered, no Allow-Origin
+header sent. While draining (server.py) new generation requests and /health get 503.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from shared.wire.outputs import RequestOutput
 from . import protocol
 from .body import read_body, require_json
 from .config import GatewayConfig
+from .console_routes import register_console
 from .errors import UNAVAILABLE_RETRY_AFTER_S, APIError, route_not_found
 from .generation import ClientDisconnected, Gateway, Prepared
 from .health import health_report, nats_down_report
@@ -83,6 +86,7 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
         )
         gw.bus.on_connection_lost(gw.on_bus_lost)
         await gw.bus.subscribe(subjects.METRICS_ALL, gw.on_metrics_report)
+        await gw.bus.subscribe(subjects.EXECUTOR_STATS_ALL, gw.on_heartbeat)
         publisher = MetricsPublisher(gw.bus, "gateway", gw.metrics.instance, gw.metrics.registry)
         publisher.start()
         if any(k.limited for k in config.api_keys):
@@ -217,6 +221,7 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
         # From here the request is in flight until tracker.done(), which every path below reaches
         # (the SSE body's, or its on_close when the body never ran); done() gives the lease back.
         tracker = tracker_for(gw.metrics, endpoint, gw.releaser(lease, p), span)
+        gw.record(p, endpoint, tracker)
         headers = {"X-Request-Id": p.generate.request_id}
 
         async def disconnected() -> None:
@@ -257,6 +262,7 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
         return await generate("chat", "chat_completions", request)
 
     register_websocket(app, gw)
+    register_console(app, gw)
     return app
 
 

@@ -26,8 +26,10 @@ import msgspec
 from shared.wire import subjects
 from shared.wire.bus import Bus, BusError, BusNoResponders, BusTimeout, Msg
 from shared.wire.messages import (
+    EXECUTOR_HEARTBEAT,
     GENERATE_REQUEST,
     METRICS_REPORT,
+    METRICS_STALE_AFTER_S,
     PREFIX_INDEX_STATUS,
     PREFIX_INDEX_STATUS_REQUEST,
     SCHEDULER_STATUS,
@@ -58,9 +60,11 @@ from .errors import (
     shutting_down,
     unauthorized,
 )
+from .executor_board import ExecutorBoard
 from .limiter import Lease, Limiter
 from .metrics import CLIENT_CLOSED, GatewayMetrics, RequestTracker
 from .openai_schema import ChatCompletionRequest, parse_chat_request, parse_completion_request
+from .request_log import RequestLog, RequestRecord
 from .streams import GenerationStream
 
 log = logging.getLogger("llmserve.gateway")
@@ -103,6 +107,9 @@ class Gateway:
         # Set by the app's lifespan when a key has limits (it needs a running loop).
         self.limiter: Limiter | None = None
         self._releases: set[asyncio.Task[None]] = set()
+        # What the console shows (console_routes.py): recent requests, each executor's heartbeat.
+        self.request_log = RequestLog()
+        self.executors = ExecutorBoard(METRICS_STALE_AFTER_S)
 
     # -- auth and per-key limits ---------------------------------------------------------------
 
@@ -244,6 +251,26 @@ class Gateway:
         except msgspec.DecodeError:
             log.warning("ignoring a malformed metrics report on %s", msg.subject)
 
+    async def on_heartbeat(self, msg: Msg) -> None:
+        try:
+            self.executors.put(EXECUTOR_HEARTBEAT.decode(msg.data), time.monotonic())
+        except msgspec.DecodeError:
+            log.warning("ignoring a malformed heartbeat on %s", msg.subject)
+
+    def record(self, p: Prepared, endpoint: str, tracker: RequestTracker) -> None:
+        """Enter a request in the console's table; its tracker and stream keep it up to date."""
+        tracker.record = self.request_log.add(
+            RequestRecord(
+                request_id=p.generate.request_id,
+                endpoint=endpoint,
+                model=p.generate.model,
+                stream=p.stream,
+                max_tokens=p.generate.params.max_tokens,
+                created_at=time.time(),
+                started=tracker.started,
+            )
+        )
+
     async def prefix_index_status(self) -> PrefixIndexStatus:
         data = await self._status_request(
             subjects.PREFIX_INDEX_STATUS,
@@ -350,6 +377,7 @@ class Gateway:
             progress_timeout_s=self.config.progress_timeout_s,
             ack_timeout_s=self.config.ack_timeout_s,
             trace_headers=p.trace_headers,
+            watcher=self.request_log.get(p.generate.request_id),
         )
         self.streams.add(stream)
         try:

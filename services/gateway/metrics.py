@@ -35,6 +35,7 @@ from shared.metrics.publisher import new_instance_id, report_of
 from shared.metrics.report import export_families
 from shared.wire.messages import METRICS_STALE_AFTER_S, MetricsReport
 
+from .request_log import RequestRecord
 from .stack_metrics import StackMetrics
 
 CLIENT_CLOSED = 499
@@ -169,12 +170,21 @@ class RequestTracker:
         self._last_token_at: float | None = None
         self._num_generated_tokens = 0
         self._done = False
+        # The console's record of this request (request_log.py), when the gateway keeps one.
+        self.record: RequestRecord | None = None
         metrics.in_flight.inc()
+
+    @property
+    def started(self) -> float:
+        """When the request began (monotonic): TTFT and E2E count from here."""
+        return self._start
 
     def on_tokens(self, num_tokens: int) -> None:
         if num_tokens <= 0:
             return
         now = time.monotonic()
+        if self.record is not None:
+            self.record.on_tokens(num_tokens, now)
         if self._last_token_at is None:
             self._first_token_at = now
             self._m.ttft.observe(now - self._start)
@@ -194,6 +204,8 @@ class RequestTracker:
         if self._done:
             return
         self._done = True
+        if self.record is not None:
+            self.record.done(status, time.monotonic(), num_prompt_tokens, finish_reasons)
         if self._on_done is not None:
             self._on_done(num_prompt_tokens, self._num_generated_tokens)
         m = self._m

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
+from typing import Protocol
 
 import msgspec
 
@@ -58,6 +59,14 @@ from .errors import (
 log = logging.getLogger("llmserve.gateway.streams")
 
 
+class StreamWatcher(Protocol):
+    """Told what the stream learns of where its request is (the console's request_log.py)."""
+
+    def on_accepted(self) -> None: ...
+    def on_keepalive(self, holder: str, state: str) -> None: ...
+    def on_output(self, executor_id: str) -> None: ...
+
+
 class GenerationStream:
     """Use as ``async with GenerationStream(...) as stream:`` — exiting always closes (and aborts
     an unfinished request), whether the block returned, raised or was cancelled."""
@@ -72,16 +81,19 @@ class GenerationStream:
         progress_timeout_s: float | None = None,
         ack_timeout_s: float | None = None,
         trace_headers: dict[str, str] | None = None,
+        watcher: StreamWatcher | None = None,
     ) -> None:
         """``payload``: the request already encoded (by the caller, which checked its size).
         ``progress_timeout_s`` / ``ack_timeout_s``: None waits up to the deadline alone.
-        ``trace_headers``: the request's trace context, sent with it to the tokenizer."""
+        ``trace_headers``: the request's trace context, sent with it to the tokenizer.
+        ``watcher``: told of the ack, each keepalive and each output's executor."""
         self.bus = bus
         self.request = request
         self.timeout_s = timeout_s
         self.progress_timeout_s = progress_timeout_s
         self.ack_timeout_s = ack_timeout_s
         self._trace_headers = trace_headers
+        self._watcher = watcher
         self._payload = payload if payload is not None else GENERATE_REQUEST.encode(request)
         self._deadline = time.monotonic() + timeout_s
         self._sub: Subscription | None = None
@@ -138,6 +150,8 @@ class GenerationStream:
             self.ended = True  # nothing was dispatched, nothing to abort
             raise bus_unavailable(str(e)) from None
         self._last_heard = time.monotonic()  # a tokenizer holds it from here: its keepalives
+        if self._watcher is not None:
+            self._watcher.on_accepted()
 
     async def next(self) -> RequestOutput:
         """The next step's output. Raises APIError for a StreamError, a timeout (504, and the
@@ -182,6 +196,8 @@ class GenerationStream:
             if isinstance(message, StreamKeepalive):
                 state = f", {message.state}" if message.state else ""
                 self.last_holder = f"{message.holder}{state}"
+                if self._watcher is not None:
+                    self._watcher.on_keepalive(message.holder, message.state)
                 continue
             if isinstance(message, StreamError):
                 self.ended = True
@@ -189,6 +205,8 @@ class GenerationStream:
             assert isinstance(message, StreamOutput)
             self.num_outputs += 1
             self.last_holder = message.executor_id
+            if self._watcher is not None:
+                self._watcher.on_output(message.executor_id)
             if message.output.finished:
                 self.ended = True
             return message.output

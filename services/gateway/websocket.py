@@ -170,6 +170,7 @@ async def _serve_one(
         return True
 
     tracker = gw.metrics.tracker(ENDPOINT, gw.releaser(lease, p))
+    gw.record(p, ENDPOINT, tracker)
     aborted = False
 
     async def stopped() -> None:

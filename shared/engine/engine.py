@@ -366,6 +366,16 @@ class Engine:
 
     # ---- counters -------------------------------------------------------------------------------
 
+    def resident_weight_bytes(self) -> int:
+        return self.model.weight_bytes()
+
+    def kv_cache_bytes(self) -> int:
+        return self.kv_cache.num_bytes
+
+    def num_kv_blocks(self) -> int:
+        """The pool's blocks, padding block 0 included."""
+        return self.kv_cache.num_blocks
+
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(
@@ -377,5 +387,6 @@ class Engine:
             prefix_cache_queries_tokens=bm.prefix_cache_queries_tokens,
             prefix_cache_hits_tokens=bm.prefix_cache_hits_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            num_cached_blocks=bm.num_cached_blocks,
             **self._counters,
         )

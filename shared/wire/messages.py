@@ -157,6 +157,27 @@ class ExecuteReply(msgspec.Struct, kw_only=True, frozen=True):
     load: ExecutorLoad
 
 
+class ExecutorMemory(msgspec.Struct, kw_only=True, frozen=True):
+    """An executor's memory ledger (shared/engine/memory.py), planned against actual. ``planned_*``:
+    what ``llmserve plan`` prints for this executor's settings (weights counted from the
+    parameters); the others: what the loaded engine holds. Activations are transient and only
+    planned. Fixed once the engine is loaded, except ``process_rss_bytes``."""
+
+    memory_budget_bytes: int  # 0: the KV pool was sized by a block count, not a budget
+    weight_dtype: str
+    kv_dtype: str
+    planned_weight_bytes: int
+    planned_activation_bytes: int
+    planned_kv_cache_bytes: int
+    planned_num_kv_blocks: int
+    weight_bytes: int  # resident: packed weights and a tied head's copy included
+    kv_cache_bytes: int  # the allocated pool, padding block included
+    num_kv_blocks: int  # the pool's blocks, padding block included
+    kv_bytes_per_block: int
+    process_rss_bytes: int = 0  # the whole process's resident memory when sent (0: unknown)
+    max_num_batched_tokens: int = 0  # the step's token budget the activations are planned for
+
+
 class ExecutorHeartbeat(msgspec.Struct, kw_only=True, frozen=True):
     """Executor → scheduler (and anyone else), every ~0.5 s. A new ``epoch`` means the executor
     restarted and its previous state (KV cache, requests) is gone."""
@@ -172,6 +193,7 @@ class ExecutorHeartbeat(msgspec.Struct, kw_only=True, frozen=True):
     max_num_seqs: int = 0  # the engine's batch limit: the scheduler's in-flight cap (0 = unknown)
     draining: bool = False  # shutting down: finishing what it holds, route nothing new to it
     load: ExecutorLoad | None = None  # None: an executor that does not count its admissions
+    memory: ExecutorMemory | None = None  # None: an executor that does not report its ledger
 
 
 class PrefixMatchRequest(msgspec.Struct, kw_only=True, frozen=True):

@@ -71,3 +71,5 @@ class EngineStats(msgspec.Struct, kw_only=True, frozen=True):
     num_steps: int
     last_step_num_tokens: int  # tokens scheduled in the most recent step
     last_step_num_seqs: int = 0  # sequences in the most recent step's batch
+    # Blocks holding a reusable prefix hash, in use or free (a free one stays cached until reused).
+    num_cached_blocks: int = 0

@@ -7,7 +7,8 @@ Each kind connects as the NATS user of its name. What each may do, and why::
 
     kind          publishes                            subscribes
     gateway       tokenizer.generate, *.status, abort  stream.* (its requests' outputs),
-                                                       metrics.> (the stack's, for /metrics)
+                                                       metrics.> (the stack's, for /metrics),
+                                                       executor.*.stats (the console's ledgers)
     tokenizer     scheduler.submit, abort, stream.*    tokenizer.generate, tokenizer.status
     scheduler     prefix_index.match,                  scheduler.submit, scheduler.status,
                   executor.*.decode, stream.*          scheduler.progress, executor.*.stats,
@@ -94,7 +95,12 @@ PERMISSIONS: dict[str, Permissions] = {
             subjects.ABORT,
             subjects.metrics_of("gateway"),
         ),
-        subscribe=(subjects.STREAM_ALL, subjects.METRICS_ALL, _own_inbox("gateway")),
+        subscribe=(
+            subjects.STREAM_ALL,
+            subjects.METRICS_ALL,
+            subjects.EXECUTOR_STATS_ALL,
+            _own_inbox("gateway"),
+        ),
     ),
     "tokenizer": Permissions(
         publish=(

@@ -45,12 +45,14 @@ from shared.wire import subjects
 from shared.wire.bus import Bus
 from shared.wire.messages import (
     ABORT_REQUEST,
+    EXECUTOR_HEARTBEAT,
     GENERATE_REQUEST,
     METRICS_REPORT,
     SCHEDULER_STATUS,
     STREAM_MESSAGE,
     TOKENIZER_STATUS,
     AbortRequest,
+    ExecutorHeartbeat,
     ExecutorStatus,
     GenerateRequest,
     MetricsReport,
@@ -148,6 +150,19 @@ class FakeBackend:
             assert self._bus is not None
             await self._bus.publish(
                 subjects.metrics(report.service, report.instance), METRICS_REPORT.encode(report)
+            )
+            await self._bus.flush()
+
+        self._call(publish())
+
+    def publish_heartbeat(self, heartbeat: ExecutorHeartbeat) -> None:
+        """Publish an executor's heartbeat, as an executor would."""
+
+        async def publish() -> None:
+            assert self._bus is not None
+            await self._bus.publish(
+                subjects.executor_stats(heartbeat.executor_id),
+                EXECUTOR_HEARTBEAT.encode(heartbeat),
             )
             await self._bus.flush()
 
