@@ -40,15 +40,19 @@ Only single-choice requests (n == 1) are transferred; the caller keeps the other
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from shared.engine.engine import Engine
 from shared.engine.kv_cache import KVCache
 from shared.engine.sampler import make_generator
 from shared.engine.sequence import Request, Sequence
 from shared.wire.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from shared.engine.engine import Engine
 
 __all__ = [
     "Detached",
@@ -184,7 +188,10 @@ def write_pages(cache: KVCache, block_ids: list[int], data: bytes | bytearray | 
     """Install pages (as read_pages made them, back to back) into ``block_ids``."""
     storage = cache.storage
     num_layers, two, _, block_size, num_kv_heads, row = storage.shape
-    raw = torch.frombuffer(bytearray(data) if isinstance(data, bytes) else data, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        # A received message is read-only bytes; it is only read here, so no copy is made of it.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        raw = torch.frombuffer(data, dtype=torch.uint8)
     page_numel = num_layers * two * block_size * num_kv_heads * row
     pages = raw.view(storage.dtype)
     if pages.numel() != page_numel * len(block_ids):
