@@ -110,7 +110,11 @@ class StackConfig:
     # The first gateway's port (0 = a free port for each); gateway i listens on port + i.
     port: int = 8000
     num_gateways: int = 1
-    num_executors: int = 1
+    num_executors: int = 1  # role 'both', per model
+    num_prefill: int = 0  # role 'prefill' executors per model (disaggregation)
+    num_decode: int = 0  # role 'decode' executors per model
+    # Cores of each executor, by executor index (empty: no pinning); e.g. ((0,), (1,)).
+    executor_cpus: tuple[tuple[int, ...], ...] = ()
     num_tokenizers: int = 1
     num_schedulers: int = 1
     num_prefix_indexes: int = 1  # prefix index replicas (0: none; the schedulers route by load)
@@ -136,9 +140,20 @@ class StackConfig:
     observability: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("num_gateways", "num_executors", "num_tokenizers", "num_schedulers"):
+        for name in ("num_gateways", "num_tokenizers", "num_schedulers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if min(self.num_executors, self.num_prefill, self.num_decode) < 0:
+            raise ValueError("num_executors, num_prefill and num_decode must be >= 0")
+        if self.num_executors + self.num_decode < 1:
+            raise ValueError("a stack needs at least one executor that decodes (both or decode)")
+        if self.executor_cpus and len(self.executor_cpus) != self.executors_per_model * len(
+            served_models(self)
+        ):
+            raise ValueError(
+                f"executor_cpus names {len(self.executor_cpus)} executors' cores; the stack runs "
+                f"{self.executors_per_model * len(served_models(self))} executors"
+            )
         if self.num_prefix_indexes < 0:
             raise ValueError(f"num_prefix_indexes must be >= 0, got {self.num_prefix_indexes}")
         if not 0 <= self.port < 65536:
@@ -171,6 +186,17 @@ class StackConfig:
             if len(self.models) > 1 and any(m.path is None for m in self.models):
                 raise ValueError("with several models, every model needs its path")
             check_unique(self.models)
+
+    @property
+    def executors_per_model(self) -> int:
+        return self.num_executors + self.num_prefill + self.num_decode
+
+    def executor_role(self, local_index: int) -> str:
+        """The role of a model's executor ``local_index``: 'both' ones, then prefill, then
+        decode."""
+        if local_index < self.num_executors:
+            return "both"
+        return "prefill" if local_index < self.num_executors + self.num_prefill else "decode"
 
     @classmethod
     def of(cls, **settings: Any) -> StackConfig:
@@ -483,7 +509,7 @@ def served_model_name(config: StackConfig) -> str:
 
 
 def num_executors_total(config: StackConfig) -> int:
-    return config.num_executors * len(served_models(config))
+    return config.executors_per_model * len(served_models(config))
 
 
 def _executor_threads(config: StackConfig) -> int:
@@ -502,11 +528,18 @@ def executor_args(config: StackConfig, index: int) -> list[str]:
     models = served_models(config)
     if not 0 <= index < num_executors_total(config):
         raise ValueError(f"executor index {index} out of range for {len(models)} model(s)")
-    model = models[index // config.num_executors]
-    engine = replace(config.engine, model=model.path, num_threads=_executor_threads(config))
+    model = models[index // config.executors_per_model]
+    cpus = config.executor_cpus[index] if config.executor_cpus else ()
+    threads = len(cpus) if cpus and config.engine.num_threads is None else None
+    engine = replace(
+        config.engine, model=model.path, num_threads=threads or _executor_threads(config)
+    )
     return [
         "--executor-id",
         f"executor-{index}",
+        "--role",
+        config.executor_role(index % config.executors_per_model),
+        *(["--cpus", ",".join(map(str, cpus))] if cpus else []),
         "--model-name",
         model.name,
         "--drain-timeout",

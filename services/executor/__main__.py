@@ -17,6 +17,10 @@ log = logging.getLogger("llmserve.executor")
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(argv)
     engine_config = config.engine
+    if config.cpus:
+        # Before torch starts its threads: they inherit the mask, so a prefill and a decode
+        # executor pinned to different cores never compete for one.
+        os.sched_setaffinity(0, config.cpus)
     if engine_config.num_threads:
         # Before torch is imported: OpenMP reads it once, for every thread it creates.
         os.environ["OMP_NUM_THREADS"] = str(engine_config.num_threads)
@@ -27,7 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     from shared.engine.engine import Engine
     from shared.wire.bus import Bus
 
-    log.info("%s: loading the model...", config.executor_id)
+    log.info(
+        "%s: role %s, loading the model%s...",
+        config.executor_id,
+        config.role,
+        f" (pinned to cores {list(config.cpus)})" if config.cpus else "",
+    )
     engine = Engine(engine_config)
     stats = engine.stats()
     log.info(
@@ -48,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         max_queued=config.max_queued,
         heartbeat_interval_s=config.heartbeat_interval_s,
         drain_timeout_s=config.drain_timeout_s,
+        role=config.role,
+        kv_transfer_timeout_s=config.kv_transfer_timeout_s,
     )
 
     async def serve(stop) -> None:

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from shared.metrics.common import REQUEST_LATENCY_BUCKETS
+from shared.wire.kv_transport import TransferStats
 from shared.wire.outputs import EngineStats
 
 LABELS = ["executor", "model_name"]
@@ -60,6 +61,21 @@ class ExecutorMetrics:
             "From the gateway's arrival to the engine's first step that runs the request.",
             REQUEST_LATENCY_BUCKETS,
         ).labels(*self._labels)
+        self._kv_transfers = Counter(
+            "llmserve:kv_transfers",
+            "KV handoffs by outcome: sent, peer_gone, timeout, refused (prefill side); received, "
+            "expired, cancelled, bad_chunk (decode side).",
+            [*LABELS, "outcome"],
+            registry=r,
+        )
+        self.kv_transfer_bytes = Counter(
+            "llmserve:kv_transfer_bytes", "KV page bytes sent.", LABELS, registry=r
+        ).labels(*self._labels)
+        self.kv_transfer_seconds = histogram(
+            "llmserve:kv_transfer_seconds",
+            "Wall time of one KV page transfer (first chunk to last ack).",
+            _STEP_BUCKETS,
+        ).labels(*self._labels)
         r.register(self)
 
     # -- the engine thread's observer (services/executor/worker.py) -------------------------------
@@ -70,6 +86,12 @@ class ExecutorMetrics:
         self.step_seconds.observe(duration_s)
         self.batch_size.observe(stats.last_step_num_seqs)
         self.iteration_tokens.observe(stats.last_step_num_tokens)
+
+    def on_kv_transfer(self, outcome: str, stats: TransferStats | None) -> None:
+        self._kv_transfers.labels(*self._labels, outcome).inc()
+        if stats is not None:
+            self.kv_transfer_bytes.inc(stats.num_bytes)
+            self.kv_transfer_seconds.observe(stats.seconds)
 
     def on_first_scheduled(self, queue_time_s: float) -> None:
         self.queue_time.observe(max(0.0, queue_time_s))

@@ -41,6 +41,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from services.executor.handoff import HandoffConfig, KVHandoffs, ShellHooks
 from services.executor.memory_status import with_rss
 from services.executor.metrics import ExecutorMetrics
 from services.executor.spans import ExecutorSpans
@@ -53,7 +54,9 @@ from services.executor.worker import (
     Failed,
     KVEvents,
     Outputs,
+    Prefilled,
     Rejected,
+    Reserved,
     Snapshot,
     SnapshotTaken,
     StepTraced,
@@ -70,6 +73,7 @@ from shared.wire.kv_events import (
     new_epoch,
 )
 from shared.wire.kv_stream import ensure_kv_events_stream
+from shared.wire.kv_transport import KVTransport, NatsKVTransport
 from shared.wire.messages import (
     CompletionDelta,
     ExecuteReply,
@@ -81,6 +85,11 @@ from shared.wire.messages import (
 )
 
 log = logging.getLogger("llmserve.executor")
+
+# 'prefill': runs prompts and hands them to decode executors (a request the scheduler sends without
+# a decode executor, or whose handoff fails, it decodes itself); 'decode': takes handoffs (and
+# prefills locally what the scheduler sends it whole); 'both': the same as 'decode' for routing.
+ROLES = ("prefill", "decode", "both")
 
 
 @dataclass(frozen=True)
@@ -95,11 +104,14 @@ class ExecutorServiceConfig:
     drain_timeout_s: float = 5.0
     role: str = "both"
     client_check_interval_s: float = 5.0
+    kv_transfer_timeout_s: float = 10.0  # a KV handoff, offer to last ack (handoff.py)
+    kv_offer_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         subjects.executor_decode(self.executor_id)  # ValueError if it cannot be a subject token
-        if self.role != "both":
-            raise ValueError(f"only role 'both' is implemented, got {self.role!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        HandoffConfig(self.executor_id, self.kv_transfer_timeout_s, self.kv_offer_timeout_s)
         if self.heartbeat_interval_s <= 0 or self.drain_timeout_s < 0:
             raise ValueError("heartbeat_interval_s must be > 0 and drain_timeout_s >= 0")
         if self.client_check_interval_s <= 0:
@@ -134,6 +146,7 @@ class ExecutorService:
     epoch: str = field(default_factory=new_epoch)  # fresh per process start
     draining: bool = False
     memory: ExecutorMemory | None = None  # its ledger (memory_status.py), sent with each heartbeat
+    transport: KVTransport | None = None  # KV pages between executors (None: over this bus)
 
     def __post_init__(self) -> None:
         self._live: dict[str, _Live] = {}
@@ -155,6 +168,25 @@ class ExecutorService:
             self.bus, "executor", self.config.executor_id, self.metrics.registry
         )
         self._spans = ExecutorSpans(self.config.executor_id)  # traced requests only
+        if self.transport is None:
+            self.transport = NatsKVTransport(self.bus)
+        self.handoffs = KVHandoffs(
+            HandoffConfig(
+                self.config.executor_id,
+                self.config.kv_transfer_timeout_s,
+                self.config.kv_offer_timeout_s,
+            ),
+            self.worker,
+            self.transport,
+            ShellHooks(
+                adopt=self._adopt,
+                release=self._release,
+                progress=self._progress,
+                draining=lambda: self.draining,
+            ),
+            self.worker.page_layout(),
+            on_transfer=self.metrics.on_kv_transfer,
+        )
 
     async def start(self) -> None:
         self.bus.on_connection_lost(self._on_bus_lost)
@@ -165,6 +197,9 @@ class ExecutorService:
             subjects.executor_decode(self.config.executor_id), self._on_execute
         )
         await self.bus.subscribe(subjects.ABORT, self._on_abort)
+        if self.config.role != "prefill":
+            assert self.transport is not None
+            await self.transport.serve(self.config.executor_id, self.handoffs)
         if self.worker.kv_events:
             await ensure_kv_events_stream(self.bus)
             await self.bus.subscribe(
@@ -242,6 +277,21 @@ class ExecutorService:
             self._load_version += 1
         return live
 
+    def _adopt(self, rid: str, num_prompt_tokens: int) -> bool:
+        """A request prefilled elsewhere is offered here: held (started: its first token is out)
+        unless it is already here or the executor is full."""
+        if rid in self._live or (
+            self._admitted_weight > 0 and self._admitted_weight + 1 > self.config.max_admitted
+        ):
+            return False
+        self._live[rid] = _Live(1, num_prompt_tokens, 0, started=True)
+        self._admitted_weight += 1
+        self._load_version += 1
+        self._peak_admitted_weight = max(self._peak_admitted_weight, self._admitted_weight)
+        self._idle.clear()
+        self._silence.touch(rid, time.monotonic())
+        return True
+
     def _start(self, live: _Live) -> None:
         """Its first token is out: its prefill is no longer work ahead of anyone."""
         live.started = True
@@ -259,6 +309,7 @@ class ExecutorService:
         live = self._live.get(rid)
         if live is not None and not live.aborting:
             live.aborting = True
+            self.handoffs.abort(rid)
             self.worker.submit(Abort(rid))
 
     def _on_bus_lost(self) -> None:
@@ -352,6 +403,13 @@ class ExecutorService:
             )
         elif isinstance(event, StepTraced):
             self._spans.on_step(event.record)
+        elif isinstance(event, Prefilled):
+            if event.request_id in self._live:
+                self.handoffs.send(event)
+            else:  # ended meanwhile (drain)
+                self.worker.submit(Abort(event.request_id))
+        elif isinstance(event, Reserved):
+            self.handoffs.on_reserved(event)
         elif isinstance(event, SnapshotTaken):
             snapshot = KVCacheSnapshot(
                 executor_id=self.config.executor_id,

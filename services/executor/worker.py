@@ -28,12 +28,17 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
+from shared.engine import kv_transfer
+from shared.engine.kv_transfer import Detached, Handoff, PageLayout, Reservation
 from shared.engine.step_record import StepRecord
 from shared.wire.kv_events import KVEventBatch
 from shared.wire.messages import ExecuteRequest
 from shared.wire.outputs import EngineStats, RequestOutput
+
+if TYPE_CHECKING:
+    from shared.engine.engine import Engine
 
 log = logging.getLogger("llmserve.executor.worker")
 
@@ -96,7 +101,37 @@ class Stop:
     pass
 
 
-Command = Add | Abort | Snapshot | Stop
+# KV handoff (services/executor/handoff.py; shared/engine/kv_transfer.py does the work).
+@dataclass(frozen=True)
+class Reserve:
+    """Decode side: reserve blocks for a request prefilled elsewhere; ``Reserved`` answers."""
+
+    handoff: Handoff
+
+
+@dataclass(frozen=True)
+class Install:
+    """Decode side: every page of a reservation is written: the request decodes here."""
+
+    request_id: str
+    recompute: bool = False  # the pages will not come: prefill it here instead
+
+
+@dataclass(frozen=True)
+class Unreserve:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Release:
+    """Prefill side: the pages arrived, free the held blocks (``readopt``: decode here after
+    all)."""
+
+    request_id: str
+    readopt: bool = False
+
+
+Command = Add | Abort | Snapshot | Stop | Reserve | Install | Unreserve | Release
 
 
 # -- events (thread → loop) ------------------------------------------------------------------------
@@ -154,7 +189,42 @@ class StepTraced:
     record: StepRecord
 
 
-Event = Outputs | Rejected | Aborted | Failed | KVEvents | SnapshotTaken | StepTraced
+@dataclass(frozen=True)
+class Prefilled:
+    """Prefill side: a request to hand off sampled its first token (its Outputs came first); it
+    left the engine with its blocks held, and ``pages`` (uint8 [num blocks, page bytes]) are the
+    prompt's pages to send."""
+
+    request_id: str
+    decode_executor_id: str
+    handoff: Handoff
+    layout: PageLayout
+    pages: Any  # torch.Tensor
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """Decode side: the answer to Reserve. ``block_ids``: the blocks the sent pages go into (the
+    leading ``num_cached_blocks`` are cached here); empty and ``reason`` set when refused."""
+
+    request_id: str
+    accepted: bool
+    num_cached_blocks: int = 0
+    block_ids: tuple[int, ...] = ()
+    reason: str = ""
+
+
+Event = (
+    Outputs
+    | Rejected
+    | Aborted
+    | Failed
+    | KVEvents
+    | SnapshotTaken
+    | StepTraced
+    | Prefilled
+    | Reserved
+)
 
 
 class EngineWorker:
@@ -184,6 +254,11 @@ class EngineWorker:
         self._live: set[str] = set()  # ids added to the engine and not yet terminal
         # Wall-clock arrival of each live request the engine has not scheduled yet.
         self._arrivals: dict[str, float] = {}
+        # KV handoff: requests to hand off after their first token (id -> decode executor), the
+        # prefill side's held blocks, and the decode side's reservations.
+        self._handoffs: dict[str, str] = {}
+        self._detached: dict[str, Detached] = {}
+        self._reservations: dict[str, Reservation] = {}
         self._step_s: float | None = None  # wall time of the step this loop ran, for the observer
         self.observer: StepObserver | None = None
         self.latest_stats: EngineStats = engine.stats()
@@ -256,14 +331,106 @@ class EngineWorker:
                 return
             self._live.add(req.request_id)
             self._arrivals[req.request_id] = req.arrival_time or time.time()
+            if req.decode_executor_id is not None and req.params.n == 1:
+                self._handoffs[req.request_id] = req.decode_executor_id
         elif isinstance(command, Snapshot):
             seq, block_hashes = self.engine.kv_cache_snapshot()
             events.append(SnapshotTaken(command.reply_to, seq, block_hashes))
         elif isinstance(command, Abort):
-            was_running = command.request_id in self._live and self.engine.abort(command.request_id)
-            self._live.discard(command.request_id)
-            self._arrivals.pop(command.request_id, None)
-            events.append(Aborted(command.request_id, was_running))
+            rid = command.request_id
+            was_running = rid in self._live and self.engine.abort(rid)
+            self._live.discard(rid)
+            self._arrivals.pop(rid, None)
+            self._handoffs.pop(rid, None)
+            # A request in transfer: its held blocks or reservation go back to the pool.
+            if (detached := self._detached.pop(rid, None)) is not None:
+                kv_transfer.release(self._kv_engine, detached)
+                was_running = True
+            if (reservation := self._reservations.pop(rid, None)) is not None:
+                kv_transfer.cancel(self._kv_engine, reservation)
+                was_running = True
+            events.append(Aborted(rid, was_running))
+        else:
+            self._apply_handoff(command, events)
+
+    @property
+    def _kv_engine(self) -> Engine:
+        # Only a real Engine can move KV pages; the handoff commands come only with one.
+        return cast("Engine", self.engine)
+
+    def _apply_handoff(self, command: Command, events: list[Event]) -> None:
+        engine = self._kv_engine
+        if isinstance(command, Reserve):
+            rid = command.handoff.request_id
+            try:
+                reservation = kv_transfer.reserve(engine, command.handoff)
+            except ValueError as e:
+                events.append(Reserved(rid, False, reason=str(e)))
+                return
+            if reservation is None:
+                events.append(Reserved(rid, False, reason="no free KV blocks for the prompt"))
+                return
+            self._reservations[rid] = reservation
+            events.append(
+                Reserved(
+                    rid,
+                    True,
+                    reservation.num_cached_blocks,
+                    tuple(reservation.missing_block_ids),
+                )
+            )
+        elif isinstance(command, Install):
+            reservation = self._reservations.pop(command.request_id, None)
+            if reservation is None:
+                return  # aborted meanwhile
+            if command.recompute:
+                kv_transfer.recompute(engine, reservation)
+            else:
+                kv_transfer.commit(engine, reservation)
+            self._live.add(command.request_id)
+        elif isinstance(command, Unreserve):
+            if (reservation := self._reservations.pop(command.request_id, None)) is not None:
+                kv_transfer.cancel(engine, reservation)
+        elif isinstance(command, Release):
+            detached = self._detached.pop(command.request_id, None)
+            if detached is None:
+                return  # aborted meanwhile
+            if command.readopt:
+                kv_transfer.readopt(engine, detached)
+                self._live.add(command.request_id)
+            else:
+                kv_transfer.release(engine, detached)
+
+    def _hand_off(self, outputs: list[RequestOutput], events: list[Event]) -> None:
+        """Requests to hand off that sampled their first token this step leave the engine."""
+        for out in outputs:
+            decode_id = self._handoffs.pop(out.request_id, None)
+            if decode_id is None or out.finished:
+                continue
+            engine = self._kv_engine
+            detached = kv_transfer.detach(engine, out.request_id)
+            self._live.discard(out.request_id)
+            self._detached[out.request_id] = detached
+            events.append(
+                Prefilled(
+                    out.request_id,
+                    decode_id,
+                    detached.handoff,
+                    kv_transfer.page_layout(engine.kv_cache),
+                    kv_transfer.read_pages(engine.kv_cache, detached.block_ids),
+                )
+            )
+
+    def page_layout(self) -> PageLayout | None:
+        """The engine's KV page layout; None for an engine without a paged KV cache (a fake)."""
+        cache = getattr(self.engine, "kv_cache", None)
+        return None if cache is None else kv_transfer.page_layout(cache)
+
+    @property
+    def kv_cache(self) -> Any:
+        """The engine's KV cache, for writing received pages into reserved blocks (see
+        kv_transfer: a reserved block is touched by nobody else until Install)."""
+        return self._kv_engine.kv_cache
 
     def _step(self, events: list[Event]) -> None:
         started_at, t0 = time.time(), time.perf_counter()
@@ -279,6 +446,7 @@ class EngineWorker:
                     log.exception("abort of %s after a failed step failed too", rid)
             self._live.clear()
             self._arrivals.clear()
+            self._handoffs.clear()
             events.append(Failed(dropped, f"the engine failed: {type(e).__name__}: {e}"))
             return
         self._step_s = time.perf_counter() - t0
@@ -294,6 +462,8 @@ class EngineWorker:
             events.append(StepTraced(record))
         if outputs:
             events.append(Outputs(outputs))
+        if self._handoffs and outputs:
+            self._hand_off(outputs, events)
         if self._kv_events and (batch := self.engine.take_kv_events()) is not None:
             events.append(KVEvents(batch))
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from services.connections import add_nats_auth_arguments, nats_auth_from_args
 from services.runtime import env_float, env_int, env_str
+from services.scheduler.disagg import DisaggConfig
 from services.scheduler.placement import ROUTING_POLICIES, CostWeights
 from services.scheduler.router import RouterConfig
 from shared.wire.bus_auth import BusAuth
@@ -94,6 +95,20 @@ def parse_config(argv: list[str] | None = None) -> SchedulerConfig:
         default=env_float("LLMSERVE_INDEX_TIMEOUT", 0.05),
         help="seconds a prefix-index lookup may take before the request is routed by load alone",
     )
+    p.add_argument(
+        "--disagg-min-uncached-tokens",
+        type=int,
+        default=env_int("LLMSERVE_DISAGG_MIN_UNCACHED_TOKENS", 256),
+        help="with prefill executors: prefill a prompt on its decode executor when fewer of its "
+        "tokens than this are uncached there [env LLMSERVE_DISAGG_MIN_UNCACHED_TOKENS]",
+    )
+    p.add_argument(
+        "--disagg-max-prefill-queue-tokens",
+        type=int,
+        default=env_int("LLMSERVE_DISAGG_MAX_PREFILL_QUEUE_TOKENS", 16384),
+        help="with prefill executors: prefill locally when every prefill executor has more "
+        "unstarted prefill tokens than this [env LLMSERVE_DISAGG_MAX_PREFILL_QUEUE_TOKENS]",
+    )
     p.add_argument("--name", default="scheduler", help="connection name")
     add_nats_auth_arguments(p)
     a = p.parse_args(argv)
@@ -108,6 +123,10 @@ def parse_config(argv: list[str] | None = None) -> SchedulerConfig:
             weights=CostWeights(
                 prefill_token_cost=a.prefill_token_cost,
                 sequence_cost_tokens=a.sequence_cost_tokens,
+            ),
+            disagg=DisaggConfig(
+                min_uncached_tokens=a.disagg_min_uncached_tokens,
+                max_prefill_queue_tokens=a.disagg_max_prefill_queue_tokens,
             ),
         )
         return SchedulerConfig(

@@ -98,9 +98,13 @@ class ExecutorState:
         return self.heartbeat.model == model
 
     def routable(self, now: float, heartbeat_timeout_s: float) -> bool:
+        """A whole request (or its decode) may go here."""
+        return self.live(now, heartbeat_timeout_s) and self.heartbeat.role in ROLES_THAT_DECODE
+
+    def live(self, now: float, heartbeat_timeout_s: float) -> bool:
+        """Heard from lately, not draining, not found gone: work of its role may go here."""
         return (
             now - self.last_seen <= heartbeat_timeout_s
             and not self.heartbeat.draining
             and not self.unreachable
-            and self.heartbeat.role in ROLES_THAT_DECODE
         )

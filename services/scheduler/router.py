@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from services.scheduler.disagg import DisaggConfig, decide
 from services.scheduler.drain import DrainRate
 from services.scheduler.executors import ExecutorState, InFlight
 from services.scheduler.placement import ROUTING_POLICIES, CostWeights, choose, uncached_tokens
@@ -67,6 +68,7 @@ class RouterConfig:
     max_attempts: int = 3  # routing attempts of one request (fail-over included)
     routing: str = "cache"  # see placement.ROUTING_POLICIES
     weights: CostWeights = field(default_factory=CostWeights)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
 
     def __post_init__(self) -> None:
         if self.max_queue_len < 0:
@@ -94,6 +96,7 @@ class RouterConfig:
 class Dispatch:
     executor_id: str
     request: ExecuteRequest
+    decision: str = ""  # disagg.DECISIONS when prefill executors exist, for the metrics
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,7 @@ class Router:
         # model -> when an executor serving it last reported
         self._model_seen: dict[str, float] = {}
         self.num_refused_dispatches = 0
+        self.disagg_decisions: dict[str, int] = {}  # disagg.DECISIONS -> count
         self.drain = DrainRate(
             tau_s=config.drain_tau_s,
             fallback_s=config.retry_after_s,
@@ -237,15 +241,33 @@ class Router:
         entry = state.in_flight.get(progress.request_id) if state else None
         if state is not None:
             state.report(progress.load)
+        if progress.state == "adopted" and state is not None and entry is None:
+            self._adopt(progress, now)
+            return []
         if state is None or entry is None:
             # Not ours (another scheduler routed it) or already failed over; the room it freed
             # may let a queued request go.
             return self._drain_queue(now) if progress.state == "finished" else []
+        if progress.state == "adopted":
+            self._adopt(progress, now)
+            return []
         if progress.state == "started":
             entry.started = True
             return []
         del state.in_flight[progress.request_id]  # 'finished': its slot is free
         return self._drain_queue(now)
+
+    def _adopt(self, progress: RequestProgress, now: float) -> None:
+        """A decode executor installed a request handed to it: it holds the request from now on
+        (its death ends the request; its 'finished' frees the slot). Moves nothing when the
+        prefill executor's 'finished' came first (its own reports count the load then)."""
+        owner = self._owner(progress.request_id)
+        target = self.executors.get(progress.executor_id)
+        if owner is None or target is None or owner is target:
+            return
+        entry = owner.in_flight.pop(progress.request_id)
+        entry.started = True
+        target.in_flight[progress.request_id] = entry
 
     def abort(self, request_id: str, now: float) -> list[Action]:
         self._advance(now)
@@ -325,9 +347,13 @@ class Router:
         return len(self._queued)
 
     def num_candidates(self, model: str, now: float) -> int:
-        """Live executors serving ``model`` (with room or not): with fewer than two there is no
-        placement to choose, and no need to ask the prefix index."""
-        return sum(1 for s in self._alive(now) if s.serves(model))
+        """Live executors serving ``model`` (with room or not; prefill executors too): with fewer
+        than two there is no placement to choose, and no need to ask the prefix index."""
+        return sum(
+            1
+            for s in self.executors.values()
+            if s.serves(model) and s.live(now, self.config.heartbeat_timeout_s)
+        )
 
     def status(self, now: float) -> SchedulerStatus:
         executors = [
@@ -420,7 +446,7 @@ class Router:
         if self._head(request.model) is None:
             target = self._pick(entry, now)
             if target is not None:
-                return [self._dispatch(target, entry)]
+                return [self._dispatch(target, entry, now)]
         if self._no_executor_for(request.model, now):
             return [
                 Fail(
@@ -450,15 +476,45 @@ class Router:
         self._queued[request.request_id] = queued
         return self._drain_queue(now)
 
-    def _dispatch(self, target: ExecutorState, entry: InFlight) -> Dispatch:
+    def _prefill_candidates(self, entry: InFlight, now: float) -> list[ExecutorState]:
+        timeout_s = self.config.heartbeat_timeout_s
+        return [
+            s
+            for s in self.executors.values()
+            if s.heartbeat.role == "prefill"
+            and s.serves(entry.request.model)
+            and s.live(now, timeout_s)
+            and not (s.load_estimate() > 0 and s.load_estimate() + entry.weight > self._capacity(s))
+        ]
+
+    def _dispatch(self, target: ExecutorState, entry: InFlight, now: float = 0.0) -> Dispatch:
+        """``target``: where the request decodes. With prefill executors about, its prefill may go
+        to one of them (disagg.decide); the entry is in flight there until the decode executor
+        adopts it."""
         entry.ack_version, entry.started, entry.aborted = None, False, False
         num_prompt_tokens = len(entry.request.prompt_token_ids)
-        entry.num_prefill_tokens = uncached_tokens(target, entry.request, entry.cached_blocks)
-        target.in_flight[entry.request.request_id] = entry
+        request = entry.request
+        decision = ""
+        prefill_candidates = self._prefill_candidates(entry, now)
+        if any(s.heartbeat.role == "prefill" for s in self.executors.values()):
+            decision, prefill = decide(
+                request,
+                uncached_tokens(target, request, entry.cached_blocks),
+                prefill_candidates,
+                entry.cached_blocks,
+                self.config.disagg,
+                self.config.weights,
+            )
+            self.disagg_decisions[decision] = self.disagg_decisions.get(decision, 0) + 1
+            if prefill is not None:
+                request = msgspec.structs.replace(request, decode_executor_id=target.executor_id)
+                target = prefill
+        entry.num_prefill_tokens = uncached_tokens(target, request, entry.cached_blocks)
+        target.in_flight[request.request_id] = entry
         request = msgspec.structs.replace(
-            entry.request, num_expected_cached_tokens=num_prompt_tokens - entry.num_prefill_tokens
+            request, num_expected_cached_tokens=num_prompt_tokens - entry.num_prefill_tokens
         )
-        return Dispatch(target.executor_id, request)
+        return Dispatch(target.executor_id, request, decision)
 
     def _head(self, model: str) -> _Queued | None:
         """The first live entry of the model's queue; drops cancelled ones and an emptied queue."""
@@ -480,7 +536,7 @@ class Router:
                 heapq.heappop(self._queues[model])
                 del self._queued[head.entry.request.request_id]
                 self.drain.on_departures(1)
-                actions.append(self._dispatch(target, head.entry))
+                actions.append(self._dispatch(target, head.entry, now))
         return actions
 
     def _drop_queued(self, queued: _Queued, status: int, type_: str, message: str) -> Fail:

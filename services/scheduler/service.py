@@ -34,7 +34,7 @@ import time
 import msgspec
 from opentelemetry.context import Context
 from opentelemetry.trace import Status, StatusCode
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.router import Action, Dispatch, Fail, Router
@@ -64,6 +64,13 @@ class SchedulerService:
         # Its MetricsReport: the round trips of the index lookups and dispatches it makes.
         self.registry = CollectorRegistry()
         self._round_trip = round_trip_histogram(self.registry)
+        self._disagg_decisions = Counter(
+            "llmserve:disaggregation_decisions",
+            "Where a request's prompt was prefilled when prefill executors exist "
+            "(services/scheduler/disagg.py): disaggregated, or locally and why.",
+            ["decision"],
+            registry=self.registry,
+        )
         self._metrics = MetricsPublisher(
             bus, "scheduler", new_instance_id(config.name), self.registry
         )
@@ -235,6 +242,8 @@ class SchedulerService:
 
     async def _dispatch(self, action: Dispatch) -> None:
         rid, executor_id = action.request.request_id, action.executor_id
+        if action.decision:
+            self._disagg_decisions.labels(action.decision).inc()
         sent = time.perf_counter()
         try:
             data = await self.bus.request(

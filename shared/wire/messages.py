@@ -69,6 +69,9 @@ class ExecuteRequest(msgspec.Struct, kw_only=True, frozen=True):
     # prompt tokens the prefix index said this executor holds (its matched blocks x block size):
     # the executor counts the rest as prefill work ahead of later requests until this one starts
     num_expected_cached_tokens: int = 0
+    # Disaggregated: prefill here, sample the first token, stream it, then hand the request (its KV
+    # pages) to this decode executor (services/executor/handoff.py). None: run it here to the end.
+    decode_executor_id: str | None = None
 
 
 class StreamError(msgspec.Struct, kw_only=True, frozen=True, tag="error", tag_field="kind"):
@@ -107,6 +110,59 @@ class StreamKeepalive(msgspec.Struct, kw_only=True, frozen=True, tag="keepalive"
 # must be several of these (GatewayConfig checks it), so a slow loop never fails a live request.
 KEEPALIVE_INTERVAL_S = 2.0
 
+
+class KVPageLayout(msgspec.Struct, kw_only=True, frozen=True):
+    """What one KV page (a block of every layer, K and V) is made of; pages move only between
+    engines whose layouts are equal (shared/engine/kv_transfer.py)."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    row: int
+    dtype: str
+
+
+class KVOffer(msgspec.Struct, kw_only=True, frozen=True):
+    """Prefill executor → decode executor (request/reply on ``subjects.kv_offer``): a request whose
+    first token is out, its pages ready to send. The decode side reserves blocks for the prompt
+    (its own cached leading blocks, by block hash, included) before it accepts."""
+
+    request_id: str
+    prefill_executor_id: str
+    layout: KVPageLayout
+    prompt_token_ids: list[int]
+    block_hashes: list[int]
+    params: SamplingParams
+    priority: int
+    first_token_id: int
+    num_emitted_chars: int
+    num_cached_tokens: int
+    generator_state: bytes | None
+    # Seconds from the offer within which every page must have arrived: past it the decode side
+    # frees its reservation and never commits (so the prefill side, which gives up a grace period
+    # later, knows the request did not start there).
+    timeout_s: float
+
+
+class KVOfferReply(msgspec.Struct, kw_only=True, frozen=True):
+    """Accepted: send pages [num_cached_blocks, end) of the prompt's blocks. Refused (no room, a
+    layout or prompt it cannot take, draining): ``reason`` says why; the prefill side decodes the
+    request itself."""
+
+    accepted: bool
+    num_cached_blocks: int = 0
+    reason: str = ""
+
+
+class KVChunkAck(msgspec.Struct, kw_only=True, frozen=True):
+    """Decode executor → prefill executor, the reply to one chunk of pages. The reply to the last
+    chunk means every page is installed and the request decodes there: the prefill side frees its
+    blocks."""
+
+    ok: bool
+    reason: str = ""
+
+
 # Every message on ``subjects.stream(rid)``, told apart by ``kind``. A reader must accept (skip) the
 # variants it has no use for: keepalives were added after outputs and errors.
 StreamMessage = StreamOutput | StreamError | StreamKeepalive
@@ -135,8 +191,10 @@ class ExecutorLoad(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class RequestProgress(msgspec.Struct, kw_only=True, frozen=True):
-    """Executor → scheduler. ``state``: 'started' (first delta is about to be published) or
-    'finished' (finished, aborted or failed; its in-flight slot is free). ``load``: the executor's
+    """Executor → scheduler. ``state``: 'started' (first delta is about to be published),
+    'adopted' (a decode executor installed the pages of a request prefilled elsewhere: it holds the
+    request from now on) or 'finished' (finished, aborted, failed or handed off; its in-flight slot
+    is free). ``load``: the executor's
     load after it, so every scheduler replica sees the freed room at once, not at the next
     heartbeat."""
 
@@ -334,6 +392,9 @@ PREFIX_MATCH_REPLY = Codec[PrefixMatchReply](PrefixMatchReply)
 PREFIX_INDEX_STATUS_REQUEST = Codec[PrefixIndexStatusRequest](PrefixIndexStatusRequest)
 PREFIX_INDEX_STATUS = Codec[PrefixIndexStatus](PrefixIndexStatus)
 METRICS_REPORT = Codec[MetricsReport](MetricsReport)
+KV_OFFER = Codec[KVOffer](KVOffer)
+KV_OFFER_REPLY = Codec[KVOfferReply](KVOfferReply)
+KV_CHUNK_ACK = Codec[KVChunkAck](KVChunkAck)
 
 __all__ = [
     "ABORT_REQUEST",

@@ -14,8 +14,9 @@ Each kind connects as the NATS user of its name. What each may do, and why::
                   executor.*.decode, stream.*          scheduler.progress, executor.*.stats,
                                                        abort
     executor      stream.*, scheduler.progress,        executor.*.decode, abort,
-                  executor.*.stats, kv_events.*,       executor.*.kv_snapshot
-                  JetStream: its stream's INFO, CREATE
+                  executor.*.stats, kv_events.*,       executor.*.kv_snapshot,
+                  executor.*.kv_offer, kv.*.*          executor.*.kv_offer, kv.*.* (KV pages
+                  JetStream: its stream's INFO, CREATE   from prefill to decode executors)
     prefix_index  executor.*.kv_snapshot, JetStream:   prefix_index.match, prefix_index.status,
                   INFO, CREATE, its consumer, acks     executor.*.stats
 
@@ -139,12 +140,16 @@ PERMISSIONS: dict[str, Permissions] = {
             subjects.SCHEDULER_PROGRESS,
             subjects.EXECUTOR_STATS_ALL,
             subjects.KV_EVENTS_ALL,
+            subjects.EXECUTOR_KV_OFFER_ALL,
+            subjects.KV_PAGES_ALL,
             subjects.metrics_of("executor"),
             *_KV_STREAM_ENSURE,
         ),
         subscribe=(
             subjects.EXECUTOR_DECODE_ALL,
             subjects.EXECUTOR_KV_SNAPSHOT_ALL,
+            subjects.EXECUTOR_KV_OFFER_ALL,
+            subjects.KV_PAGES_ALL,
             subjects.ABORT,
             _own_inbox("executor"),
         ),

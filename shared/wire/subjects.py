@@ -35,6 +35,9 @@ EXECUTOR_STATS_ALL = f"{PREFIX}.executor.*.stats"
 # permissions (shared/wire/permissions.py): who may send to, or listen as, any executor.
 EXECUTOR_DECODE_ALL = f"{PREFIX}.executor.*.decode"
 EXECUTOR_KV_SNAPSHOT_ALL = f"{PREFIX}.executor.*.kv_snapshot"
+EXECUTOR_KV_OFFER_ALL = f"{PREFIX}.executor.*.kv_offer"
+# Every KV page transfer (kv_pages), for the permissions: executors send pages to any executor.
+KV_PAGES_ALL = f"{PREFIX}.kv.*.*"
 # Every executor's KV events, for wildcard subscribers (the prefix index): see kv_events().
 KV_EVENTS_ALL = f"{PREFIX}.kv_events.*"
 # Every service's MetricsReport (see metrics()), for the gateways' /metrics.
@@ -96,3 +99,20 @@ def metrics(service: str, instance: str) -> str:
 def metrics_of(service: str) -> str:
     """Every instance of one kind of service's reports: what that kind may publish."""
     return f"{PREFIX}.metrics.{_token(service, 'service')}.*"
+
+
+def executor_kv_offer(executor_id: str) -> str:
+    """Prefill executor → decode executor (request/reply): KVOffer → KVOfferReply."""
+    return f"{PREFIX}.executor.{_token(executor_id, 'executor id')}.kv_offer"
+
+
+def kv_pages(decode_executor_id: str, request_id: str) -> str:
+    """Prefill executor → decode executor (request/reply per chunk): one request's KV pages, raw
+    bytes with the chunk's place in headers (shared/wire/kv_transport.py) → KVChunkAck."""
+    decode = _token(decode_executor_id, "executor id")
+    return f"{PREFIX}.kv.{decode}.{_token(request_id, 'request id')}"
+
+
+def kv_pages_of(decode_executor_id: str) -> str:
+    """Every transfer to one decode executor: what it subscribes to."""
+    return f"{PREFIX}.kv.{_token(decode_executor_id, 'executor id')}.*"

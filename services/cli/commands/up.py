@@ -12,7 +12,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from services.executor.config import SERVED_ENGINE_DEFAULTS
+from services.executor.config import SERVED_ENGINE_DEFAULTS, parse_cpu_list
 from services.gateway.config import ENV_API_KEY, add_api_key_arguments, api_key_from_args
 from services.runtime import env_str, env_value
 from services.scheduler.placement import ROUTING_POLICIES
@@ -55,8 +55,25 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--executors",
         type=int,
-        default=1,
-        help="executor processes per model (each loads its model)",
+        default=None,
+        help="executor processes of role 'both' per model (each loads its model; default 1, or 0 "
+        "with --prefill/--decode)",
+    )
+    p.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        help="prefill executors per model: they run long prompts and hand the KV pages to a "
+        "decode executor",
+    )
+    p.add_argument(
+        "--decode", type=int, default=0, help="decode executors per model (take handoffs)"
+    )
+    p.add_argument(
+        "--executor-cpus",
+        default="",
+        help="cores of each executor, ';' between executors in launch order (both, then prefill, "
+        "then decode), e.g. '0;1' or '0-1;2-3' (default: no pinning)",
     )
     p.add_argument("--tokenizers", type=int, default=1, help="tokenizer processes")
     p.add_argument("--schedulers", type=int, default=1, help="scheduler processes")
@@ -166,7 +183,16 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
         host=args.host,
         port=args.port,
         num_gateways=args.gateways,
-        num_executors=args.executors,
+        num_executors=(
+            args.executors
+            if args.executors is not None
+            else (0 if args.prefill or args.decode else 1)
+        ),
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        executor_cpus=tuple(
+            parse_cpu_list(part) for part in args.executor_cpus.split(";") if part.strip()
+        ),
         num_tokenizers=args.tokenizers,
         num_schedulers=args.schedulers,
         num_prefix_indexes=args.prefix_indexes,
@@ -209,7 +235,8 @@ def run(args: argparse.Namespace) -> int:
 
     for m in models:
         _note(
-            f"starting {args.executors} executor(s) with {m.path or 'the default model'} as "
+            f"starting {config.executors_per_model} executor(s) with "
+            f"{m.path or 'the default model'} as "
             f"{m.name}; the model loads in each executor (progress below)"
         )
     stack = None
