@@ -22,6 +22,7 @@ table { border-collapse: collapse; margin: 0.6em 0; font-size: 0.92em; }
 th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: right; }
 th:first-child, td:first-child { text-align: left; }
 th { background: #f3f3f3; }
+table.kv td { text-align: left; }
 .status { display: inline-block; padding: 0.1em 0.5em; border-radius: 0.3em; font-size: 0.85em; }
 .measured { background: #dff0d8; } .absent { background: #eee; } .failed { background: #f2dede; }
 .reading { font-weight: 600; }
@@ -36,8 +37,8 @@ def _e(value: object) -> str:
 
 
 def format_cell(value: object) -> str:
-    """Numbers to a readable precision: integers as is, floats to 3 significant digits (4 when
-    >= 1000 would lose digits, so big numbers keep their integer part)."""
+    """Numbers to a readable precision: integers with thousands separators, floats to 4
+    significant digits (from 1000 up, rounded to an integer, so no digits hide in an exponent)."""
     if isinstance(value, bool) or value is None:
         return "—" if value is None else str(value)
     if isinstance(value, int):
@@ -47,7 +48,7 @@ def format_cell(value: object) -> str:
             return "—"
         if abs(value) >= 1000:
             return f"{value:,.0f}"
-        return f"{value:.3g}"
+        return f"{value:.4g}"
     return str(value)
 
 
@@ -115,7 +116,7 @@ def render_host(host: Mapping[str, Any], source: str) -> str:
         "<p>Two shared cores: absolute numbers are noisy and depend on what else ran; compare the "
         "configurations measured in the same run (ratios), not across runs. The load average is "
         "the 1/5/15-minute average at the start and at the end of the run.</p>"
-        f"<table><tbody>{rows}</tbody></table><p>{_source_link(source)}</p></section>"
+        f'<table class="kv"><tbody>{rows}</tbody></table><p>{_source_link(source)}</p></section>'
     )
 
 
@@ -140,7 +141,7 @@ def render_report(
     return (
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
         f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>"
-        f"<h1>{_e(title)}</h1><table><tbody>{header}</tbody></table>"
+        f'<h1>{_e(title)}</h1><table class="kv"><tbody>{header}</tbody></table>'
         f"<h2>Contents</h2><ol>{toc}<li><a href='#host'>Host</a></li></ol>\n"
         f"{body}\n{render_host(host, host_source)}</body></html>\n"
     )

@@ -148,7 +148,8 @@ def build(raw: dict[str, Any]) -> Section:
         source=SOURCE,
     )
     figure = Figure(
-        title="KV tokens that fit, per model and memory size (0: the weights do not fit)",
+        title="KV tokens that fit, per model and memory size (no bar: the weights do not fit)",
+        log_y=True,
         x_label="model",
         x_unit="name",
         y_label="KV cache capacity",
@@ -159,7 +160,8 @@ def build(raw: dict[str, Any]) -> Section:
             Series(
                 name=size,
                 xs=list(range(len(models))),
-                ys=[m["plans"][size].get("num_kv_tokens", 0) / 1000 for m in models],
+                # NaN leaves no bar (a log axis has no 0)
+                ys=[m["plans"][size].get("num_kv_tokens", float("nan")) / 1000 for m in models],
             )
             for size in memory
         ],

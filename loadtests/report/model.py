@@ -44,6 +44,7 @@ class Figure:
     x_ticks: Sequence[str] = ()
     hlines: Sequence[tuple[str, float]] = ()
     log_x: bool = False
+    log_y: bool = False
 
     def __post_init__(self) -> None:
         if not self.x_unit.strip() or not self.y_unit.strip():

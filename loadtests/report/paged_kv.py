@@ -116,6 +116,7 @@ def build(raw: dict[str, Any]) -> Section:
     conc_names = list(conc)
     fig_conc = Figure(
         title=f"Max concurrent requests at fixed memory ({pool_tokens:,} KV tokens)",
+        log_y=True,
         x_label="allocation scheme",
         x_unit="name",
         y_label="concurrent requests",

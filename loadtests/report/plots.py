@@ -31,6 +31,8 @@ def svg(figure: Figure) -> str:
                 ax.set_xscale("log", base=2)
             if figure.x_ticks:
                 ax.set_xticks(list(figure.series[0].xs), figure.x_ticks)
+        if figure.log_y:
+            ax.set_yscale("log")
         for name, y in figure.hlines:
             ax.axhline(y, linestyle="--", color="grey", linewidth=1)
             ax.annotate(

@@ -154,7 +154,8 @@ def test_sections_that_do_not_exist_say_so_and_show_nothing():
 
 def test_cells_are_formatted_readably():
     assert format_cell(1234567) == "1,234,567"
-    assert format_cell(0.012345) == "0.0123"
+    assert format_cell(0.012345) == "0.01235"
+    assert format_cell(10.0123) == "10.01"
     assert format_cell(12345.6) == "12,346"
     assert format_cell(None) == "—"
     assert format_cell(float("nan")) == "—"
@@ -314,3 +315,17 @@ def test_the_cli_parses_bench_report():
     args = build_parser().parse_args(["bench", "report", "--quick", "--out", "/tmp/x"])
     assert args.quick and args.out == "/tmp/x"
     assert main(["bench", "report", "--only", "nonsense"]) == 2
+
+
+def test_a_figure_draws_as_inline_svg_with_its_units():
+    pytest.importorskip("matplotlib")
+    from loadtests.report import plots
+
+    figure = Figure(
+        "throughput", "requests in flight", "requests", "output", "tokens/s",
+        [Series("engine", [1, 2, 4], [10.0, 18.0, 30.0])], source="raw/x.json",
+        hlines=[("ceiling", 50.0)], log_x=True,
+    )  # fmt: skip
+    svg = plots.svg(figure)
+    assert svg.startswith("<svg") and "<?xml" not in svg
+    assert "requests in flight (requests)" in svg and "output (tokens/s)" in svg
