@@ -79,7 +79,8 @@ def run_report(
     chosen = [m for m in MEASUREMENTS if not only or m[0] in only]
     say(
         f"bench report ({plan.name}): {len(chosen)} measurements, expected about "
-        f"{plan.expected_minutes} min on a shared 2-core host; writing {os.path.abspath(out_dir)}"
+        f"{plan.expected_minutes} min on a quiet 2-core host (longer on a busy one); writing "
+        f"{os.path.abspath(out_dir)}"
     )
     malloc_tuned = bench_engine.tune_malloc()  # as bench_engine's own runs do
     torch.set_num_threads(plan.threads)
@@ -89,11 +90,15 @@ def run_report(
     load_start = _load_average()
     t_start = time.perf_counter()
     durations: dict[str, float] = {}
+    # the 1-minute load average as each measurement starts: on a shared host, where the noise was
+    loads: dict[str, float | None] = {}
     sections: list[Section] = []
     for i, (key, measure, builders) in enumerate(chosen, start=1):
         elapsed = time.perf_counter() - t_start
         say(f"[{i}/{len(chosen)}] {key} (at {elapsed / 60:.1f} of ~{plan.expected_minutes} min)")
         t0 = time.perf_counter()
+        load = _load_average()
+        loads[key] = load[0] if load else None
         path = os.path.join(raw_dir, f"{key}.json")
         try:
             data = measure(plan, say)
@@ -134,6 +139,7 @@ def run_report(
             "command": command,
             "duration_s": total,
             "section_durations_s": durations,
+            "section_start_load_average_1min": loads,
         },
     )
     meta = {
@@ -142,6 +148,7 @@ def run_report(
         "started": host_info["date"],
         "duration (min)": round(total / 60, 1),
         "per measurement (s)": ", ".join(f"{k} {v:.0f}" for k, v in durations.items()),
+        "1-minute load average as each started": ", ".join(f"{k} {v}" for k, v in loads.items()),
         "raw data": f"{RAW_DIR}/*.json beside this file; host and plan: {RAW_DIR}/host.json",
     }
     page = render_report(
