@@ -149,7 +149,7 @@ def build(raw: dict[str, Any]) -> Section:
         f"memory {paged_n} requests fit paged vs {max_len_n} reserving max_model_len.",
         tables=[util, conc_table],
         figures=[fig_util, fig_conc],
-        commands=[raw.get("command", "")],
+        commands=[raw["command"]] if "command" in raw else [],
         notes=[
             "Contiguous prompt + max_tokens assumes the server knows each request's exact "
             "output length in advance; it never does for a request that can stop at EOS, so "
