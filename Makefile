@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 # (an unpinned torch pulls a multi-GB CUDA build).
 TORCH  := torch==2.13.0
 
-.PHONY: install up test test-fast lint bench-forward bench-engine bench-serving clean
+.PHONY: install up test test-fast lint bench-forward bench-engine bench-serving bench-report clean
 
 install: $(VENV)/.installed
 
@@ -53,6 +53,10 @@ bench-engine: install
 
 bench-serving: install
 	$(PY) -m loadtests.bench_serving $(ARGS)
+
+# The ablation report (loadtests/report/): ARGS="--quick --out /tmp/report" for a short run.
+bench-report: install
+	$(VENV)/bin/llmserve bench report $(ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -91,20 +91,30 @@ async def next_heartbeat_stats(stack):
         return messages.EXECUTOR_HEARTBEAT.decode((await sub.next(timeout=10)).data).stats
 
 
-def run_engine(args: argparse.Namespace, prompts: list[str | list[int]]) -> dict:
+def make_engine(args: argparse.Namespace, max_concurrency: int | None = None):
+    """The engine ``run_engine`` drives: the stack's executor configuration for ``args``."""
     from shared.engine.config import EngineConfig
     from shared.engine.engine import Engine
-    from shared.wire.sampling_params import SamplingParams
 
-    engine = Engine(
+    return Engine(
         EngineConfig(
             dtype=args.dtype,
-            max_num_seqs=max(64, args.concurrency),
+            max_num_seqs=max(64, max_concurrency or args.concurrency),
             max_num_batched_tokens=args.max_num_batched_tokens,
             num_threads=args.num_threads,
         ),
         progress=False,
     )
+
+
+def run_engine(args: argparse.Namespace, prompts: list[str | list[int]], engine=None) -> dict:
+    """The prompts through the engine in process, ``args.concurrency`` in flight (the first one is
+    a warm-up, not counted). ``engine``: reuse one (idle, from ``make_engine``), e.g. across
+    concurrency levels; by default a new one."""
+    from shared.wire.sampling_params import SamplingParams
+
+    if engine is None:
+        engine = make_engine(args)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     warm, prompts = prompts[0], prompts[1:]
     engine.add_request("warmup", warm, params)
