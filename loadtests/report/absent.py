@@ -25,8 +25,9 @@ def disaggregation() -> Section:
         "Prefill/decode disaggregation",
         "Running prefill and decode on separate executors (shipping the KV cache between them) "
         "removes prefill's interference with decode latency.",
-        "Not in this tree yet: every executor prefills and decodes its own requests (a separate "
-        "branch is building it).",
+        "Not measured yet: the roles exist (`llmserve up --prefill N --decode M`), but the "
+        "benchmark that compares them with colocated executors is not written, so there is no "
+        "number here.",
         "When it lands, this section should compare TPOT p99 under a prefill-heavy load against "
         "the colocated stack, in the same run.",
     )
