@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 # (an unpinned torch pulls a multi-GB CUDA build).
 TORCH  := torch==2.13.0
 
-.PHONY: install up test test-fast lint bench-forward bench-engine bench-serving clean
+.PHONY: install up test test-fast lint bench-forward bench-engine bench-serving bench-report clean
 
 install: $(VENV)/.installed
 
@@ -23,6 +23,11 @@ $(VENV)/.installed: pyproject.toml
 	# Compile the CPU kernels of every level this CPU has now (about a minute each, cached per
 	# machine) rather than on first use; it prints which path each op takes here.
 	$(PY) -m kernels.cpu
+	# The console's browser test drives Debian's chromium (never Playwright's own download):
+	# installed where this user may (root with apt), else that test is skipped, saying so.
+	command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }; } \
+		>/dev/null 2>&1; } || echo "chromium not installed: tests/e2e/test_console.py will be skipped"
 	touch $@
 
 up: install
@@ -48,6 +53,10 @@ bench-engine: install
 
 bench-serving: install
 	$(PY) -m loadtests.bench_serving $(ARGS)
+
+# The ablation report (loadtests/report/): ARGS="--quick --out /tmp/report" for a short run.
+bench-report: install
+	$(VENV)/bin/llmserve bench report $(ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info

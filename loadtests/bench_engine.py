@@ -274,7 +274,9 @@ def _int_pair(text: str, flag: str) -> tuple[int, int]:
 # ---- engine helpers ------------------------------------------------------------------------------
 
 
-def make_llm(args, *, max_num_seqs: int, max_num_batched_tokens: int) -> LLM:
+def make_llm(args, *, max_num_seqs: int, max_num_batched_tokens: int, **config_overrides) -> LLM:
+    """An engine for ``args`` (warmed up, prefix cache empty); ``config_overrides``: other
+    ``EngineConfig`` fields (e.g. ``enable_prefix_caching=False``)."""
     config = EngineConfig(
         model=args.model,
         dtype=args.dtype,
@@ -285,6 +287,7 @@ def make_llm(args, *, max_num_seqs: int, max_num_batched_tokens: int) -> LLM:
         seed=args.seed,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        **config_overrides,
     )
     llm = LLM(config, progress=False)
     torch.set_num_threads(args.threads)
@@ -712,6 +715,10 @@ def bench_mix(args, corpus: list[int] | None) -> dict[str, Any]:
             block_size=llm.engine.block_manager.block_size,
             prompts_fingerprint=fingerprint(prompts),
             num_prompt_tokens=sum(map(len, prompts)),
+            # per request, in trace order: what a KV footprint is computed from
+            prompt_lens=[len(p) for p in prompts],
+            max_tokens=[r.max_tokens for r in trace],
+            num_kv_blocks=llm.engine.kv_cache.num_blocks,  # the pool, padding block included
         ),
         continuous=cont,
         static=stat,

@@ -1,22 +1,26 @@
 """Cache-aware routing against round robin, on the whole stack, in one run.
 
-    python -m loadtests.bench_prefix_routing [--conversations 16 --turns 4 --system-len 1000]
+    python -m loadtests.bench_prefix_routing [--conversations 16 --turns 4 --system-len 1000 \
+        --user-len 150 --output-len 64 --num-kv-blocks 1024]
 
 Two executors serve a multi-turn chat workload: every conversation opens with the same system
-prompt (``--system-len`` tokens), and each turn's prompt is the previous turn's prompt plus a reply
-and a new user message, so it extends the last one. Conversations start ``--stagger`` seconds apart
-and run their turns one after another; every request streams ``--output-len`` tokens. The same
-workload runs once per routing policy on a fresh stack (``--policies``), and reports per policy:
+prompt (``--system-len`` tokens), and each turn's prompt is the previous turn's prompt plus the
+reply it got (its text encoded again, as a chat server re-encodes a returned message) and a new
+user message of ``--user-len`` tokens, so it extends the last one. Conversations start ``--stagger``
+seconds apart and run their turns one after another; every request streams ``--output-len`` greedy
+tokens. The same workload runs once per routing policy on a fresh stack (``--policies``); greedy
+decoding does not depend on the batch, so both see the same prompts. Reported per policy:
 
 - TTFT (mean, median, p99) as the client sees it;
 - prefix hit rate: the cached prompt tokens the executors report (usage.prompt_tokens_details
-  .cached_tokens) over the ideal, the leading full blocks of each prompt that some request finished
-  before it was sent had in its prompt (what one executor with an unbounded cache would hit);
+  .cached_tokens) over the ideal, the leading full blocks of each prompt that the prompts and
+  replies sent before it had (what one executor with an unbounded cache, prefilling instantly,
+  would hit);
 - with cache routing, the index lookup the scheduler makes per request: the PREFIX_INDEX_MATCH
   round trip timed by this client over NATS with each prompt's block hashes, and the scheduler's
   own median.
 
-Prompts are token ids (random, seeded), so both runs see identical requests. Writes
+System prompt and user messages are random token ids (seeded). Writes
 loadtests/results/bench_prefix_routing.json.
 """
 
@@ -29,15 +33,17 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
 
 from loadtests.bench_serving import percentile
 from loadtests.results import write_json
-from services.cli.launcher import StackConfig, launch
+from services.cli.launcher import Stack, StackConfig, launch
 from services.scheduler.placement import ROUTING_POLICIES
+from shared.engine.default_model import default_model_path
+from shared.engine.tokenizer.tokenizer import Tokenizer
 from shared.wire import messages, subjects
 from shared.wire.block_hash import hash_prompt_blocks
 from shared.wire.bus import Bus
@@ -54,6 +60,8 @@ class Turn:
     conversation: int
     turn: int
     prompt: list[int]
+    text: str = ""
+    reply: list[int] = field(default_factory=list)  # the text encoded again
     sent_at: float = 0.0
     finished_at: float = 0.0
     ttft_s: float = 0.0
@@ -70,14 +78,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--conversations", type=int, default=16)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--system-len", type=int, default=1000, help="shared system prompt, tokens")
-    p.add_argument("--user-len", type=int, default=200, help="tokens each user turn adds")
-    p.add_argument("--reply-len", type=int, default=100, help="tokens of the prior reply per turn")
-    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--user-len", type=int, default=150, help="tokens each user turn adds")
+    p.add_argument("--output-len", type=int, default=64, help="tokens of each reply")
     p.add_argument("--stagger", type=float, default=0.5, help="seconds between conversations")
     p.add_argument("--executors", type=int, default=2)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--memory-budget", default="1GiB", help="per executor")
+    p.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=1024,
+        help="KV blocks of 16 tokens per executor (0: from a 1GiB budget); a cache that holds one "
+        "copy of the conversations but not two, as here, shows what placement saves",
+    )
     p.add_argument("--policies", default="cache,round_robin")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="loadtests/results/bench_prefix_routing.json")
@@ -88,41 +101,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def build_conversations(args: argparse.Namespace) -> list[list[list[int]]]:
-    """prompts[c][t]: conversation c's turn t, each extending the one before."""
+def build_messages(args: argparse.Namespace) -> tuple[list[int], list[list[list[int]]]]:
+    """The shared system prompt and user[c][t], conversation c's user message at turn t."""
     rng = random.Random(args.seed)
 
     def ids(n: int) -> list[int]:
         return [rng.randrange(*TOKEN_RANGE) for _ in range(n)]
 
     system = ids(args.system_len)
-    conversations = []
-    for _ in range(args.conversations):
-        prompt = system + ids(args.user_len)
-        turns = [prompt]
-        for _ in range(args.turns - 1):
-            prompt = prompt + ids(args.reply_len) + ids(args.user_len)
-            turns.append(prompt)
-        conversations.append(turns)
-    return conversations
+    users = [[ids(args.user_len) for _ in range(args.turns)] for _ in range(args.conversations)]
+    return system, users
 
 
 def ideal_cached_tokens(turns: list[Turn], block_size: int) -> None:
-    """Fill each turn's ideal: the leading full blocks found among the prompts of the requests
-    that finished before it was sent (its own last block excluded: a prompt's final token is always
-    computed, as the engine does)."""
-    done = sorted(turns, key=lambda t: t.finished_at)
-    hashes = {id(t): hash_prompt_blocks(t.prompt, block_size) for t in turns}
-    for t in turns:
-        known: set[int] = set()
-        for d in done:
-            if d.finished_at <= t.sent_at:
-                known.update(hashes[id(d)])
-        usable = hashes[id(t)][: (len(t.prompt) - 1) // block_size]
+    """Fill each turn's ideal: the leading full blocks found among the prompts and replies of the
+    requests sent before it (what one executor with an unbounded cache, prefilling instantly, would
+    hit; its own last block excluded: a prompt's final token is always computed, as the engine
+    does)."""
+    known: set[int] = set()
+    for t in sorted(turns, key=lambda t: t.sent_at):
+        usable = hash_prompt_blocks(t.prompt, block_size)[: (len(t.prompt) - 1) // block_size]
         n = 0
         while n < len(usable) and usable[n] in known:
             n += 1
         t.ideal_cached_tokens = n * block_size
+        known.update(hash_prompt_blocks(t.prompt + t.reply, block_size))
 
 
 async def send(client: httpx.AsyncClient, model: str, turn: Turn, output_len: int) -> None:
@@ -148,8 +151,10 @@ async def send(client: httpx.AsyncClient, model: str, turn: Turn, output_len: in
                 if "error" in chunk:
                     turn.error = json.dumps(chunk["error"])[:200]
                     return
-                if turn.ttft_s == 0.0 and any(c.get("text") for c in chunk.get("choices", [])):
+                text = "".join(c.get("text") or "" for c in chunk.get("choices", []))
+                if text and turn.ttft_s == 0.0:
                     turn.ttft_s = time.perf_counter() - turn.sent_at
+                turn.text += text
                 usage = chunk.get("usage")
                 if usage:
                     details = usage.get("prompt_tokens_details") or {}
@@ -162,8 +167,9 @@ async def send(client: httpx.AsyncClient, model: str, turn: Turn, output_len: in
 
 
 async def run_workload(base_url: str, args: argparse.Namespace) -> list[Turn]:
-    conversations = build_conversations(args)
-    turns = [Turn(c, t, p) for c, conv in enumerate(conversations) for t, p in enumerate(conv)]
+    system, users = build_messages(args)
+    tokenizer = Tokenizer.from_path(default_model_path())
+    turns: list[Turn] = []
     async with httpx.AsyncClient(
         base_url=base_url,
         timeout=httpx.Timeout(600, connect=30),
@@ -173,16 +179,23 @@ async def run_workload(base_url: str, args: argparse.Namespace) -> list[Turn]:
 
         async def conversation(c: int) -> None:
             await asyncio.sleep(c * args.stagger)
+            prompt = system + users[c][0]
             for t in range(args.turns):
-                await send(client, model, turns[c * args.turns + t], args.output_len)
+                turn = Turn(c, t, prompt)
+                turns.append(turn)
+                await send(client, model, turn, args.output_len)
+                if not turn.ok or t + 1 == args.turns:
+                    return
+                turn.reply = tokenizer.encode(turn.text, add_special_tokens=False)
+                prompt = prompt + turn.reply + users[c][t + 1]
 
         await asyncio.gather(*(conversation(c) for c in range(args.conversations)))
-    return turns
+    return sorted(turns, key=lambda t: (t.conversation, t.turn))
 
 
-async def time_index_lookups(nats_url: str, prompts: list[list[int]]) -> list[float]:
+async def time_index_lookups(stack: Stack, prompts: list[list[int]]) -> list[float]:
     """The scheduler's lookup, from here: one PREFIX_INDEX_MATCH round trip per prompt, in ms."""
-    bus = await Bus.connect(nats_url, "bench-prefix-routing")
+    bus = await Bus.connect(stack.nats_url, "bench-prefix-routing", auth=stack.admin_auth)
     samples = []
     try:
         for prompt in prompts:
@@ -202,8 +215,8 @@ async def time_index_lookups(nats_url: str, prompts: list[list[int]]) -> list[fl
     return samples
 
 
-async def scheduler_status(nats_url: str) -> messages.SchedulerStatus:
-    bus = await Bus.connect(nats_url, "bench-prefix-routing-status")
+async def scheduler_status(stack: Stack) -> messages.SchedulerStatus:
+    bus = await Bus.connect(stack.nats_url, "bench-prefix-routing-status", auth=stack.admin_auth)
     try:
         data = await bus.request(
             subjects.SCHEDULER_STATUS,
@@ -235,7 +248,10 @@ def summarize(policy: str, turns: list[Turn], extra: dict[str, Any]) -> dict[str
         "hit_rate_of_ideal": cached / ideal if ideal else 0.0,
         "prompt_tokens": sum(len(t.prompt) for t in ok),
         **extra,
-        "requests": [asdict(t) | {"prompt": len(t.prompt)} for t in turns],
+        "requests": [
+            asdict(t) | {"prompt": len(t.prompt), "text": None, "reply": len(t.reply)}
+            for t in turns
+        ],
     }
 
 
@@ -249,7 +265,8 @@ def run_policy(policy: str, args: argparse.Namespace) -> dict[str, Any]:
         dtype=args.dtype,
         num_threads=1,
         max_num_seqs=args.max_num_seqs,
-        memory_budget=args.memory_budget,
+        memory_budget="1GiB",
+        num_kv_blocks=args.num_kv_blocks or None,
         block_size=BLOCK_SIZE,
     )
     with launch(config) as stack:
@@ -258,8 +275,8 @@ def run_policy(policy: str, args: argparse.Namespace) -> dict[str, Any]:
         duration = time.perf_counter() - t0
         extra: dict[str, Any] = {"duration_s": duration}
         if policy == "cache":
-            lookups = asyncio.run(time_index_lookups(stack.nats_url, [t.prompt for t in turns]))
-            status = asyncio.run(scheduler_status(stack.nats_url))
+            lookups = asyncio.run(time_index_lookups(stack, [t.prompt for t in turns]))
+            status = asyncio.run(scheduler_status(stack))
             extra["index_lookup_ms"] = {
                 "median": percentile(lookups, 50),
                 "p99": percentile(lookups, 99),

@@ -16,6 +16,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
@@ -36,6 +37,90 @@ DEFAULT_OUT = os.path.join(
 )
 
 
+def measure(
+    path: str,
+    *,
+    tokens: int = 1500,
+    alphas: str = "0.5",
+    unsmoothed: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Score every configuration on the first ``tokens`` tokens of the corpus against fp32; one
+    row per configuration (see the module docstring). ``unsmoothed``: also int8 without
+    SmoothQuant."""
+    tokenizer = Tokenizer.from_gguf(path)
+    ids = tokenizer.encode(corpus_text())[:tokens]
+    calibration = tokenizer.encode(int8_linear.calibration_text())
+    log(
+        f"bench_quality  {os.path.basename(path)}  {len(ids)} tokens scored, "
+        f"{len(calibration)} calibration tokens"
+    )
+
+    reference = load_runtime(path, dtype="float32", progress=False)
+    ref = all_position_logits(reference, ids)
+    # (name, dtype, SmoothQuant alpha, int8 linears, KV cache dtype)
+    configs: list[tuple[str, str, float | None, bool, str]] = [
+        ("fp32", "float32", None, False, "auto"),
+        ("bf16", "bfloat16", None, False, "auto"),
+        ("bf16, int8 KV", "bfloat16", None, False, "int8"),
+    ]
+    for a in alphas.split(","):
+        configs += [
+            (f"int8 alpha={a}", "bfloat16", float(a), True, "auto"),
+            (f"int8 alpha={a}, int8 KV", "bfloat16", float(a), True, "int8"),
+        ]
+    if unsmoothed:
+        configs.append(("int8 no smoothing", "bfloat16", None, True, "auto"))
+    rows = []
+    # Configurations that differ only in the KV cache dtype share one loaded (and quantized) model:
+    # the KV dtype is an argument of the scoring pass, and loading is the slow part here.
+    loaded: tuple[tuple[str, float | None, bool], Any, float] | None = (
+        ("float32", None, False),
+        reference,
+        0.0,
+    )
+    del reference
+    for name, dtype, alpha, int8, kv_cache_dtype in configs:
+        if loaded is None or loaded[0] != (dtype, alpha, int8):
+            loaded = None  # free the previous model before loading the next
+            model = load_runtime(path, dtype=dtype, progress=False)
+            t0 = time.perf_counter()
+            if int8:
+                int8_linear.quantize_model_int8(model, calibration, model.backend, alpha)
+            loaded = ((dtype, alpha, int8), model, time.perf_counter() - t0)
+        _, model, quantize_s = loaded
+        logits = all_position_logits(model, ids, kv_cache_dtype=kv_cache_dtype)
+        diff = (logits - ref).abs()
+        row: dict[str, Any] = dict(
+            config=name,
+            dtype=dtype,
+            alpha=alpha,
+            int8_linears=int8,
+            kv_cache_dtype=kv_cache_dtype,
+            perplexity=perplexity(logits, ids),
+            top1_agreement=(logits.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+            mean_abs_logit_diff=diff.mean().item(),
+            max_abs_logit_diff=diff.max().item(),
+            weight_bytes=model.weight_bytes(),
+            quantize_s=quantize_s,
+        )
+        rows.append(row)
+        log(
+            f"  {name:<26} perplexity {row['perplexity']:7.3f}   "
+            f"top-1 = fp32 {100 * row['top1_agreement']:5.1f}%   "
+            f"|logit diff| mean {row['mean_abs_logit_diff']:.3f} "
+            f"max {row['max_abs_logit_diff']:.2f}   "
+            f"weights {row['weight_bytes'] / 2**20:.0f} MiB"
+        )
+        del model
+    return dict(
+        model=os.path.basename(path),
+        tokens=len(ids),
+        calibration_tokens=len(calibration),
+        rows=rows,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -47,64 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=DEFAULT_OUT)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    path = args.model or default_model_path()
-    tokenizer = Tokenizer.from_gguf(path)
-    ids = tokenizer.encode(corpus_text())[: args.tokens]
-    calibration = tokenizer.encode(int8_linear.calibration_text())
-    print(
-        f"bench_quality  {os.path.basename(path)}  {len(ids)} tokens scored, "
-        f"{len(calibration)} calibration tokens"
-    )
-
-    ref = all_position_logits(load_runtime(path, dtype="float32", progress=False), ids)
-    # (name, dtype, SmoothQuant alpha, int8 linears, KV cache dtype)
-    configs: list[tuple[str, str, float | None, bool, str]] = [
-        ("fp32", "float32", None, False, "auto"),
-        ("bf16", "bfloat16", None, False, "auto"),
-        ("bf16, int8 KV", "bfloat16", None, False, "int8"),
-    ]
-    for a in args.alphas.split(","):
-        configs += [
-            (f"int8 alpha={a}", "bfloat16", float(a), True, "auto"),
-            (f"int8 alpha={a}, int8 KV", "bfloat16", float(a), True, "int8"),
-        ]
-    configs.append(("int8 no smoothing", "bfloat16", None, True, "auto"))
-    rows = []
-    for name, dtype, alpha, int8, kv_cache_dtype in configs:
-        model = load_runtime(path, dtype=dtype, progress=False)
-        t0 = time.perf_counter()
-        if int8:
-            int8_linear.quantize_model_int8(model, calibration, model.backend, alpha)
-        quantize_s = time.perf_counter() - t0
-        logits = all_position_logits(model, ids, kv_cache_dtype=kv_cache_dtype)
-        diff = (logits - ref).abs()
-        row: dict[str, Any] = dict(
-            config=name,
-            dtype=dtype,
-            alpha=alpha,
-            kv_cache_dtype=kv_cache_dtype,
-            perplexity=perplexity(logits, ids),
-            top1_agreement=(logits.argmax(-1) == ref.argmax(-1)).float().mean().item(),
-            mean_abs_logit_diff=diff.mean().item(),
-            max_abs_logit_diff=diff.max().item(),
-            weight_bytes=model.weight_bytes(),
-            quantize_s=quantize_s,
-        )
-        rows.append(row)
-        print(
-            f"  {name:<26} perplexity {row['perplexity']:7.3f}   "
-            f"top-1 = fp32 {100 * row['top1_agreement']:5.1f}%   "
-            f"|logit diff| mean {row['mean_abs_logit_diff']:.3f} "
-            f"max {row['max_abs_logit_diff']:.2f}   "
-            f"weights {row['weight_bytes'] / 2**20:.0f} MiB",
-            flush=True,
-        )
-        del model
-    result = dict(
-        model=os.path.basename(path),
-        tokens=len(ids),
-        calibration_tokens=len(calibration),
-        rows=rows,
+    result = measure(
+        args.model or default_model_path(),
+        tokens=args.tokens,
+        alphas=args.alphas,
+        log=lambda line: print(line, flush=True),
     )
     print(f"wrote {write_json(args.out, result)}")
     return 0

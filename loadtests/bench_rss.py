@@ -49,7 +49,7 @@ from services.executor.worker import (  # noqa: E402
 )
 from shared.wire import messages  # noqa: E402
 from shared.wire.block_hash import hash_prompt_blocks  # noqa: E402
-from shared.wire.kv_events import encode_kv_event_batch  # noqa: E402
+from shared.wire.kv_events import KV_EVENTS_MESSAGE, KVEventsMessage  # noqa: E402
 from shared.wire.messages import ExecuteRequest, SamplingParams, StreamOutput  # noqa: E402
 
 PREFIX_LEN = 16
@@ -183,7 +183,11 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(event, KVEvents):
                 counts["kv_batches"] += 1
                 counts["kv_events"] += len(event.batch.events)
-                counts["kv_bytes"] += len(encode_kv_event_batch(event.batch))
+                counts["kv_bytes"] += len(
+                    KV_EVENTS_MESSAGE.encode(
+                        KVEventsMessage(executor_id="e", epoch="1", model="m", batch=event.batch)
+                    )
+                )
             elif isinstance(event, Outputs):
                 for out in event.outputs:
                     counts["outputs"] += 1

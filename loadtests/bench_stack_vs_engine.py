@@ -78,34 +78,43 @@ def step_counts(before, after) -> dict:
     )
 
 
-async def next_heartbeat_stats(nats_url: str):
-    """The executor's counters from its next heartbeat (sent after this call starts)."""
-    import nats
-
+async def next_heartbeat_stats(stack):
+    """The executor's counters from its next heartbeat (sent after this call starts), heard as the
+    stack's admin user (its bus is closed to others)."""
     from shared.wire import messages, subjects
+    from shared.wire.bus import Bus
 
-    nc = await nats.connect(nats_url)
-    try:
-        sub = await nc.subscribe(subjects.EXECUTOR_STATS_ALL)
-        return messages.EXECUTOR_HEARTBEAT.decode((await sub.next_msg(timeout=10)).data).stats
-    finally:
-        await nc.close()
+    async with (
+        await Bus.connect(stack.nats_url, "bench", auth=stack.admin_auth) as bus,
+        await bus.subscribe_iter(subjects.EXECUTOR_STATS_ALL) as sub,
+    ):
+        return messages.EXECUTOR_HEARTBEAT.decode((await sub.next(timeout=10)).data).stats
 
 
-def run_engine(args: argparse.Namespace, prompts: list[str | list[int]]) -> dict:
+def make_engine(args: argparse.Namespace, max_concurrency: int | None = None):
+    """The engine ``run_engine`` drives: the stack's executor configuration for ``args``."""
     from shared.engine.config import EngineConfig
     from shared.engine.engine import Engine
-    from shared.wire.sampling_params import SamplingParams
 
-    engine = Engine(
+    return Engine(
         EngineConfig(
             dtype=args.dtype,
-            max_num_seqs=max(64, args.concurrency),
+            max_num_seqs=max(64, max_concurrency or args.concurrency),
             max_num_batched_tokens=args.max_num_batched_tokens,
             num_threads=args.num_threads,
         ),
         progress=False,
     )
+
+
+def run_engine(args: argparse.Namespace, prompts: list[str | list[int]], engine=None) -> dict:
+    """The prompts through the engine in process, ``args.concurrency`` in flight (the first one is
+    a warm-up, not counted). ``engine``: reuse one (idle, from ``make_engine``), e.g. across
+    concurrency levels; by default a new one."""
+    from shared.wire.sampling_params import SamplingParams
+
+    if engine is None:
+        engine = make_engine(args)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     warm, prompts = prompts[0], prompts[1:]
     engine.add_request("warmup", warm, params)
@@ -177,9 +186,9 @@ def run_stack(args: argparse.Namespace) -> dict:
         client_before = time.process_time()
 
         async def serve() -> dict:
-            stats0 = await next_heartbeat_stats(stack.nats_url)
+            stats0 = await next_heartbeat_stats(stack)
             result = await run_serving(serving_namespace(args, stack.base_url))
-            result["steps"] = step_counts(stats0, await next_heartbeat_stats(stack.nats_url))
+            result["steps"] = step_counts(stats0, await next_heartbeat_stats(stack))
             return result
 
         summary = asyncio.run(serve())

@@ -8,6 +8,7 @@ SIGTERM/SIGINT turned into a stop event the service drains on.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
@@ -16,13 +17,19 @@ import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
+from shared.tracing import setup_tracing
+from shared.wire.bus_auth import AccessRefused
+
 __all__ = [
     "env_bool",
     "env_float",
     "env_int",
     "env_str",
     "env_value",
+    "read_secret_file",
+    "refuse_secret_flag",
     "run_service",
+    "service_name",
     "setup_logging",
 ]
 
@@ -89,11 +96,54 @@ def env_bool(name: str, default: bool) -> bool:
     return default if value is None else value
 
 
+def read_secret_file(path: str, what: str) -> str:
+    """A secret (a password, an API key) from the file ``path``: its first line, without the line
+    break. ValueError naming ``what`` and the path if it cannot be read or is empty; a file that
+    other users may read is used, with a warning (they may have read the secret too)."""
+    try:
+        with open(path) as f:
+            mode = os.fstat(f.fileno()).st_mode
+            secret = f.readline().rstrip("\r\n")
+    except OSError as e:
+        raise ValueError(f"cannot read the {what} from {path}: {e.strerror or e}") from None
+    if not secret:
+        raise ValueError(f"the {what} file {path} is empty")
+    if mode & 0o077:
+        logging.getLogger("llmserve").warning(
+            "the %s file %s is readable by other users (mode %o): chmod 600 it",
+            what,
+            path,
+            mode & 0o777,
+        )
+    return secret
+
+
+def refuse_secret_flag(p: argparse.ArgumentParser, flag: str, instead: str) -> None:
+    """Make ``flag VALUE`` an error that says how to give the secret instead: argv is public
+    (``ps``). Declared, the flag also stops argparse from taking it for an abbreviation of a longer
+    one (``--nats-password`` for ``--nats-password-file``), which would treat the secret as a
+    path and print it in the error."""
+
+    class Refuse(argparse.Action):
+        def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+            parser.error(
+                f"{flag} would put a secret on the command line, where `ps` shows it to every "
+                f"user of this machine: {instead}"
+            )
+
+    p.add_argument(flag, action=Refuse, help=argparse.SUPPRESS)
+
+
 def run_service(name: str, serve: Callable[[asyncio.Event], Awaitable[None]]) -> int:
     """Run ``serve(stop)`` on uvloop; the first SIGTERM/SIGINT sets ``stop`` (serve drains and
     returns), a second one exits at once. Returns the process exit code."""
     setup_logging(name)
     log = logging.getLogger(f"llmserve.{name}")
+    try:
+        tracer_provider = setup_tracing(service_name(name))
+    except ValueError as e:
+        log.error("%s cannot start: %s", name, e)
+        return 2
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -119,8 +169,20 @@ def run_service(name: str, serve: Callable[[asyncio.Event], Awaitable[None]]) ->
         runner = asyncio.run
     try:
         runner(main())
+    except AccessRefused as e:  # wrong credentials: the message says it all, no traceback
+        log.error("%s cannot start: %s", name, e)
+        return 1
     except Exception:
         log.exception("%s failed", name)
         return 1
+    finally:
+        if tracer_provider is not None:
+            tracer_provider.shutdown()  # exports the spans still buffered
     log.info("stopped")
     return 0
+
+
+def service_name(name: str) -> str:
+    """The OpenTelemetry service.name of a service (``prefix_index`` → ``llmserve-prefix-index``),
+    unless OTEL_SERVICE_NAME says otherwise."""
+    return "llmserve-" + name.replace("_", "-")

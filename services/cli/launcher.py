@@ -10,6 +10,17 @@ Process invariants:
   not leave orphans behind;
 - ``Stack.stop()`` sends SIGTERM to each child's process group, waits ``grace_s``, then SIGKILLs the
   group; after it returns no child process is alive.
+- ``Stack.supervise()`` restarts whatever exited on its own: nats-server and redis-server first
+  (same port, config and data dir, so JetStream's store survives; polled, so reaped: never a
+  zombie), then the services. The services reconnect by themselves.
+- The servers' dirs live in one stack dir (``reaper.make_stack_dir``) that ``stop()`` removes; a
+  reaper process removes it if the launcher dies without stopping (SIGKILL included), and the next
+  launch sweeps any a dead launcher and its reaper left.
+
+Security invariants: the servers it starts are closed (``credentials.py``: a NATS user per service
+kind with its subject permissions, the prefix index's Redis user); each service gets its own kind's
+credentials, and the API key (the gateway alone), by environment; no secret and no URL is on any
+child's command line (``ps`` shows argv to every user; a URL from outside may hold a password).
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ import collections
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,20 +41,27 @@ from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from services.cli.credentials import StackCredentials
+from services.cli.reaper import DirReaper, make_stack_dir, sweep_orphaned_dirs
 from services.cli.servers import (
     LOOPBACK,
     ServerProcess,
+    ServerStartError,
     detach_child,
     free_port,
     read_log_tail,
     start_nats,
     start_redis,
 )
+from services.connections import NATS_ENV, REDIS_ENV
 from services.executor.config import SERVED_ENGINE_DEFAULTS
+from services.gateway.config import ENV_API_KEY
+from services.runtime import service_name
 from services.scheduler.placement import ROUTING_POLICIES
 from services.served_models import ServedModel, check_unique, default_model_name
 from services.tokenizer.config import TOKENIZER_LIMIT_SETTINGS
 from shared.engine.config import ENGINE_SETTINGS, EngineConfig
+from shared.wire.bus_auth import BusAuth
 
 # How an executor's OpenMP threads wait between parallel regions (~10 per layer per step). Every
 # service shares the machine's cores with the executors, so libgomp's default (spin 300k iterations,
@@ -63,6 +82,8 @@ __all__ = [
     "StackConfig",
     "StackStartError",
     "executor_args",
+    "gateway_name",
+    "gateway_ports",
     "launch",
     "served_model_name",
     "served_models",
@@ -86,16 +107,27 @@ class StackConfig:
     # names its models one way only (``served_models``).
     models: tuple[ServedModel, ...] = ()
     host: str = LOOPBACK
-    port: int = 8000  # 0 = a free port
-    num_executors: int = 1
+    # The first gateway's port (0 = a free port for each); gateway i listens on port + i.
+    port: int = 8000
+    num_gateways: int = 1
+    num_executors: int = 1  # role 'both', per model
+    num_prefill: int = 0  # role 'prefill' executors per model (disaggregation)
+    num_decode: int = 0  # role 'decode' executors per model
+    # Cores of each executor, by executor index (empty: no pinning); e.g. ((0,), (1,)).
+    executor_cpus: tuple[tuple[int, ...], ...] = ()
     num_tokenizers: int = 1
     num_schedulers: int = 1
+    num_prefix_indexes: int = 1  # prefix index replicas (0: none; the schedulers route by load)
     max_queue_len: int = 256
     routing: str = "cache"  # the schedulers' placement policy (services/scheduler/placement.py)
     max_queued: int | None = None  # each executor accepts max_num_seqs + this (None: twice)
     heartbeat_timeout_s: float = 2.0
     no_executor_timeout_s: float = 10.0  # queued requests get 503 after this long without executors
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # never printed
+    # The servers' users (``llmserve credentials DIR``), each service getting its kind's, also on
+    # servers given by URL. None: fresh ones for the servers started here; one given by URL
+    # keeps its own rules, and the services find its credentials in the environment.
+    credentials: StackCredentials | None = field(default=None, repr=False)
     request_timeout_s: float | None = None
     nats_url: str | None = None  # use these servers instead of starting our own
     redis_url: str | None = None
@@ -103,13 +135,33 @@ class StackConfig:
     ready_timeout_s: float = 180.0
     drain_timeout_s: float = 5.0  # in-flight requests get this long on shutdown
     extra_env: tuple[tuple[str, str], ...] = ()
+    # Start a local Prometheus (scraping every gateway) and trace backend where installed
+    # (observability.py); the services then export their traces to it.
+    observability: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("num_executors", "num_tokenizers", "num_schedulers"):
+        for name in ("num_gateways", "num_tokenizers", "num_schedulers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if min(self.num_executors, self.num_prefill, self.num_decode) < 0:
+            raise ValueError("num_executors, num_prefill and num_decode must be >= 0")
+        if self.num_executors + self.num_decode < 1:
+            raise ValueError("a stack needs at least one executor that decodes (both or decode)")
+        if self.executor_cpus and len(self.executor_cpus) != self.executors_per_model * len(
+            served_models(self)
+        ):
+            raise ValueError(
+                f"executor_cpus names {len(self.executor_cpus)} executors' cores; the stack runs "
+                f"{self.executors_per_model * len(served_models(self))} executors"
+            )
+        if self.num_prefix_indexes < 0:
+            raise ValueError(f"num_prefix_indexes must be >= 0, got {self.num_prefix_indexes}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.port and self.port + self.num_gateways > 65536:
+            raise ValueError(
+                f"{self.num_gateways} gateways from port {self.port} run past port 65535"
+            )
         if self.max_queue_len < 0:
             raise ValueError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
         if self.routing not in ROUTING_POLICIES:
@@ -134,6 +186,17 @@ class StackConfig:
             if len(self.models) > 1 and any(m.path is None for m in self.models):
                 raise ValueError("with several models, every model needs its path")
             check_unique(self.models)
+
+    @property
+    def executors_per_model(self) -> int:
+        return self.num_executors + self.num_prefill + self.num_decode
+
+    def executor_role(self, local_index: int) -> str:
+        """The role of a model's executor ``local_index``: 'both' ones, then prefill, then
+        decode."""
+        if local_index < self.num_executors:
+            return "both"
+        return "prefill" if local_index < self.num_executors + self.num_prefill else "decode"
 
     @classmethod
     def of(cls, **settings: Any) -> StackConfig:
@@ -193,10 +256,37 @@ class Stack:
     config: StackConfig
     nats_url: str
     redis_url: str
-    base_url: str  # the gateway's
+    base_url: str  # the (first) gateway's
     services: dict[str, ServiceProcess] = field(default_factory=dict)
     servers: list[ServerProcess] = field(default_factory=list)
+    # The users of the servers this stack started or was given (None: neither).
+    credentials: StackCredentials | None = field(default=None, repr=False)
+    data_dir: str | None = None  # the servers' dirs are in it; removed by stop()
+    reaper: DirReaper | None = None  # removes data_dir should we die without stop()
     _stopped: bool = False
+    # One supervise pass at a time, and none once stop() began (it holds the lock to set
+    # _stopped).
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _supervisor: threading.Thread | None = field(default=None, repr=False)
+    _stop_done: threading.Event = field(default_factory=threading.Event, repr=False)
+    # Every gateway's, base_url first (``num_gateways`` of them, on consecutive ports).
+    base_urls: list[str] = field(default_factory=list)
+    # The local Prometheus and trace backend (``observability``): started after the NATS and
+    # Redis servers, stopped after them; each one's name -> its URL.
+    observability: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.base_urls:
+            self.base_urls = [self.base_url]
+
+    @property
+    def admin_auth(self) -> BusAuth:
+        """For operators and tests, never a service: the admin NATS user (every subject) of the
+        stack's credentials; anonymous on a server from outside that they do not cover.
+        ``Bus.connect(stack.nats_url, "me", auth=stack.admin_auth)``."""
+        if self.credentials is None or not _covers(self.config, "nats"):
+            return BusAuth()
+        return self.credentials.admin
 
     def pids(self) -> list[int]:
         return [s.pid for s in self.services.values()] + [s.pid for s in self.servers]
@@ -212,21 +302,60 @@ class Stack:
         return svc
 
     def supervise(self, note: Callable[[str], None]) -> None:
-        """Restart any service that exited on its own (``llmserve up`` calls this periodically).
-        A crash loop is slowed by the time a restart takes (model loading) and reported each
-        time."""
-        if self._stopped:
+        """Restart any server or service that exited on its own (``llmserve up`` calls this
+        periodically). Servers first, on the same port with the same config and data dir, since
+        every service needs them; each restart is reported with the process's last output. A crash
+        loop is slowed by the time a restart takes (model loading, a server's readiness)."""
+        with self._lock:
+            if self._stopped:
+                return
+            for server in self.servers:
+                if server.alive():
+                    continue
+                note(
+                    f"{server.name} exited with code {server.process.returncode}; restarting it "
+                    f"on port {server.port} (restart #{server.num_restarts + 1}); its last "
+                    f"output:\n{server.log_tail(1500)}".rstrip()
+                )
+                started = time.monotonic()
+                try:
+                    server.restart()
+                except ServerStartError as e:
+                    note(f"{server.name} did not restart ({e}); trying again")
+                    continue
+                if self.reaper is not None:
+                    self.reaper.watch(server.pid)
+                note(f"{server.name} is back after {time.monotonic() - started:.2f} s")
+            for svc in self.services.values():
+                if svc.alive():
+                    continue
+                svc.num_restarts += 1
+                tail = svc.log_tail(1500)
+                note(
+                    f"{svc.name} exited with code {svc.process.returncode}; restarting it "
+                    f"(restart #{svc.num_restarts}); its last output:\n{tail}".rstrip()
+                )
+                svc.signal_group(signal.SIGKILL)  # leftovers of the old process group, if any
+                svc.spawn()
+
+    def supervise_in_background(
+        self, note: Callable[[str], None] | None = None, interval_s: float = 0.5
+    ) -> None:
+        """Run ``supervise`` every ``interval_s`` in a thread of its own until ``stop()`` (tests;
+        ``llmserve up`` calls it from its main loop). The thread lives until stop() is over: a
+        child it restarts gets its parent-death signal when that thread ends."""
+        if self._supervisor is not None:
             return
-        for svc in self.services.values():
-            if svc.alive():
-                continue
-            svc.num_restarts += 1
-            note(
-                f"{svc.name} exited with code {svc.process.returncode}; restarting it "
-                f"(restart #{svc.num_restarts}); its last output:\n{svc.log_tail(1500)}".rstrip()
-            )
-            svc.signal_group(signal.SIGKILL)  # leftovers of the old process group, if any
-            svc.spawn()
+
+        def loop() -> None:
+            while not self._stop_done.wait(interval_s):
+                try:
+                    self.supervise(note or (lambda msg: print(f"llmserve: {msg}", file=sys.stderr)))
+                except Exception as e:  # never the end of supervision
+                    print(f"llmserve: supervision failed: {e!r}", file=sys.stderr)
+
+        self._supervisor = threading.Thread(target=loop, name="stack-supervisor", daemon=True)
+        self._supervisor.start()
 
     def check_alive(self) -> None:
         for svc in self.services.values():
@@ -258,11 +387,15 @@ class Stack:
             time.sleep(0.2)
 
     def _ready(self) -> bool:
-        """The gateway is healthy (a tokenizer answers, an executor is live) and its health names
-        each served model with a live executor and a tokenizer that knows it: /health alone is
-        200 once any executor is live, while another model's executors may still be loading."""
+        """Every gateway is healthy (a tokenizer answers, an executor is live) and its health
+        names each served model with a live executor and a tokenizer that knows it: /health alone
+        is 200 once any executor is live, while another model's executors may still be
+        loading."""
+        return all(self._gateway_ready(url) for url in self.base_urls)
+
+    def _gateway_ready(self, base_url: str) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as r:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=2) as r:
                 if int(r.status) != 200:
                     return False
                 models = json.loads(r.read()).get("models", {})
@@ -276,15 +409,28 @@ class Stack:
 
     def stop(self, grace_s: float | None = None) -> None:
         """Drain and stop everything, gateway first and servers last; idempotent. After it returns,
-        every process this stack started has exited. ``grace_s`` (default: the drain timeout + 5 s)
-        is how long each wave may take before SIGKILL."""
-        if self._stopped:
-            return
-        self._stopped = True
+        every process this stack started has exited and its data dir is gone. ``grace_s``
+        (default: the drain timeout + 5 s) is how long each wave may take before SIGKILL."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        try:
+            self._stop_processes(grace_s)
+        finally:
+            if self.data_dir is not None:
+                shutil.rmtree(self.data_dir, ignore_errors=True)
+            if self.reaper is not None:
+                self.reaper.close()
+            self._stop_done.set()
+            if self._supervisor is not None:
+                self._supervisor.join(5.0)
+
+    def _stop_processes(self, grace_s: float | None) -> None:
         if grace_s is None:
             grace_s = self.config.drain_timeout_s + 5.0
         # The gateway stops taking requests first; then the pipeline drains behind it.
-        order = ["gateway", "tokenizer", "scheduler", "executor"]
+        order = ["gateway", "tokenizer", "scheduler", "executor", "prefix_index"]
         waves = [
             [s for s in self.services.values() if s.name.split("-")[0] == kind] for kind in order
         ]
@@ -308,6 +454,13 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _covers(config: StackConfig, server: str) -> bool:
+    """Whether the stack's credentials hold ``server``'s ("nats", "redis") users: it starts that
+    server itself, or was given them."""
+    url = config.nats_url if server == "nats" else config.redis_url
+    return url is None or config.credentials is not None
 
 
 def _spawn(
@@ -356,7 +509,7 @@ def served_model_name(config: StackConfig) -> str:
 
 
 def num_executors_total(config: StackConfig) -> int:
-    return config.num_executors * len(served_models(config))
+    return config.executors_per_model * len(served_models(config))
 
 
 def _executor_threads(config: StackConfig) -> int:
@@ -367,18 +520,26 @@ def _executor_threads(config: StackConfig) -> int:
 
 
 def executor_args(config: StackConfig, index: int) -> list[str]:
-    """Executor ``index``'s command line, less the NATS URL: its whole engine config included.
+    """Executor ``index``'s command line (the NATS URL comes by environment): its whole engine
+    config included.
     Indices run over every model's executors in turn (model k has ``k * num_executors`` to
     ``(k + 1) * num_executors - 1``), so ids are unique across models and carry no model name (a
     name may hold a '.', which an id, part of NATS subjects, must not)."""
     models = served_models(config)
     if not 0 <= index < num_executors_total(config):
         raise ValueError(f"executor index {index} out of range for {len(models)} model(s)")
-    model = models[index // config.num_executors]
-    engine = replace(config.engine, model=model.path, num_threads=_executor_threads(config))
+    model = models[index // config.executors_per_model]
+    cpus = config.executor_cpus[index] if config.executor_cpus else ()
+    threads = len(cpus) if cpus and config.engine.num_threads is None else None
+    engine = replace(
+        config.engine, model=model.path, num_threads=threads or _executor_threads(config)
+    )
     return [
         "--executor-id",
         f"executor-{index}",
+        "--role",
+        config.executor_role(index % config.executors_per_model),
+        *(["--cpus", ",".join(map(str, cpus))] if cpus else []),
         "--model-name",
         model.name,
         "--drain-timeout",
@@ -389,14 +550,34 @@ def executor_args(config: StackConfig, index: int) -> list[str]:
 
 
 def tokenizer_args(config: StackConfig) -> list[str]:
-    """A tokenizer's command line, less the NATS URL: every served model (paths and names, paired
-    by position) and the prompt limits of the executors' engine."""
+    """A tokenizer's command line (the NATS URL comes by environment): every served model (paths
+    and names, paired by position) and the prompt limits of the executors' engine."""
     argv: list[str] = []
     for m in served_models(config):
         # No path only for a lone default model: the tokenizer resolves it as the executors do.
         argv += ["--model", m.path] if m.path is not None else []
         argv += ["--model-name", m.name]
     return argv + config.engine.to_argv(include=TOKENIZER_LIMIT_SETTINGS)
+
+
+def gateway_name(index: int) -> str:
+    """The first gateway is "gateway" (as with one), the others "gateway-1", "gateway-2"..."""
+    return "gateway" if index == 0 else f"gateway-{index}"
+
+
+def gateway_ports(config: StackConfig) -> list[int]:
+    """Each gateway's port: consecutive from ``config.port``, or free ones when it is 0. Separate
+    ports rather than one shared with SO_REUSEPORT: each gateway stays addressable (its /health,
+    its /metrics for Prometheus, a request to a chosen one), and a load balancer in front spreads
+    clients over them."""
+    if config.port:
+        return [config.port + i for i in range(config.num_gateways)]
+    ports: list[int] = []
+    while len(ports) < config.num_gateways:
+        port = free_port(config.host)
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 def gateway_model_args(config: StackConfig) -> list[str]:
@@ -411,38 +592,110 @@ def launch(
     note = progress or (lambda _msg: None)
     servers: list[ServerProcess] = []
     stack: Stack | None = None
+    credentials = config.credentials or StackCredentials.generate()
+    data_dir: str | None = None
+    reaper: DirReaper | None = None
     try:
+        if config.nats_url is None or config.redis_url is None:
+            for path in sweep_orphaned_dirs():
+                note(f"removed {path}, left by a stack whose launcher was killed")
+            data_dir = make_stack_dir()
+            reaper = DirReaper([data_dir])
         nats_url = config.nats_url
         if nats_url is None:
-            servers.append(start_nats())
+            servers.append(
+                start_nats(extra_config=credentials.nats_authorization(), parent_dir=data_dir)
+            )
             nats_url = servers[-1].url
-            note(f"nats-server on {nats_url}")
+            note(f"nats-server on {nats_url} (a user per service)")
+            if reaper is not None:  # it must see this server exit before removing its dir
+                reaper.watch(servers[-1].pid)
         redis_url = config.redis_url
         if redis_url is None:
-            servers.append(start_redis())
+            servers.append(start_redis(acl=credentials.redis_acl(), parent_dir=data_dir))
             redis_url = servers[-1].url
-            note(f"redis-server on {redis_url}")
-        port = config.port or free_port(config.host)
-        stack = Stack(config, nats_url, redis_url, f"http://{config.host}:{port}", servers=servers)
-        env = {**os.environ, "NATS_URL": nats_url, "REDIS_URL": redis_url, **dict(config.extra_env)}
+            note(f"redis-server on {redis_url} (the prefix index's user only)")
+            if reaper is not None:
+                reaper.watch(servers[-1].pid)
+        ports = gateway_ports(config)
+        base_urls = [f"http://{config.host}:{p}" for p in ports]
+        observed: dict[str, str] = {}
+        otel_env: dict[str, str] = {}
+        if config.observability:
+            from services.cli.observability import start_observability
+
+            local = start_observability(base_urls, parent_dir=data_dir, note=note)
+            for server in local.servers:
+                servers.append(server)
+                if reaper is not None:
+                    reaper.watch(server.pid)
+            observed, otel_env = local.urls, local.service_env
+        stack = Stack(
+            config,
+            nats_url,
+            redis_url,
+            base_urls[0],
+            base_urls=base_urls,
+            observability=observed,
+            servers=servers,
+            credentials=credentials if servers or config.credentials else None,
+            data_dir=data_dir,
+            reaper=reaper,
+        )
+        env = {
+            **os.environ,
+            "NATS_URL": nats_url,
+            "REDIS_URL": redis_url,
+            **otel_env,
+            **dict(config.extra_env),
+        }
         env.setdefault("PYTHONUNBUFFERED", "1")
         set_executor_openmp_policy(env)
         # The engine settings reach the children by argv alone: a variable left in their environment
         # would fill a setting the config leaves None (the model, say) differently from this config.
         for setting in ENGINE_SETTINGS:
             env.pop(setting.env, None)
-        common = ["--nats-url", nats_url]
+        # The key reaches the gateway alone (below); the servers we start get our credentials, not
+        # whatever the environment held for others.
+        for name in (
+            ENV_API_KEY,
+            "LLMSERVE_API_KEY_FILE",
+            *(NATS_ENV if _covers(config, "nats") else ()),
+            *(REDIS_ENV if _covers(config, "redis") else ()),
+        ):
+            env.pop(name, None)
+
+        def env_of(kind: str) -> dict[str, str]:
+            # OTEL_* reach every service as they are (tracing is off unless they turn it on); each
+            # service gets its own service.name whatever OTEL_SERVICE_NAME said for the stack.
+            own = {"OTEL_SERVICE_NAME": service_name(kind)}
+            if _covers(config, "nats"):
+                own.update(credentials.nats_env(kind))
+            if _covers(config, "redis"):
+                own.update(credentials.redis_env(kind))
+            return {**env, **own}
 
         for i in range(num_executors_total(config)):
             stack.start_service(
-                f"executor-{i}", "services.executor", [*common, *executor_args(config, i)], env
+                f"executor-{i}", "services.executor", executor_args(config, i), env_of("executor")
+            )
+        for i in range(config.num_prefix_indexes):
+            stack.start_service(
+                f"prefix_index-{i}",
+                "services.prefix_index",
+                [
+                    "--name",
+                    f"prefix_index-{i}",
+                    "--executor-timeout",
+                    str(config.heartbeat_timeout_s),
+                ],
+                env_of("prefix_index"),
             )
         for i in range(config.num_schedulers):
             stack.start_service(
                 f"scheduler-{i}",
                 "services.scheduler",
                 [
-                    *common,
                     "--max-queue-len",
                     str(config.max_queue_len),
                     "--heartbeat-timeout",
@@ -452,29 +705,29 @@ def launch(
                     "--routing",
                     config.routing,
                 ],
-                env,
+                env_of("scheduler"),
             )
         for i in range(config.num_tokenizers):
             stack.start_service(
-                f"tokenizer-{i}", "services.tokenizer", [*common, *tokenizer_args(config)], env
+                f"tokenizer-{i}", "services.tokenizer", tokenizer_args(config), env_of("tokenizer")
             )
-        args = [
-            *common,
-            "--host",
-            config.host,
-            "--port",
-            str(port),
-            "--drain-timeout",
-            str(config.drain_timeout_s),
-            *gateway_model_args(config),
-        ]
-        if config.request_timeout_s is not None:
-            args += ["--request-timeout", str(config.request_timeout_s)]
         # The key goes through the environment, not argv: argv is visible to every user in `ps`.
-        gateway_env = {k: v for k, v in env.items() if k != "LLMSERVE_API_KEY"}
+        gateway_env = env_of("gateway")
         if config.api_key:
-            gateway_env["LLMSERVE_API_KEY"] = config.api_key
-        stack.start_service("gateway", "services.gateway", args, gateway_env)
+            gateway_env[ENV_API_KEY] = config.api_key
+        for i, port in enumerate(ports):
+            args = [
+                "--host",
+                config.host,
+                "--port",
+                str(port),
+                "--drain-timeout",
+                str(config.drain_timeout_s),
+                *gateway_model_args(config),
+            ]
+            if config.request_timeout_s is not None:
+                args += ["--request-timeout", str(config.request_timeout_s)]
+            stack.start_service(gateway_name(i), "services.gateway", args, gateway_env)
         if wait:
             stack.wait_ready(progress)
         return stack
@@ -484,4 +737,8 @@ def launch(
         else:
             for server in reversed(servers):
                 server.stop()
+            if data_dir is not None:
+                shutil.rmtree(data_dir, ignore_errors=True)
+            if reaper is not None:
+                reaper.close()
         raise

@@ -19,6 +19,8 @@ COMMAND_MODULES: list[str] = [
     "services.cli.commands.plan",
     "services.cli.commands.generate",
     "services.cli.commands.up",
+    "services.cli.commands.credentials",
+    "services.cli.commands.bench",
 ]
 
 # Errors a user can fix (bad flag value, missing file, unsupported model): one line, no traceback.

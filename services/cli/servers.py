@@ -1,14 +1,21 @@
 """Start local ``nats-server`` and ``redis-server`` processes on free loopback ports.
 
 Used by ``llmserve up`` and by the test fixtures, so both run the servers the same way. Each server
-gets a temp dir (config file, data dir, log) that ``stop()`` removes. A server that does not become
-ready in time raises ``ServerStartError`` with the tail of its log, not a bare timeout.
+gets a temp dir (config file, data dir, log; inside ``parent_dir`` when given) that ``stop()``
+removes. A server that does not become ready in time raises ``ServerStartError`` with the tail of
+its log, not a bare timeout. ``restart()`` starts a server that exited again with the same command
+line, port and dir (JetStream's store included), appending to its log.
+
+Credentials (``llmserve up`` closes both servers: services/cli/credentials.py) go into a config file
+readable by its owner alone (0600, in the 0700 temp dir), never on the server's command line, which
+every user of the machine can read in ``ps``.
 
 Only the standard library: no nats/redis client imports (readiness is checked on the raw protocol).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
 import os
@@ -72,6 +79,16 @@ def read_log_tail(path: str, max_chars: int = 4000) -> str:
         return ""
 
 
+@dataclass(frozen=True)
+class _Readiness:
+    """How to tell a started server is ready: it logged ``line`` and its port answers ``expect``
+    (after ``greeting``)."""
+
+    greeting: bytes | None
+    expect: bytes
+    line: str
+
+
 @dataclass
 class ServerProcess:
     name: str
@@ -81,14 +98,42 @@ class ServerProcess:
     process: subprocess.Popen[bytes]
     workdir: str
     log_path: str
+    argv: list[str] = field(default_factory=list, repr=False)
+    readiness: _Readiness | None = field(default=None, repr=False)
+    num_restarts: int = 0
     _stopped: bool = field(default=False, repr=False)
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
+    def alive(self) -> bool:
+        """Whether it runs; polling also reaps it once it exited (no zombie is left)."""
+        return self.process.poll() is None
+
     def log_tail(self, max_chars: int = 4000) -> str:
         return read_log_tail(self.log_path, max_chars)
+
+    def restart(self, timeout: float = 15.0) -> None:
+        """Start it again after it exited: the same argv, port, config and data dir (so
+        JetStream's file store carries over), its output appended to the same log. Raises
+        ServerStartError, with the new output, if it does not become ready."""
+        if self._stopped or self.readiness is None:
+            raise ServerStartError(f"{self.name} was stopped (or not started here): not restarted")
+        if self.alive():
+            raise ServerStartError(f"{self.name} is still running: not restarted")
+        self.process.wait()  # reaped: a server starts no children of its own
+        offset = _log_size(self.log_path)
+        self.process = _spawn_server(self.argv, self.workdir, self.log_path, append=True)
+        self.num_restarts += 1
+        try:
+            _wait_ready(self, timeout, offset)
+        except ServerStartError:
+            # Its dir stays (JetStream's store with it): the supervisor tries again later.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+            raise
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM, wait up to ``timeout``, then SIGKILL; removes the temp dir. Idempotent."""
@@ -181,6 +226,14 @@ def find_redis_server() -> str:
     return path
 
 
+def _write_private(path: str, text: str) -> None:
+    """Create ``path`` readable and writable by its owner alone, then write ``text``: the mode is
+    set at creation, so no other user can open it in between."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
 def _probe(host: str, port: int, greeting: bytes | None, expect: bytes) -> bool:
     """True if a TCP connection answers with ``expect`` (after sending ``greeting``)."""
     try:
@@ -199,6 +252,63 @@ def _probe(host: str, port: int, greeting: bytes | None, expect: bytes) -> bool:
         return False
 
 
+def _spawn_server(
+    argv: list[str], workdir: str, log_path: str, append: bool = False
+) -> subprocess.Popen[bytes]:
+    with open(log_path, "ab" if append else "wb") as log_file:
+        # Own session: a Ctrl-C in the terminal reaches our launcher, which stops the servers last,
+        # after the services have drained through them.
+        return subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            cwd=workdir,
+            preexec_fn=detach_child,
+        )
+
+
+def _log_size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _log_since(path: str, offset: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(1 << 16).decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _wait_ready(server: ServerProcess, timeout: float, log_offset: int = 0) -> None:
+    """Until the server logged its ready line (after ``log_offset``) and its port answers; else
+    ServerStartError with its log (the process may still run: the caller cleans up)."""
+    ready = server.readiness
+    assert ready is not None
+    process, host, port, name = server.process, server.host, server.port, server.name
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            tail = _log_since(server.log_path, log_offset)[-4000:]
+            raise ServerStartError(
+                f"{name} exited with code {process.returncode} while starting on "
+                f"{host}:{port}:\n{tail}"
+            )
+        if ready.line in _log_since(server.log_path, log_offset) and _probe(
+            host, port, ready.greeting, ready.expect
+        ):
+            return
+        time.sleep(0.05)
+    tail = _log_since(server.log_path, log_offset)[-4000:]
+    raise ServerStartError(
+        f"{name} did not become ready on {host}:{port} within {timeout}s:\n{tail}"
+    )
+
+
 def _start(
     name: str,
     argv: list[str],
@@ -214,35 +324,24 @@ def _start(
 ) -> ServerProcess:
     """Ready = our process logged ``ready_line`` and the port answers. The log line matters: if the
     port was taken, the probe alone would be answered by the *other* server."""
-    with open(log_path, "wb") as log_file:
-        # Own session: a Ctrl-C in the terminal reaches our launcher, which stops the servers last,
-        # after the services have drained through them.
-        process = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            cwd=workdir,
-            preexec_fn=detach_child,
-        )
-    server = ServerProcess(name, url, host, port, process, workdir, log_path)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            tail = server.log_tail()
-            server.stop()
-            raise ServerStartError(
-                f"{name} exited with code {process.returncode} while starting on "
-                f"{host}:{port}:\n{tail}"
-            )
-        if ready_line in server.log_tail(1 << 16) and _probe(host, port, greeting, expect):
-            return server
-        time.sleep(0.05)
-    tail = server.log_tail()
-    server.stop()
-    raise ServerStartError(
-        f"{name} did not become ready on {host}:{port} within {timeout}s:\n{tail}"
+    process = _spawn_server(argv, workdir, log_path)
+    server = ServerProcess(
+        name,
+        url,
+        host,
+        port,
+        process,
+        workdir,
+        log_path,
+        argv=argv,
+        readiness=_Readiness(greeting, expect, ready_line),
     )
+    try:
+        _wait_ready(server, timeout)
+    except ServerStartError:
+        server.stop()
+        raise
+    return server
 
 
 def _start_with_retries(start_once, port: int | None, attempts: int = 3) -> ServerProcess:
@@ -265,23 +364,30 @@ def start_nats(
     max_payload: int = DEFAULT_NATS_MAX_PAYLOAD,
     host: str = LOOPBACK,
     timeout: float = 15.0,
+    extra_config: str = "",
+    parent_dir: str | None = None,
 ) -> ServerProcess:
     """nats-server on ``host:port`` (a free port if None) with ``max_payload`` raised through a
-    config file, since nats-server has no CLI flag for it."""
+    config file, since nats-server has no CLI flag for it. ``extra_config``: more of that file, e.g.
+    an ``authorization { users = [...] }`` block that closes the server to anyone it does not
+    name (without one it is open to every local client), or a ``tls { ... }`` block. Its dir
+    (config, log, JetStream's file store) is a new one in ``parent_dir`` (default: the system's
+    temp dir)."""
     if max_payload < 1024:
         raise ValueError(f"max_payload must be >= 1024 bytes, got {max_payload}")
     binary = find_nats_server()
 
     def once(p: int) -> ServerProcess:
-        workdir = tempfile.mkdtemp(prefix="llmserve-nats-")
+        workdir = tempfile.mkdtemp(prefix="llmserve-nats-", dir=parent_dir)
         conf = os.path.join(workdir, "nats.conf")
-        with open(conf, "w") as f:
-            f.write(
-                f"listen: {host}:{p}\n"
-                f"max_payload: {max_payload}\n"
-                f"max_pending: {max(64 * 1024 * 1024, _NATS_MAX_PENDING_FACTOR * max_payload)}\n"
-                f"jetstream {{ store_dir: {os.path.join(workdir, 'js')!r} }}\n"
-            )
+        _write_private(
+            conf,
+            f"listen: {host}:{p}\n"
+            f"max_payload: {max_payload}\n"
+            f"max_pending: {max(64 * 1024 * 1024, _NATS_MAX_PENDING_FACTOR * max_payload)}\n"
+            f"jetstream {{ store_dir: {os.path.join(workdir, 'js')!r} }}\n"
+            f"{extra_config}\n",
+        )
         log = os.path.join(workdir, "nats.log")
         # The server greets every client with INFO; that is our readiness probe.
         return _start(
@@ -302,16 +408,30 @@ def start_nats(
 
 
 def start_redis(
-    port: int | None = None, *, host: str = LOOPBACK, timeout: float = 15.0
+    port: int | None = None,
+    *,
+    host: str = LOOPBACK,
+    timeout: float = 15.0,
+    acl: str | None = None,
+    parent_dir: str | None = None,
 ) -> ServerProcess:
-    """redis-server on ``host:port`` (a free port if None), no persistence, data in a temp dir."""
+    """redis-server on ``host:port`` (a free port if None), no persistence, its dir a new one in
+    ``parent_dir`` (default: the system's temp dir). ``acl``: ``user`` directives (Redis 6 ACL)
+    that switch the default user off, so a client that does not authenticate gets NOAUTH; they
+    reach the server in a config file. None: open."""
     binary = find_redis_server()
 
     def once(p: int) -> ServerProcess:
-        workdir = tempfile.mkdtemp(prefix="llmserve-redis-")
+        workdir = tempfile.mkdtemp(prefix="llmserve-redis-", dir=parent_dir)
         log = os.path.join(workdir, "redis.log")
+        config: list[str] = []
+        if acl is not None:
+            # The config file comes first on the command line; the options after it add to it.
+            config = [os.path.join(workdir, "redis.conf")]
+            _write_private(config[0], acl + "\n")
         argv = [
             binary,
+            *config,
             "--port",
             str(p),
             "--bind",
@@ -334,7 +454,7 @@ def start_redis(
             p,
             f"redis://{host}:{p}/0",
             b"PING\r\n",
-            b"+PONG",
+            b"+PONG" if acl is None else b"-NOAUTH",
             "Ready to accept connections",
             timeout,
         )

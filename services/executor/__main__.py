@@ -9,6 +9,7 @@ import sys
 from services.executor.config import parse_config
 from services.runtime import run_service, setup_logging
 from shared.engine.quantization import kv_dtype_name
+from shared.tracing import tracing_configured
 
 log = logging.getLogger("llmserve.executor")
 
@@ -16,16 +17,26 @@ log = logging.getLogger("llmserve.executor")
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(argv)
     engine_config = config.engine
+    if config.cpus:
+        # Before torch starts its threads: they inherit the mask, so a prefill and a decode
+        # executor pinned to different cores never compete for one.
+        os.sched_setaffinity(0, config.cpus)
     if engine_config.num_threads:
         # Before torch is imported: OpenMP reads it once, for every thread it creates.
         os.environ["OMP_NUM_THREADS"] = str(engine_config.num_threads)
     setup_logging("executor")
+    from services.executor.memory_status import memory_status
     from services.executor.service import ExecutorService, ExecutorServiceConfig
     from services.executor.worker import EngineWorker
     from shared.engine.engine import Engine
     from shared.wire.bus import Bus
 
-    log.info("%s: loading the model...", config.executor_id)
+    log.info(
+        "%s: role %s, loading the model%s...",
+        config.executor_id,
+        config.role,
+        f" (pinned to cores {list(config.cpus)})" if config.cpus else "",
+    )
     engine = Engine(engine_config)
     stats = engine.stats()
     log.info(
@@ -46,14 +57,19 @@ def main(argv: list[str] | None = None) -> int:
         max_queued=config.max_queued,
         heartbeat_interval_s=config.heartbeat_interval_s,
         drain_timeout_s=config.drain_timeout_s,
+        role=config.role,
+        kv_transfer_timeout_s=config.kv_transfer_timeout_s,
     )
 
     async def serve(stop) -> None:
-        bus = await Bus.connect(config.nats_url, config.executor_id)
+        bus = await Bus.connect(config.nats_url, config.executor_id, auth=config.bus_auth)
         worker = EngineWorker(
-            engine, num_threads=engine_config.num_threads, kv_events=config.kv_events
+            engine,
+            num_threads=engine_config.num_threads,
+            kv_events=config.kv_events,
+            record_steps=tracing_configured(),  # the engine's step records become spans
         )
-        service = ExecutorService(bus, worker, service_config)
+        service = ExecutorService(bus, worker, service_config, memory=memory_status(engine))
         await service.start()
         log.info("%s ready (epoch %s)", config.executor_id, service.epoch)
         await stop.wait()

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import argparse
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from services.connections import add_nats_auth_arguments, nats_auth_from_args
 from services.runtime import env_bool, env_int, env_str, env_value
 from services.served_models import default_model_name
 from shared.engine.config import EngineConfig, add_engine_arguments
+from shared.wire.bus_auth import BusAuth
 
 # The engine defaults of a served executor, here and in ``llmserve up``: the same as the engine's
 # (``LLM``, ``llmserve generate``) but a 2GiB budget, as a server's KV cache is its capacity.
@@ -26,10 +28,18 @@ class ExecutorProcessConfig:
     drain_timeout_s: float
     kv_events: bool = True  # publish each step's KV cache events (off: they are dropped)
     max_queued: int | None = None  # accepted beyond max_num_seqs (None: max_num_seqs more)
+    bus_auth: BusAuth = field(default_factory=BusAuth)  # who it is on NATS (services.connections)
+    role: str = "both"  # see services.executor.service.ROLES
+    cpus: tuple[int, ...] = ()  # pin the process to these cores (empty: no pinning)
+    kv_transfer_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.nats_url:
             raise ValueError("nats_url must not be empty")
+        if self.role not in ("prefill", "decode", "both"):
+            raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
+        if any(c < 0 for c in self.cpus):
+            raise ValueError(f"cpus must be core numbers >= 0, got {self.cpus}")
         if self.heartbeat_interval_s <= 0:
             raise ValueError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
         if self.drain_timeout_s < 0:
@@ -76,6 +86,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests (sequences) accepted beyond max_num_seqs, waiting in the engine; more are "
         "refused and routed elsewhere (default: max_num_seqs) [env LLMSERVE_MAX_QUEUED]",
     )
+    p.add_argument(
+        "--role",
+        choices=("prefill", "decode", "both"),
+        default=env_str("LLMSERVE_ROLE", "both"),
+        help="prefill: run prompts and hand them to decode executors; decode: take handoffs; "
+        "both: whole requests (and handoffs) [env LLMSERVE_ROLE]",
+    )
+    p.add_argument(
+        "--cpus",
+        default=env_str("LLMSERVE_CPUS", ""),
+        help="cores to pin this process to, e.g. '0,1' or '2-3' (default: all) [env LLMSERVE_CPUS]",
+    )
+    p.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a KV handoff may take, offer to last ack, before it is given up",
+    )
+    add_nats_auth_arguments(p)
     add_engine_arguments(p, SERVED_ENGINE_DEFAULTS)
     return p
 
@@ -95,7 +124,26 @@ def parse_config(argv: list[str] | None = None) -> ExecutorProcessConfig:
             drain_timeout_s=a.drain_timeout,
             kv_events=a.kv_events,
             max_queued=a.max_queued,
+            bus_auth=nats_auth_from_args(a),
+            role=a.role,
+            cpus=parse_cpu_list(a.cpus),
+            kv_transfer_timeout_s=a.kv_transfer_timeout,
         )
     except ValueError as e:
         p.error(str(e))
         raise
+
+
+def parse_cpu_list(text: str) -> tuple[int, ...]:
+    """'0,2-3' -> (0, 2, 3); '' -> () (no pinning)."""
+    cpus: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, _, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi or lo)
+        except ValueError:
+            raise ValueError(f"not a CPU list: {text!r} (e.g. '0,2-3')") from None
+        if first < 0 or last < first:
+            raise ValueError(f"not a CPU list: {text!r} (e.g. '0,2-3')")
+        cpus.extend(range(first, last + 1))
+    return tuple(dict.fromkeys(cpus))

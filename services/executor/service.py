@@ -19,6 +19,16 @@ index, unless the worker was built with ``kv_events=False``; either way the engi
 step's events. ``executor_kv_snapshot(id)`` answers with the whole cached set (KVCacheSnapshot) for
 an index that missed a batch.
 
+Bounded waits: a request it holds whose stream has carried nothing for KEEPALIVE_INTERVAL_S (not
+started yet: waiting or prefilling; or preempted) gets a StreamKeepalive, sent with the heartbeats;
+if this process dies they stop, and the gateway fails the request within its progress timeout (the
+scheduler usually first, from the missing heartbeats). When the bus connection drops, every
+request it holds is aborted and ends with an error (502 once started, else 503), sent when the bus
+is back: outputs or aborts may have been lost meanwhile, and its gateway has given up on it.
+Every ``client_check_interval_s`` it asks whether each request it holds still has a reader
+(keepalive.clients_gone): one whose gateway died is aborted then, not computed to its end for
+nobody.
+
 Drain (SIGTERM): heartbeats say ``draining`` at once so the scheduler routes nothing new here;
 requests that still arrive are refused; in-flight ones may finish for ``drain_timeout_s``, the rest
 are aborted with a 503 error event; then the engine thread stops and the connection drains.
@@ -31,6 +41,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from services.executor.handoff import HandoffConfig, KVHandoffs, ShellHooks
+from services.executor.memory_status import with_rss
+from services.executor.metrics import ExecutorMetrics
+from services.executor.spans import ExecutorSpans
 from services.executor.worker import (
     Abort,
     Aborted,
@@ -40,12 +54,17 @@ from services.executor.worker import (
     Failed,
     KVEvents,
     Outputs,
+    Prefilled,
     Rejected,
+    Reserved,
     Snapshot,
     SnapshotTaken,
+    StepTraced,
 )
+from shared.metrics.publisher import MetricsPublisher
 from shared.wire import messages, subjects
 from shared.wire.bus import Bus, BusError, Msg
+from shared.wire.keepalive import SilenceTracker, clients_gone, send_keepalives
 from shared.wire.kv_events import (
     KV_CACHE_SNAPSHOT,
     KV_EVENTS_MESSAGE,
@@ -54,16 +73,23 @@ from shared.wire.kv_events import (
     new_epoch,
 )
 from shared.wire.kv_stream import ensure_kv_events_stream
+from shared.wire.kv_transport import KVTransport, NatsKVTransport
 from shared.wire.messages import (
     CompletionDelta,
     ExecuteReply,
     ExecutorLoad,
+    ExecutorMemory,
     RequestOutput,
     StreamError,
     StreamOutput,
 )
 
 log = logging.getLogger("llmserve.executor")
+
+# 'prefill': runs prompts and hands them to decode executors (a request the scheduler sends without
+# a decode executor, or whose handoff fails, it decodes itself); 'decode': takes handoffs (and
+# prefills locally what the scheduler sends it whole); 'both': the same as 'decode' for routing.
+ROLES = ("prefill", "decode", "both")
 
 
 @dataclass(frozen=True)
@@ -77,13 +103,21 @@ class ExecutorServiceConfig:
     heartbeat_interval_s: float = 0.5
     drain_timeout_s: float = 5.0
     role: str = "both"
+    client_check_interval_s: float = 5.0
+    kv_transfer_timeout_s: float = 10.0  # a KV handoff, offer to last ack (handoff.py)
+    kv_offer_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         subjects.executor_decode(self.executor_id)  # ValueError if it cannot be a subject token
-        if self.role != "both":
-            raise ValueError(f"only role 'both' is implemented, got {self.role!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        HandoffConfig(self.executor_id, self.kv_transfer_timeout_s, self.kv_offer_timeout_s)
         if self.heartbeat_interval_s <= 0 or self.drain_timeout_s < 0:
             raise ValueError("heartbeat_interval_s must be > 0 and drain_timeout_s >= 0")
+        if self.client_check_interval_s <= 0:
+            raise ValueError(
+                f"client_check_interval_s must be > 0, got {self.client_check_interval_s}"
+            )
         if self.max_num_seqs < 1 or (self.max_queued is not None and self.max_queued < 0):
             raise ValueError("max_num_seqs must be >= 1 and max_queued >= 0")
 
@@ -98,8 +132,10 @@ class ExecutorServiceConfig:
 class _Live:
     n: int
     num_prompt_tokens: int
+    num_prefill_tokens: int  # counted in the pending prefill until it starts
     started: bool = False
     aborting: bool = False
+    bus_lost: bool = False  # aborted because the bus connection dropped: ends with an error
 
 
 @dataclass
@@ -109,19 +145,51 @@ class ExecutorService:
     config: ExecutorServiceConfig
     epoch: str = field(default_factory=new_epoch)  # fresh per process start
     draining: bool = False
+    memory: ExecutorMemory | None = None  # its ledger (memory_status.py), sent with each heartbeat
+    transport: KVTransport | None = None  # KV pages between executors (None: over this bus)
 
     def __post_init__(self) -> None:
         self._live: dict[str, _Live] = {}
         self._admitted_weight = 0  # sum of n over _live
-        self._load_version = 0  # +1 at every accept and every release
+        self._pending_prefill_tokens = 0  # sum of num_prefill_tokens over _live not started
+        self._load_version = 0  # +1 at every accept, start and release
         self._peak_admitted_weight = 0
         self._num_refused = 0
         self._events: asyncio.Queue[list[Event]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._idle = asyncio.Event()
         self._idle.set()
+        self._silence = SilenceTracker()  # when each live request's stream last carried something
+        self.metrics = ExecutorMetrics(
+            self.config.executor_id, self.config.model_name, lambda: self.worker.latest_stats
+        )
+        self.worker.observer = self.metrics  # before the engine thread starts
+        self._metrics_publisher = MetricsPublisher(
+            self.bus, "executor", self.config.executor_id, self.metrics.registry
+        )
+        self._spans = ExecutorSpans(self.config.executor_id)  # traced requests only
+        if self.transport is None:
+            self.transport = NatsKVTransport(self.bus)
+        self.handoffs = KVHandoffs(
+            HandoffConfig(
+                self.config.executor_id,
+                self.config.kv_transfer_timeout_s,
+                self.config.kv_offer_timeout_s,
+            ),
+            self.worker,
+            self.transport,
+            ShellHooks(
+                adopt=self._adopt,
+                release=self._release,
+                progress=self._progress,
+                draining=lambda: self.draining,
+            ),
+            self.worker.page_layout(),
+            on_transfer=self.metrics.on_kv_transfer,
+        )
 
     async def start(self) -> None:
+        self.bus.on_connection_lost(self._on_bus_lost)
         loop = asyncio.get_running_loop()
         # The engine thread hands events over without ever blocking on the loop.
         self.worker.start(lambda events: loop.call_soon_threadsafe(self._events.put_nowait, events))
@@ -129,6 +197,9 @@ class ExecutorService:
             subjects.executor_decode(self.config.executor_id), self._on_execute
         )
         await self.bus.subscribe(subjects.ABORT, self._on_abort)
+        if self.config.role != "prefill":
+            assert self.transport is not None
+            await self.transport.serve(self.config.executor_id, self.handoffs)
         if self.worker.kv_events:
             await ensure_kv_events_stream(self.bus)
             await self.bus.subscribe(
@@ -138,8 +209,10 @@ class ExecutorService:
         self._tasks = [
             asyncio.create_task(self._publish_loop()),
             asyncio.create_task(self._heartbeat_loop()),
+            asyncio.create_task(self._client_check_loop()),
         ]
         await self._heartbeat()
+        self._metrics_publisher.start()
 
     # -- inputs ----------------------------------------------------------------------------------
 
@@ -157,11 +230,17 @@ class ExecutorService:
             self._num_refused += 1
         else:
             accepted = True
-            self._live[rid] = _Live(n=weight, num_prompt_tokens=len(req.prompt_token_ids))
+            num_prompt_tokens = len(req.prompt_token_ids)
+            # The last prompt token is always computed, cached prefix or not.
+            num_prefill = max(1, num_prompt_tokens - req.num_expected_cached_tokens)
+            self._live[rid] = _Live(weight, num_prompt_tokens, num_prefill)
             self._admitted_weight += weight
+            self._pending_prefill_tokens += num_prefill
             self._load_version += 1
             self._peak_admitted_weight = max(self._peak_admitted_weight, self._admitted_weight)
             self._idle.clear()
+            self._silence.touch(rid, time.monotonic())
+            self._spans.accepted(req, msg.headers)
             self.worker.submit(Add(req))
         if msg.reply:
             reply = ExecuteReply(
@@ -182,6 +261,7 @@ class ExecutorService:
             version=self._load_version,
             num_admitted=self._admitted_weight,
             max_admitted=self.config.max_admitted,
+            num_pending_prefill_tokens=self._pending_prefill_tokens,
             peak_num_admitted=self._peak_admitted_weight,
             num_refused=self._num_refused,
         )
@@ -189,21 +269,57 @@ class ExecutorService:
     def _release(self, rid: str) -> _Live | None:
         """Forget a request that ended (its 'finished' progress follows)."""
         live = self._live.pop(rid, None)
+        self._silence.forget(rid)
         if live is not None:
             self._admitted_weight -= live.n
+            if not live.started:
+                self._pending_prefill_tokens -= live.num_prefill_tokens
             self._load_version += 1
         return live
+
+    def _adopt(self, rid: str, num_prompt_tokens: int) -> bool:
+        """A request prefilled elsewhere is offered here: held (started: its first token is out)
+        unless it is already here or the executor is full."""
+        if rid in self._live or (
+            self._admitted_weight > 0 and self._admitted_weight + 1 > self.config.max_admitted
+        ):
+            return False
+        self._live[rid] = _Live(1, num_prompt_tokens, 0, started=True)
+        self._admitted_weight += 1
+        self._load_version += 1
+        self._peak_admitted_weight = max(self._peak_admitted_weight, self._admitted_weight)
+        self._idle.clear()
+        self._silence.touch(rid, time.monotonic())
+        return True
+
+    def _start(self, live: _Live) -> None:
+        """Its first token is out: its prefill is no longer work ahead of anyone."""
+        live.started = True
+        self._pending_prefill_tokens -= live.num_prefill_tokens
+        self._load_version += 1
 
     async def _on_snapshot(self, msg: Msg) -> None:
         if msg.reply:
             self.worker.submit(Snapshot(msg.reply))
 
     async def _on_abort(self, msg: Msg) -> None:
-        rid = messages.ABORT_REQUEST.decode(msg.data).request_id
+        self._abort(messages.ABORT_REQUEST.decode(msg.data).request_id)
+
+    def _abort(self, rid: str) -> None:
         live = self._live.get(rid)
         if live is not None and not live.aborting:
             live.aborting = True
+            self.handoffs.abort(rid)
             self.worker.submit(Abort(rid))
+
+    def _on_bus_lost(self) -> None:
+        lost = [rid for rid, live in self._live.items() if not live.aborting]
+        for rid in lost:
+            live = self._live[rid]
+            live.aborting = live.bus_lost = True
+            self.worker.submit(Abort(rid))
+        if lost:
+            log.warning("lost the message bus: aborting the %d request(s) held here", len(lost))
 
     # -- engine events → the wire (one task: per-request order is kept) -------------------------
 
@@ -225,7 +341,7 @@ class ExecutorService:
                 if live is None:
                     continue  # already ended (drain abort)
                 if not live.started:
-                    live.started = True
+                    self._start(live)
                     await self._progress(out.request_id, "started")
                 await self.bus.publish(
                     subjects.stream(out.request_id),
@@ -233,6 +349,8 @@ class ExecutorService:
                         StreamOutput(executor_id=self.config.executor_id, output=out)
                     ),
                 )
+                self._silence.touch(out.request_id, time.monotonic())
+                self._spans.on_output(out)
                 if out.finished:
                     self._release(out.request_id)
                     await self._progress(out.request_id, "finished")
@@ -243,7 +361,15 @@ class ExecutorService:
                 )
         elif isinstance(event, Aborted):
             live = self._release(event.request_id)
-            if live is not None:
+            if live is not None and live.bus_lost:
+                await self._end_with_error(
+                    event.request_id,
+                    502 if live.started else 503,
+                    f"executor {self.config.executor_id} lost its connection to the message bus; "
+                    + ("the output is incomplete" if live.started else "retry the request"),
+                )
+            elif live is not None:
+                self._spans.end(event.request_id, finish_reason="abort")
                 final = RequestOutput(
                     request_id=event.request_id,
                     num_prompt_tokens=live.num_prompt_tokens,
@@ -275,6 +401,15 @@ class ExecutorService:
             await self.bus.publish(
                 subjects.kv_events(self.config.executor_id), KV_EVENTS_MESSAGE.encode(message)
             )
+        elif isinstance(event, StepTraced):
+            self._spans.on_step(event.record)
+        elif isinstance(event, Prefilled):
+            if event.request_id in self._live:
+                self.handoffs.send(event)
+            else:  # ended meanwhile (drain)
+                self.worker.submit(Abort(event.request_id))
+        elif isinstance(event, Reserved):
+            self.handoffs.on_reserved(event)
         elif isinstance(event, SnapshotTaken):
             snapshot = KVCacheSnapshot(
                 executor_id=self.config.executor_id,
@@ -288,6 +423,7 @@ class ExecutorService:
     async def _end_with_error(
         self, rid: str, status: int, message: str, type_: str = "server_error"
     ) -> None:
+        self._spans.end(rid, f"{status}: {message}")
         await self.bus.publish(
             subjects.stream(rid),
             messages.STREAM_MESSAGE.encode(
@@ -322,6 +458,7 @@ class ExecutorService:
             max_num_seqs=c.max_num_seqs,
             draining=self.draining,
             load=self.load,
+            memory=with_rss(self.memory) if self.memory is not None else None,
         )
         await self.bus.publish(
             subjects.executor_stats(c.executor_id), messages.EXECUTOR_HEARTBEAT.encode(hb)
@@ -338,8 +475,44 @@ class ExecutorService:
                 return
             try:
                 await self._heartbeat()
-            except BusError:
-                log.exception("heartbeat failed")
+                await self._keepalives()
+            except BusError as e:
+                log.warning("heartbeat failed: %s", e)
+
+    async def _keepalives(self) -> None:
+        """A keepalive on the stream of each live request silent for an interval."""
+        due = self._silence.due(time.monotonic())
+        await send_keepalives(
+            self.bus,
+            self.config.executor_id,
+            (
+                (rid, "running" if self._live[rid].started else "waiting")
+                for rid in due
+                if rid in self._live
+            ),
+        )
+
+    async def _client_check_loop(self) -> None:
+        interval_s = self.config.client_check_interval_s
+        while True:
+            await asyncio.sleep(interval_s)
+            held = [
+                (rid, "running" if live.started else "waiting")
+                for rid, live in self._live.items()
+                if not live.aborting
+            ]
+            if not held:
+                continue
+            try:
+                # Each probe waits at most a fifth of the interval, so checks never pile up.
+                gone = await clients_gone(self.bus, self.config.executor_id, held, interval_s / 5)
+            except BusError as e:
+                log.warning("client check failed: %s", e)
+                continue
+            for rid in gone:
+                self._abort(rid)
+            if gone:
+                log.info("aborted %d request(s) nobody reads any more: %s", len(gone), gone)
 
     # -- drain -------------------------------------------------------------------------------------
 
@@ -359,6 +532,7 @@ class ExecutorService:
                 )
         await asyncio.to_thread(self.worker.stop, 10.0)
         # Events still queued (outputs of aborted requests) are dropped: their requests have ended.
+        await self._metrics_publisher.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -4,23 +4,31 @@
     GET  /v1/models              GET  /v1/models/{model}
     WS   /v1/ws                  (see websocket.py)
     GET  /health                 200 iff NATS is connected, a tokenizer answers and the scheduler
-                                 reports >= 1 executor; the body's "models" says, per model, how
-                                 many executors serve it and the context the tokenizer checks
-                                 (null: no tokenizer serves it; see health.py)
-    GET  /metrics                Prometheus text
+                                 reports >= 1 executor, else 503 naming what is down, with
+                                 Retry-After; "dependencies" says which of NATS, tokenizer,
+                                 scheduler, executors, prefix index and Redis are up, "models"
+                                 per model how many executors serve it and the context the
+                                 tokenizer checks (null: no tokenizer serves it; see health.py)
+    GET  /metrics                Prometheus text: the whole stack's metrics (metrics.py)
+    GET  /console/               the browser console: playground, live ledgers, capacity planner
+                                 (console_routes.py)
 
-Every error is an OpenAI error body (errors.py). Auth (when an API key is configured) guards /v1/*;
-/health and /metrics stay open for probes and scrapers.
+Every error is an OpenAI error body (errors.py). Auth (when an API key is configured) guards /v1/*
+and /console/api/*; /health, /metrics and the console's static files stay open. Generation bodies
+must be JSON (``Content-Type: application/json``, else 415) and at most ``max_body_bytes`` (413,
+refused while being read; body.py). There is no CORS: no preflight is answered, no Allow-Origin
+header sent. While draining (server.py) new generation requests and /health get 503.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -29,35 +37,38 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.prefix_index.store import connect_redis
+from shared.metrics.publisher import MetricsPublisher
+from shared.tracing import headers_for
+from shared.wire import subjects
 from shared.wire.bus import Bus
+from shared.wire.bus_auth import redact_url
 from shared.wire.outputs import RequestOutput
 
 from . import protocol
+from .body import read_body, require_json
 from .config import GatewayConfig
-from .errors import APIError, unauthorized
+from .console_routes import register_console
+from .errors import UNAVAILABLE_RETRY_AFTER_S, APIError, route_not_found
 from .generation import ClientDisconnected, Gateway, Prepared
-from .health import model_health
+from .health import health_report, nats_down_report
+from .limiter import Limiter
 from .metrics import CLIENT_CLOSED, GatewayMetrics, RequestTracker
 from .sse import DONE, EventStreamResponse, sse_event
 from .streams import GenerationStream
+from .tracing import describe, end_request_span, start_request_span, tracker_for
 from .websocket import register_websocket
 
 log = logging.getLogger("llmserve.gateway")
 
 
+# A refused body may still be arriving: closing the connection after the answer is the only way
+# not to read (and discard) the rest of it.
+_CLOSE = {"Connection": "close"}
+
+
 def error_response(e: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers={**e.headers(), **(headers or {})})
-
-
-def check_api_key(config: GatewayConfig, authorization: str | None) -> None:
-    if config.api_key is None:
-        return
-    scheme, _, token = (authorization or "").partition(" ")
-    # Constant-time comparison: the key must not leak through response timing.
-    if scheme.lower() != "bearer" or not hmac.compare_digest(
-        token.strip().encode(), config.api_key.encode()
-    ):
-        raise unauthorized()
 
 
 def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
@@ -68,23 +79,58 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         gw.bus = bus or await Bus.connect(
-            config.nats_url, "gateway", connect_timeout_s=config.nats_connect_timeout_s
+            config.nats_url,
+            "gateway",
+            auth=config.bus_auth,
+            connect_timeout_s=config.nats_connect_timeout_s,
         )
+        gw.bus.on_connection_lost(gw.on_bus_lost)
+        await gw.bus.subscribe(subjects.METRICS_ALL, gw.on_metrics_report)
+        await gw.bus.subscribe(subjects.EXECUTOR_STATS_ALL, gw.on_heartbeat)
+        publisher = MetricsPublisher(gw.bus, "gateway", gw.metrics.instance, gw.metrics.registry)
+        publisher.start()
+        if any(k.limited for k in config.api_keys):
+            assert config.redis_url is not None  # GatewayConfig checks it
+            gw.limiter = Limiter(
+                connect_redis(config.redis_url, config.limits_redis_timeout_s, config.redis_auth),
+                gw.metrics,
+                key_prefix=config.limits_key_prefix,
+                lease_ttl_s=config.limits_lease_ttl_s,
+            )
+            gw.limiter.start()
         log.info(
             "gateway serving %s on %s:%d (nats %s, auth %s)",
             ", ".join(config.model_names) or "(the executors' models)",
             config.host,
             config.port,
-            config.nats_url,
-            "on" if config.api_key else "off",
+            redact_url(config.nats_url),
+            f"on, {len(gw.keys)} key(s)" if len(gw.keys) else "off",
         )
+        if gw.limiter is not None:
+            log.info(
+                "per-key limits in redis %s (%s)",
+                redact_url(config.redis_url or ""),
+                config.redis_auth.describe(),
+            )
         try:
             yield
         finally:
+            await publisher.stop()
+            if gw.limiter is not None:
+                await gw.limiter.close()
             if bus is None:
                 await gw.bus.drain()
 
-    app = FastAPI(title="llmserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="llmserve",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        # FastAPI's own spans are off: the request span is ours (tracing.py), lasting until the
+        # stream ends and carrying the GenAI attributes; its per-dependency spans and a span per
+        # /health probe would only add cost and noise to each trace.
+        telemetry={"tracing": False, "operation_spans": False, "auto_configure": False},
+    )
     app.state.gateway = gw
 
     @app.exception_handler(APIError)
@@ -94,6 +140,8 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         # Unknown routes, wrong methods: OpenAI-shaped too, so clients parse every error one way.
+        if e.status_code == 404:
+            return error_response(route_not_found(request.method, request.url.path))
         return error_response(APIError(e.status_code, str(e.detail)))
 
     @app.exception_handler(Exception)
@@ -103,59 +151,77 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        # Both asked at once; the scheduler's failure is the reason given when both fail.
-        status, tokenizer = await asyncio.gather(
-            gw.scheduler_status(), gw.tokenizer_status(), return_exceptions=True
-        )
-        for answer in (status, tokenizer):
-            if isinstance(answer, APIError):
-                return JSONResponse(
-                    {"status": "unavailable", "reason": answer.message}, status_code=503
-                )
-            if isinstance(answer, BaseException):
-                raise answer
-        assert not isinstance(status, BaseException)  # raised or answered above
-        assert not isinstance(tokenizer, BaseException)
-        if not status.executors:
+        retry_after = {"Retry-After": str(math.ceil(UNAVAILABLE_RETRY_AFTER_S))}
+        if gw.draining.is_set():  # a load balancer must stop sending requests here
             return JSONResponse(
-                {"status": "unavailable", "reason": "no live executor"}, status_code=503
+                {"status": "draining", "reason": "shutting down"},
+                status_code=503,
+                headers=retry_after,
             )
-        return JSONResponse(
-            {
-                "status": "ok",
-                "num_executors": len(status.executors),
-                "num_queued": status.num_queued,
-                "models": model_health(config.model_names, status, tokenizer),
-            }
+        if gw.bus is None or not gw.bus.is_connected:
+            return JSONResponse(
+                nats_down_report(gw.bus_down_detail()), status_code=503, headers=retry_after
+            )
+        # All asked at once; an answer that is an APIError is that service's failure.
+        status, tokenizer, index = await asyncio.gather(
+            gw.scheduler_status(),
+            gw.tokenizer_status(),
+            gw.prefix_index_probe(),
+            return_exceptions=True,
         )
+        for answer in (status, tokenizer, index):
+            if isinstance(answer, BaseException) and not isinstance(answer, APIError):
+                raise answer
+        if not gw.bus.is_connected:  # lost while asking: the services' silence is NATS's
+            return JSONResponse(
+                nats_down_report(gw.bus_down_detail()), status_code=503, headers=retry_after
+            )
+        code, body = health_report(config.model_names, status, tokenizer, index)
+        return JSONResponse(body, status_code=code, headers=retry_after if code != 200 else None)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         await gw.refresh_stack_metrics()
-        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(gw.metrics.exposition), media_type=CONTENT_TYPE_LATEST)
 
     def model_card(name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": started_at, "owned_by": "llmserve"}
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, Any]:
-        check_api_key(config, request.headers.get("authorization"))
+        gw.authenticate(request.headers.get("authorization"))
         return {"object": "list", "data": [model_card(m) for m in await gw.served_models()]}
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str, request: Request) -> dict[str, Any]:
-        check_api_key(config, request.headers.get("authorization"))
+        gw.authenticate(request.headers.get("authorization"))
         await gw.check_model(model)
         return model_card(model)
 
     async def generate(api: protocol.Api, endpoint: str, request: Request) -> Response:
+        # The trace's root here (or the client's traceparent continued); ended by the tracker.
+        span = start_request_span(request.method, request.url.path, request.headers)
         try:
-            check_api_key(config, request.headers.get("authorization"))
-            p = await gw.prepare(api, await request.body())
+            key = gw.authenticate(request.headers.get("authorization"))
+            gw.check_admission()
+            require_json(request)
+            body = await read_body(request, config.max_body_bytes, config.body_timeout_s)
+            p = await gw.prepare(api, body)
+            lease = await gw.admit(key, p)
         except APIError as e:
             gw.metrics.count(endpoint, e.status)
-            return error_response(e)
-        tracker = gw.metrics.tracker(endpoint)
+            end_request_span(span, e.status)
+            return error_response(e, _CLOSE if e.status in (408, 413) else None)
+        except BaseException:
+            end_request_span(span, 500)
+            raise
+        describe(span, p)
+        if (trace_headers := headers_for(span)) is not None:
+            p = replace(p, trace_headers=trace_headers)
+        # From here the request is in flight until tracker.done(), which every path below reaches
+        # (the SSE body's, or its on_close when the body never ran); done() gives the lease back.
+        tracker = tracker_for(gw.metrics, endpoint, gw.releaser(lease, p), span)
+        gw.record(p, endpoint, tracker)
         headers = {"X-Request-Id": p.generate.request_id}
 
         async def disconnected() -> None:
@@ -174,7 +240,18 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
             log.info("%s: client disconnected before the response; aborted", p.generate.request_id)
             tracker.done(CLIENT_CLOSED)
             return Response(status_code=CLIENT_CLOSED)
-        return EventStreamResponse(sse_body(gw, p, stream, first, tracker), headers=headers)
+        except BaseException as e:  # answered by on_unexpected (500), or cancelled
+            tracker.done(CLIENT_CLOSED if isinstance(e, asyncio.CancelledError) else 500)
+            raise
+
+        async def on_close() -> None:
+            # Both idempotent: no-ops once the body has run to its end.
+            await gw.close_stream(stream)
+            tracker.done(CLIENT_CLOSED)
+
+        return EventStreamResponse(
+            sse_body(gw, p, stream, first, tracker), headers=headers, on_close=on_close
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -184,7 +261,8 @@ def create_app(config: GatewayConfig, *, bus: Bus | None = None) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await generate("chat", "chat_completions", request)
 
-    register_websocket(app, gw, check_api_key)
+    register_websocket(app, gw)
+    register_console(app, gw)
     return app
 
 

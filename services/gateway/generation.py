@@ -21,10 +21,15 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
+import msgspec
 
 from shared.wire import subjects
-from shared.wire.bus import Bus, BusError, BusTimeout
+from shared.wire.bus import Bus, BusError, BusNoResponders, BusTimeout, Msg
 from shared.wire.messages import (
+    EXECUTOR_HEARTBEAT,
+    GENERATE_REQUEST,
+    METRICS_REPORT,
+    METRICS_STALE_AFTER_S,
     PREFIX_INDEX_STATUS,
     PREFIX_INDEX_STATUS_REQUEST,
     SCHEDULER_STATUS,
@@ -42,10 +47,24 @@ from shared.wire.messages import (
 from shared.wire.outputs import RequestOutput
 
 from . import protocol
+from .api_keys import ApiKey, KeyRing, estimated_prompt_tokens, reserved_tokens
 from .config import GatewayConfig
-from .errors import APIError, model_not_found, service_unavailable
+from .errors import (
+    UNAVAILABLE_RETRY_AFTER_S,
+    APIError,
+    bad_request,
+    bus_unavailable,
+    model_not_found,
+    payload_too_large,
+    service_unavailable,
+    shutting_down,
+    unauthorized,
+)
+from .executor_board import ExecutorBoard
+from .limiter import Lease, Limiter
 from .metrics import CLIENT_CLOSED, GatewayMetrics, RequestTracker
 from .openai_schema import ChatCompletionRequest, parse_chat_request, parse_completion_request
+from .request_log import RequestLog, RequestRecord
 from .streams import GenerationStream
 
 log = logging.getLogger("llmserve.gateway")
@@ -65,6 +84,8 @@ class Prepared:
     stream: bool
     generate: GenerateRequest
     spec: protocol.ResponseSpec
+    payload: bytes  # ``generate`` encoded for the bus, its size checked against max_payload
+    trace_headers: dict[str, str] | None = None  # the request span's W3C context, for the bus
 
 
 class Gateway:
@@ -76,13 +97,116 @@ class Gateway:
         self.bus: Bus | None = None
         self._models: list[str] = []
         self._models_at = -1e9
+        # Every stream between start() and its close(): what a drain waits for, and interrupts.
+        self.streams: set[GenerationStream] = set()
+        self.draining = asyncio.Event()  # set once: SIGTERM was received (server.py)
+        keys = list(config.api_keys)
+        if config.api_key is not None:
+            keys.append(ApiKey(name="default", key=config.api_key))
+        self.keys = KeyRing(keys)
+        # Set by the app's lifespan when a key has limits (it needs a running loop).
+        self.limiter: Limiter | None = None
+        self._releases: set[asyncio.Task[None]] = set()
+        # What the console shows (console_routes.py): recent requests, each executor's heartbeat.
+        self.request_log = RequestLog()
+        self.executors = ExecutorBoard(METRICS_STALE_AFTER_S)
+
+    # -- auth and per-key limits ---------------------------------------------------------------
+
+    def authenticate(self, authorization: str | None) -> ApiKey | None:
+        """The request's key (None when no key is configured: auth off); 401 without a known
+        one."""
+        if not len(self.keys):
+            return None
+        scheme, _, token = (authorization or "").partition(" ")
+        key = self.keys.find(token.strip()) if scheme.lower() == "bearer" else None
+        if key is None:
+            raise unauthorized()
+        return key
+
+    async def admit(self, key: ApiKey | None, p: Prepared) -> Lease | None:
+        """Take the request's due from its key's limits: a Lease to release when it ends, or
+        APIError 429 (the limit's name, Retry-After)."""
+        if key is None:
+            return None
+        cost = reserved_tokens(p.generate)
+        lease = None
+        if self.limiter is not None:
+            lease = await self.limiter.admit(key, cost)
+        self.metrics.api_key_requests.labels(key.name).inc()
+        self.metrics.api_key_tokens_reserved.labels(key.name).inc(cost)
+        return lease
+
+    def releaser(self, lease: Lease | None, p: Prepared) -> Callable[[int, int], None]:
+        """The tracker's on_done for a request admitted with ``lease``: it is charged its prompt
+        (the admission estimate while the tokenized length is unknown) and what it generated."""
+
+        def release(num_prompt_tokens: int, num_generated_tokens: int) -> None:
+            prompt = num_prompt_tokens or estimated_prompt_tokens(p.generate)
+            self.release(lease, prompt + num_generated_tokens)
+
+        return release
+
+    def release(self, lease: Lease | None, num_used_tokens: int) -> None:
+        """Give back what a lease holds beyond ``num_used_tokens``, in the background (callable
+        from sync code, any path)."""
+        if lease is None or not lease.holds_anything or self.limiter is None:
+            return
+        task = asyncio.get_running_loop().create_task(self.limiter.release(lease, num_used_tokens))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    # -- drain ---------------------------------------------------------------------------------
+
+    def check_admission(self) -> None:
+        """A draining gateway takes no new request: 503, to be retried elsewhere or later."""
+        if self.draining.is_set():
+            raise shutting_down()
+
+    def interrupt_streams(self, error: APIError | None = None, reason: str | None = None) -> int:
+        """End every running stream with ``error`` (default: a 503, the gateway shutting down;
+        an error event once streaming began); each is aborted on the bus when closed. Returns how
+        many were running."""
+        if error is None:
+            error = APIError(
+                503,
+                "The server is shutting down; the request was cut short.",
+                retry_after_s=1.0,
+            )
+        streams = list(self.streams)
+        for stream in streams:
+            stream.interrupt(error, reason or "gateway shutting down")
+        return len(streams)
+
+    def on_bus_lost(self) -> None:
+        """The connection to NATS dropped: whatever was published to us meanwhile is lost, so no
+        running stream can be trusted to be complete. Each ends now with a 503 (an error event
+        once streaming began) and is aborted once the bus is back; new requests get 503 until
+        it is (``_bus``)."""
+        num = self.interrupt_streams(
+            APIError(
+                503,
+                "The gateway lost its connection to the message bus (NATS); the request was "
+                "cut short. Retry it.",
+                retry_after_s=UNAVAILABLE_RETRY_AFTER_S,
+            ),
+            "gateway lost the message bus",
+        )
+        if num:
+            log.warning("lost the message bus: ended %d running request(s) with an error", num)
 
     # -- backend status ------------------------------------------------------------------------
 
     def _bus(self) -> Bus:
         if self.bus is None or not self.bus.is_connected:
-            raise service_unavailable("The gateway is not connected to the message bus.")
+            raise bus_unavailable(self.bus_down_detail())
         return self.bus
+
+    def bus_down_detail(self) -> str:
+        since = self.bus.disconnected_since if self.bus is not None else None
+        if since is None:
+            return "not connected"
+        return f"disconnected {time.monotonic() - since:.1f} s ago, reconnecting"
 
     async def scheduler_status(self) -> SchedulerStatus:
         data = await self._status_request(
@@ -104,9 +228,11 @@ class Gateway:
         try:
             return await self._bus().request(subject, payload, timeout=self.config.health_timeout_s)
         except BusTimeout:
+            if self.bus is not None and not self.bus.is_connected:
+                raise bus_unavailable(self.bus_down_detail()) from None
             raise service_unavailable(f"The {service} did not answer.") from None
         except BusError as e:
-            raise service_unavailable(f"The message bus is unavailable: {e}") from None
+            raise bus_unavailable(str(e)) from None
 
     async def refresh_stack_metrics(self) -> None:
         """Fetch the scheduler's and the prefix index's status for this scrape; one that does not
@@ -119,12 +245,55 @@ class Gateway:
             index if isinstance(index, PrefixIndexStatus) else None,
         )
 
+    async def on_metrics_report(self, msg: Msg) -> None:
+        try:
+            self.metrics.receive(METRICS_REPORT.decode(msg.data))
+        except msgspec.DecodeError:
+            log.warning("ignoring a malformed metrics report on %s", msg.subject)
+
+    async def on_heartbeat(self, msg: Msg) -> None:
+        try:
+            self.executors.put(EXECUTOR_HEARTBEAT.decode(msg.data), time.monotonic())
+        except msgspec.DecodeError:
+            log.warning("ignoring a malformed heartbeat on %s", msg.subject)
+
+    def record(self, p: Prepared, endpoint: str, tracker: RequestTracker) -> None:
+        """Enter a request in the console's table; its tracker and stream keep it up to date."""
+        tracker.record = self.request_log.add(
+            RequestRecord(
+                request_id=p.generate.request_id,
+                endpoint=endpoint,
+                model=p.generate.model,
+                stream=p.stream,
+                max_tokens=p.generate.params.max_tokens,
+                created_at=time.time(),
+                started=tracker.started,
+            )
+        )
+
     async def prefix_index_status(self) -> PrefixIndexStatus:
         data = await self._status_request(
             subjects.PREFIX_INDEX_STATUS,
             PREFIX_INDEX_STATUS_REQUEST.encode(PrefixIndexStatusRequest()),
             "prefix index",
         )
+        return PREFIX_INDEX_STATUS.decode(data)
+
+    async def prefix_index_probe(self) -> PrefixIndexStatus | APIError | None:
+        """For /health: the index's status, the error asking it met, or None when no replica
+        runs (a stack may run without one)."""
+        try:
+            data = await self._bus().request(
+                subjects.PREFIX_INDEX_STATUS,
+                PREFIX_INDEX_STATUS_REQUEST.encode(PrefixIndexStatusRequest()),
+                timeout=self.config.health_timeout_s,
+            )
+        except BusNoResponders:
+            return None
+        except BusTimeout:
+            return service_unavailable("The prefix index did not answer.")
+        except BusError as e:
+            return bus_unavailable(str(e))
         return PREFIX_INDEX_STATUS.decode(data)
 
     async def served_models(self, refresh: bool = False) -> list[str]:
@@ -151,6 +320,7 @@ class Gateway:
     async def prepare(
         self, api: protocol.Api, body: bytes, *, force_stream: bool = False
     ) -> Prepared:
+        self.check_admission()
         req = parse_chat_request(body) if api == "chat" else parse_completion_request(body)
         # The model is checked here, against the served set; the scheduler routes by it.
         await self.check_model(req.model)
@@ -176,22 +346,59 @@ class Gateway:
             logprobs=generate.params.logprobs,
             include_usage=stream and bool(req.stream_options and req.stream_options.include_usage),
         )
-        return Prepared(api, stream, generate, spec)
+        return Prepared(api, stream, generate, spec, self._encode(generate))
+
+    def _encode(self, generate: GenerateRequest) -> bytes:
+        """The request as the tokenizer receives it. Its integers were range-checked (protocol,
+        SamplingParams); an encoding failure is still the client's number, never a 500. A
+        message over the bus's max_payload is refused as too large (413), not retried."""
+        try:
+            payload = GENERATE_REQUEST.encode(generate)
+        except (OverflowError, msgspec.EncodeError) as e:
+            raise bad_request(f"A number in the request is out of range: {e}") from None
+        max_payload = self._bus().max_payload
+        if len(payload) > max_payload:
+            raise payload_too_large(
+                "request, encoded for the message bus,", len(payload), max_payload
+            )
+        return payload
 
     async def start(
         self, p: Prepared, disconnected: Callable[[], Awaitable[None]] | None
     ) -> tuple[GenerationStream, RequestOutput]:
         """Dispatch and wait for the first output. On any exception the stream is closed
         (aborted)."""
-        stream = GenerationStream(self._bus(), p.generate, self.config.request_timeout_s)
+        self.check_admission()
+        stream = GenerationStream(
+            self._bus(),
+            p.generate,
+            self.config.request_timeout_s,
+            payload=p.payload,
+            progress_timeout_s=self.config.progress_timeout_s,
+            ack_timeout_s=self.config.ack_timeout_s,
+            trace_headers=p.trace_headers,
+            watcher=self.request_log.get(p.generate.request_id),
+        )
+        self.streams.add(stream)
         try:
             await stream.open()
+            if stream.ack_round_trip_s is not None:
+                self.metrics.round_trip.labels("tokenizer.generate").observe(
+                    stream.ack_round_trip_s
+                )
             first = await race_disconnect(stream.next(), disconnected)
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await stream.close()
+                await self.close_stream(stream)
             raise
         return stream, first
+
+    async def close_stream(self, stream: GenerationStream) -> None:
+        """Close (abort if unfinished) and forget a stream start() returned."""
+        try:
+            await stream.close()
+        finally:
+            self.streams.discard(stream)
 
     async def collect(
         self,
@@ -215,7 +422,7 @@ class Gateway:
             await race_disconnect(fold(out), disconnected)
         finally:
             with anyio.CancelScope(shield=True):
-                await stream.close()
+                await self.close_stream(stream)
         response = builder.response()
         tracker.done(
             200,
@@ -253,7 +460,7 @@ class Gateway:
             # Shielded: this runs while the response is being cancelled (client gone), and the
             # abort must still reach the bus.
             with anyio.CancelScope(shield=True):
-                await stream.close()
+                await self.close_stream(stream)
             response = builder.response()
             tracker.done(
                 status,

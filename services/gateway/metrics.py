@@ -1,96 +1,49 @@
 """Prometheus metrics of the gateway, under the ``llmserve:`` prefix with vLLM's names where they
-apply at the API edge. One registry per app (not the process-global one), so several
-apps can live in one test process.
+apply at the API edge, and the exposition of the whole stack's on /metrics.
+
+One registry per app (not the process-global one), so several apps can live in one test process.
+That registry is published to the other gateways like any service's (shared/metrics), and
+/metrics serves, from ``exposition``: this gateway's registry and the latest report of every live
+instance of every service (gateways included), each sample labelled ``service`` and ``replica``,
+plus the scheduler's and the prefix index's status (stack_metrics.py). Every gateway thus serves
+the same stack-wide series: scrape any one of them (or each, and aggregate by ``replica``).
 
 Latencies are measured here, at the edge, from the moment the request body is parsed:
 TTFT = first output carrying tokens, ITL = between consecutive token-carrying outputs,
-E2E = until the last output. ``status`` labels: the HTTP status the client got, or the status of
-the SSE error event; 499 (nginx's convention) when the client went away first.
+E2E = until the last output, TPOT = (E2E - TTFT) / (tokens - 1) per successful request with at
+least two tokens (vLLM's definition; tokens of every choice when n > 1). Prompt and generation
+tokens are the usage the client is told. ``status`` labels: the HTTP status the client got, or the
+status of the SSE error event; 499 (nginx's convention) when the client went away first.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import Metric
 
+from shared.metrics.book import ReportBook
+from shared.metrics.common import (
+    REQUEST_LATENCY_BUCKETS,
+    TOKEN_LATENCY_BUCKETS,
+    TTFT_BUCKETS,
+    round_trip_histogram,
+)
+from shared.metrics.publisher import new_instance_id, report_of
+from shared.metrics.report import export_families
+from shared.wire.messages import METRICS_STALE_AFTER_S, MetricsReport
+
+from .request_log import RequestRecord
 from .stack_metrics import StackMetrics
 
 CLIENT_CLOSED = 499
 
-# vLLM's buckets for the same histograms.
-_TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-)
-_ITL_BUCKETS = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-_E2E_BUCKETS = (
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-    7680.0,
-)
-
 
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, instance: str | None = None) -> None:
+        self.instance = instance or new_instance_id("gateway")
         self.registry = CollectorRegistry()
         r = self.registry
         labels: list[str] = []  # one served model per gateway: no model label
@@ -116,58 +69,129 @@ class GatewayMetrics:
             "llmserve:time_to_first_token_seconds",
             "Time to first token.",
             labels,
-            buckets=_TTFT_BUCKETS,
+            buckets=TTFT_BUCKETS,
             registry=r,
         )
         self.itl = Histogram(
             "llmserve:inter_token_latency_seconds",
             "Time between consecutive token-carrying outputs.",
             labels,
-            buckets=_ITL_BUCKETS,
+            buckets=TOKEN_LATENCY_BUCKETS,
             registry=r,
         )
         self.e2e = Histogram(
             "llmserve:e2e_request_latency_seconds",
             "End-to-end request latency.",
             labels,
-            buckets=_E2E_BUCKETS,
+            buckets=REQUEST_LATENCY_BUCKETS,
             registry=r,
         )
+        self.tpot = Histogram(
+            "llmserve:time_per_output_token_seconds",
+            "Time per output token after the first: (e2e - ttft) / (tokens - 1).",
+            labels,
+            buckets=TOKEN_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.round_trip = round_trip_histogram(r)
         self.prompt_tokens = Counter(
             "llmserve:prompt_tokens", "Prompt tokens of finished requests.", labels, registry=r
         )
         self.generation_tokens = Counter(
             "llmserve:generation_tokens", "Generated tokens.", labels, registry=r
         )
-        self.stack = StackMetrics(r)
+        # Per API key, labelled by the key's name (never the key).
+        self.api_key_requests = Counter(
+            "llmserve:api_key_requests",
+            "Generation requests admitted, by API key name.",
+            ["key_name"],
+            registry=r,
+        )
+        self.api_key_rejected = Counter(
+            "llmserve:api_key_rejected",
+            "Generation requests refused by a per-key limit, by API key name and limit.",
+            ["key_name", "limit"],
+            registry=r,
+        )
+        self.api_key_tokens_reserved = Counter(
+            "llmserve:api_key_tokens_reserved",
+            "Tokens reserved at admission (prompt estimate + max_tokens x n), by API key name.",
+            ["key_name"],
+            registry=r,
+        )
+        self.api_key_tokens_refunded = Counter(
+            "llmserve:api_key_tokens_refunded",
+            "Reserved tokens given back when a request ended having used fewer, by API key name.",
+            ["key_name"],
+            registry=r,
+        )
+        self.api_key_limiter_unavailable = Counter(
+            "llmserve:api_key_limiter_unavailable",
+            "Requests admitted unchecked because Redis (per-key limits) was unreachable.",
+            registry=r,
+        )
+        # The other instances' reports (a bus subscription fills it) and the services' status.
+        self.book = ReportBook(METRICS_STALE_AFTER_S)
+        self.stack = StackMetrics()
+        self.exposition = CollectorRegistry()
+        self.exposition.register(_Exposition(self))
+
+    def own_report(self) -> MetricsReport:
+        return report_of("gateway", self.instance, self.registry)
+
+    def receive(self, report: MetricsReport) -> None:
+        self.book.put(report, time.monotonic())
 
     def count(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
 
-    def tracker(self, endpoint: str) -> RequestTracker:
-        return RequestTracker(self, endpoint)
+    def tracker(
+        self, endpoint: str, on_done: Callable[[int, int], None] | None = None
+    ) -> RequestTracker:
+        return RequestTracker(self, endpoint, on_done)
 
 
 class RequestTracker:
     """Timing of one generation request; ``done`` records it exactly once."""
 
-    def __init__(self, metrics: GatewayMetrics, endpoint: str) -> None:
+    def __init__(
+        self,
+        metrics: GatewayMetrics,
+        endpoint: str,
+        on_done: Callable[[int, int], None] | None = None,
+    ) -> None:
+        # Called once, by done(), with (prompt tokens, 0 when unknown; generated tokens): gives
+        # back what the request held of its key's limits.
+        self._on_done = on_done
         self._m = metrics
         self._endpoint = endpoint
         self._start = time.monotonic()
+        self._first_token_at: float | None = None
         self._last_token_at: float | None = None
+        self._num_generated_tokens = 0
         self._done = False
+        # The console's record of this request (request_log.py), when the gateway keeps one.
+        self.record: RequestRecord | None = None
         metrics.in_flight.inc()
+
+    @property
+    def started(self) -> float:
+        """When the request began (monotonic): TTFT and E2E count from here."""
+        return self._start
 
     def on_tokens(self, num_tokens: int) -> None:
         if num_tokens <= 0:
             return
         now = time.monotonic()
+        if self.record is not None:
+            self.record.on_tokens(num_tokens, now)
         if self._last_token_at is None:
+            self._first_token_at = now
             self._m.ttft.observe(now - self._start)
         else:
             self._m.itl.observe(now - self._last_token_at)
         self._last_token_at = now
+        self._num_generated_tokens += num_tokens
         self._m.generation_tokens.inc(num_tokens)
 
     def done(
@@ -180,11 +204,33 @@ class RequestTracker:
         if self._done:
             return
         self._done = True
+        if self.record is not None:
+            self.record.done(status, time.monotonic(), num_prompt_tokens, finish_reasons)
+        if self._on_done is not None:
+            self._on_done(num_prompt_tokens, self._num_generated_tokens)
         m = self._m
         m.in_flight.dec()
         m.count(self._endpoint, status)
         if status == 200:
-            m.e2e.observe(time.monotonic() - self._start)
+            now = time.monotonic()
+            m.e2e.observe(now - self._start)
+            if self._first_token_at is not None and self._num_generated_tokens > 1:
+                m.tpot.observe((now - self._first_token_at) / (self._num_generated_tokens - 1))
             m.prompt_tokens.inc(num_prompt_tokens)
             for reason in finish_reasons or []:
                 m.request_success.labels(reason or "unknown").inc()
+
+
+class _Exposition:
+    """What /metrics serves: this gateway's registry as a report of its own (fresh at every
+    scrape; within each family its samples come first), the live reports of every other instance,
+    and the stack's status metrics."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self._m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._m
+        others = m.book.live(time.monotonic(), exclude=("gateway", m.instance))
+        yield from export_families([m.own_report(), *others])
+        yield from m.stack.collect()

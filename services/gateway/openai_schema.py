@@ -10,17 +10,23 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import APIError, bad_request
+from .errors import INVALID_REQUEST, APIError, bad_request
+
+MAX_JSON_DEPTH = 200
 
 __all__ = [
+    "JSON_TOO_DEEP",
+    "MAX_JSON_DEPTH",
     "ChatCompletionRequest",
     "ChatMessageIn",
     "CompletionRequest",
     "StreamOptions",
     "parse_chat_request",
     "parse_completion_request",
+    "parse_json_object",
 ]
 
 
@@ -66,6 +72,10 @@ class CompletionRequest(_CommonRequest):
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
+    # Special-token texts in the prompt ("<|im_start|>") are those tokens by default, as vLLM and
+    # llama.cpp parse them in a raw prompt; true: the prompt is plain text (HF's and vLLM's name).
+    # A chat message's content is always plain text.
+    split_special_tokens: bool | None = False
 
 
 class TextPart(_Model):
@@ -100,10 +110,42 @@ _FIELD_HINTS: dict[str, str] = {
 }
 
 
+# pydantic's JSON parser (jiter) refuses nesting deeper than 200 levels with this message, before
+# any recursion of ours: the depth limit of every JSON the gateway reads (HTTP and WebSocket).
+_TOO_DEEP = "recursion limit exceeded"
+
+
+JSON_TOO_DEEP = "json_too_deep"
+
+
+def too_deep() -> APIError:
+    return APIError(
+        400,
+        f"The JSON is nested too deeply (at most {MAX_JSON_DEPTH} levels).",
+        INVALID_REQUEST,
+        code=JSON_TOO_DEEP,
+    )
+
+
+def parse_json_object(data: bytes) -> dict[str, Any]:
+    """A JSON object, parsed with the same depth limit as the request bodies; APIError 400."""
+    try:
+        obj = pydantic_core.from_json(data)
+    except ValueError as e:
+        if _TOO_DEEP in str(e):
+            raise too_deep() from None
+        raise bad_request(f"The request is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise bad_request("The request must be a JSON object.")
+    return obj
+
+
 def _edge_error(e: ValidationError) -> APIError:
     errors = e.errors(include_url=False)
     first = errors[0]
     if first["type"] == "json_invalid":
+        if _TOO_DEEP in first["msg"]:
+            return too_deep()
         return bad_request(f"The request body is not valid JSON: {first['msg']}")
     if first["type"] == "model_type" and not first["loc"]:
         return bad_request("The request body must be a JSON object.")

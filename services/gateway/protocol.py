@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from shared.wire.messages import ChatMessage, GenerateRequest
 from shared.wire.outputs import CompletionDelta, RequestOutput, TokenLogprobs
-from shared.wire.sampling_params import SamplingParams
+from shared.wire.sampling_params import MAX_INT32, SamplingParams
 
 from .errors import bad_request
 from .openai_schema import ChatCompletionRequest, CompletionRequest
@@ -114,6 +114,17 @@ def _common_fields(req: CompletionRequest | ChatCompletionRequest) -> dict[str, 
     }
 
 
+def _priority(priority: int | None) -> int:
+    """The scheduler orders by it (lower first); bounded so it fits the wire and the sort key."""
+    if priority is None:
+        return 0
+    if not -MAX_INT32 <= priority <= MAX_INT32:
+        raise bad_request(
+            f"priority must be an integer in [{-MAX_INT32}, {MAX_INT32}].", "priority"
+        )
+    return priority
+
+
 def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
     """One prompt: a string or a non-empty list of token ids. A batch of one is unwrapped."""
     if isinstance(prompt, str):
@@ -122,8 +133,9 @@ def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str
         raise bad_request("prompt must not be an empty list.", "prompt")
     if isinstance(prompt[0], int):
         ids: list[int] = prompt
-        if any(t < 0 for t in ids):
-            raise bad_request("prompt token ids must be >= 0.", "prompt")
+        # The tokenizer checks them against the vocabulary; here only what the wire can carry.
+        if any(not 0 <= t <= MAX_INT32 for t in ids):
+            raise bad_request(f"prompt token ids must be integers in [0, {MAX_INT32}].", "prompt")
         return ids
     if len(prompt) > 1:
         raise bad_request(
@@ -162,7 +174,8 @@ def completion_to_generate(
         params=params,
         prompt=prompt if isinstance(prompt, str) else None,
         prompt_token_ids=prompt if isinstance(prompt, list) else None,
-        priority=req.priority or 0,
+        split_special_tokens=bool(req.split_special_tokens),
+        priority=_priority(req.priority),
         arrival_time=arrival_time,
         deadline=deadline,
     )
@@ -220,7 +233,7 @@ def chat_to_generate(
         params=params,
         messages=messages,
         add_generation_prompt=req.add_generation_prompt is not False,
-        priority=req.priority or 0,
+        priority=_priority(req.priority),
         arrival_time=arrival_time,
         deadline=deadline,
     )

@@ -9,7 +9,7 @@ the bus) runs before the response returns, on every path.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import anyio
@@ -30,9 +30,15 @@ class EventStreamResponse(Response):
     media_type = "text/event-stream"
 
     def __init__(
-        self, body: AsyncIterator[bytes], headers: Mapping[str, str] | None = None
+        self,
+        body: AsyncIterator[bytes],
+        headers: Mapping[str, str] | None = None,
+        on_close: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
+        """``on_close`` runs last, on every path: an async generator body that never started
+        (the client was gone before the first send) runs no ``finally`` of its own."""
         self.body_iterator = body
+        self.on_close = on_close
         self.status_code = 200
         self.background = None
         # no-cache: proxies must not hold events; X-Accel-Buffering: nginx must not buffer them.
@@ -69,3 +75,5 @@ class EventStreamResponse(Response):
         finally:
             with anyio.CancelScope(shield=True):
                 await body.aclose()  # type: ignore[attr-defined]
+                if self.on_close is not None:
+                    await self.on_close()

@@ -1,9 +1,10 @@
-"""The rest of the stack's state as Prometheus metrics on the gateway's /metrics: per executor (from
-the heartbeats the scheduler holds), the scheduler's routing counters, and the prefix index's size
-and apply lag. Fetched at scrape time (``StackMetrics.refresh``); a service that does not answer
-leaves its metrics out of that scrape instead of failing it.
+"""The scheduler's routing state and the prefix index's size and apply lag, from their status
+replies, on the gateway's /metrics (every service's own metrics, executors' included, come in
+their MetricsReports instead: metrics.py). Fetched at scrape time
+(``Gateway.refresh_stack_metrics``); a service that does not answer leaves its metrics out of that
+scrape instead of failing it.
 
-The index's counters are those of the replica that answered (one per scrape, queue group).
+These are those of the replica that answered (one per scrape, queue group).
 Counters that a service keeps (prefix-cache tokens, fallbacks) are exported as counters with the
 service's own cumulative value; they restart at 0 when that process restarts, as Prometheus
 counters may.
@@ -13,60 +14,26 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from shared.wire.messages import PrefixIndexStatus, SchedulerStatus
 
 
 class StackMetrics:
-    """A custom collector: registered once, it yields whatever the last refresh brought."""
+    """Yields whatever the last refresh brought (metrics.py collects it with the rest)."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self) -> None:
         self.scheduler: SchedulerStatus | None = None
         self.index: PrefixIndexStatus | None = None
-        registry.register(self)
 
     def update(self, scheduler: SchedulerStatus | None, index: PrefixIndexStatus | None) -> None:
         self.scheduler, self.index = scheduler, index
 
     def collect(self) -> Iterator[Metric]:
         if self.scheduler is not None:
-            yield from _executor_metrics(self.scheduler)
             yield from _routing_metrics(self.scheduler)
         if self.index is not None:
             yield from _index_metrics(self.index)
-
-
-def _executor_metrics(status: SchedulerStatus) -> Iterator[Metric]:
-    labels = ["executor", "model_name"]
-    queries = CounterMetricFamily(
-        "llmserve:prefix_cache_queries",
-        "Prompt tokens looked up in the executor's prefix cache.",
-        labels=labels,
-    )
-    hits = CounterMetricFamily(
-        "llmserve:prefix_cache_hits",
-        "Prompt tokens found in the executor's prefix cache.",
-        labels=labels,
-    )
-    running = GaugeMetricFamily(
-        "llmserve:num_requests_running", "Requests in the executor's batch.", labels=labels
-    )
-    waiting = GaugeMetricFamily(
-        "llmserve:num_requests_waiting", "Requests waiting in the executor.", labels=labels
-    )
-    free_blocks = GaugeMetricFamily(
-        "llmserve:num_free_kv_blocks", "Free KV blocks of the executor.", labels=labels
-    )
-    for e in status.executors:
-        values = [e.executor_id, e.model]
-        queries.add_metric(values, e.prefix_cache_queries_tokens)
-        hits.add_metric(values, e.prefix_cache_hits_tokens)
-        running.add_metric(values, e.num_running)
-        waiting.add_metric(values, e.num_waiting)
-        free_blocks.add_metric(values, e.num_free_blocks)
-    yield from (queries, hits, running, waiting, free_blocks)
 
 
 def _routing_metrics(status: SchedulerStatus) -> Iterator[Metric]:

@@ -11,22 +11,30 @@ Protocol (one request at a time per socket; the socket stays open for the next o
 
 Auth: the same ``Authorization: Bearer <key>`` header on the upgrade request; a bad key gets an
 error object and close code 1008. Closing the socket mid-request aborts the request on the bus.
+
+Bounds: a message over ``max_body_bytes`` is closed with 1009 by the server (uvicorn's
+``ws_max_size``); one nested deeper than the JSON depth limit gets an error object and close code
+1007 with the reason. A browser page of another origin is refused (1008): WebSockets bypass CORS.
+While the gateway drains (server.py) it reads no new request: an idle socket is closed (1001) at
+once, a busy one once its request has ended, as usual or, cut short at the deadline, with an error
+object and ``{"done": true}``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import anyio
 import msgspec
 from fastapi import FastAPI, WebSocket
 
+from .api_keys import ApiKey
 from .errors import APIError, bad_request
 from .generation import ClientDisconnected, Gateway, race_disconnect
 from .metrics import CLIENT_CLOSED
+from .openai_schema import JSON_TOO_DEEP, parse_json_object
 from .protocol import Api
 
 log = logging.getLogger("llmserve.gateway.ws")
@@ -34,6 +42,8 @@ log = logging.getLogger("llmserve.gateway.ws")
 ENDPOINT = "ws"
 _DONE = {"done": True}
 _encoder = msgspec.json.Encoder()
+GOING_AWAY = 1001
+INVALID_PAYLOAD = 1007
 POLICY_VIOLATION = 1008
 
 
@@ -68,14 +78,16 @@ class _Inbox:
         self._task.cancel()
 
 
-def register_websocket(
-    app: FastAPI, gw: Gateway, check_api_key: Callable[[Any, str | None], None]
-) -> None:
+def register_websocket(app: FastAPI, gw: Gateway) -> None:
     @app.websocket("/v1/ws")
     async def ws(websocket: WebSocket) -> None:
         await websocket.accept()
         try:
-            check_api_key(gw.config, websocket.headers.get("authorization"))
+            if not _same_origin(websocket):
+                raise APIError(
+                    403, "Cross-origin WebSocket connections are not allowed.", code="forbidden"
+                )
+            key = gw.authenticate(websocket.headers.get("authorization"))
         except APIError as e:
             gw.metrics.count(ENDPOINT, e.status)
             await websocket.send_text(_encoder.encode(e.body()).decode())
@@ -83,36 +95,82 @@ def register_websocket(
             return
         inbox = _Inbox(websocket)
         try:
-            while (data := await inbox.get()) is not None:
-                if not await _serve_one(gw, websocket, data, inbox):
+            while (data := await _next_request(gw, inbox)) is not None:
+                try:
+                    if not await _serve_one(gw, websocket, data, inbox, key):
+                        return
+                except _Refused as e:
+                    await _send(websocket, e.error.body())
+                    await websocket.close(code=INVALID_PAYLOAD, reason=e.error.message[:120])
+                    return
+                if gw.draining.is_set():
                     break
+            if not inbox.closed:  # draining: a close frame, never a bare TCP close
+                await websocket.close(code=GOING_AWAY, reason="server shutting down")
         finally:
             inbox.stop()
+
+
+def _same_origin(websocket: WebSocket) -> bool:
+    """True unless a browser says the page that opened the socket is of another origin than this
+    server (non-browser clients send no Origin)."""
+    origin = websocket.headers.get("origin")
+    if origin is None:
+        return True
+    host = websocket.headers.get("host", "")
+    return origin.split("://", 1)[-1].rstrip("/").lower() == host.lower()
+
+
+class _Refused(Exception):
+    """A message the socket must be closed over (1007), not merely answered."""
+
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+async def _next_request(gw: Gateway, inbox: _Inbox) -> bytes | None:
+    """The client's next message; None once it is gone, or the gateway drains while it idles."""
+    if gw.draining.is_set():
+        return None
+    get = asyncio.ensure_future(inbox.get())
+    drain = asyncio.ensure_future(gw.draining.wait())
+    try:
+        await asyncio.wait({get, drain}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        drain.cancel()
+        if not get.done():
+            get.cancel()
+    return get.result() if get.done() and not get.cancelled() else None
 
 
 async def _send(websocket: WebSocket, obj: Any) -> None:
     await websocket.send_text(_encoder.encode(obj).decode())
 
 
-async def _serve_one(gw: Gateway, websocket: WebSocket, data: bytes, inbox: _Inbox) -> bool:
+async def _serve_one(
+    gw: Gateway, websocket: WebSocket, data: bytes, inbox: _Inbox, key: ApiKey | None
+) -> bool:
     """Serve one request; False when the client is gone."""
     try:
-        obj = msgspec.json.decode(data)
-        if not isinstance(obj, dict):
-            raise bad_request("The request must be a JSON object.")
+        try:
+            obj = parse_json_object(data)
+        except APIError as e:
+            if e.code == JSON_TOO_DEEP:
+                gw.metrics.count(ENDPOINT, e.status)
+                raise _Refused(e) from None
+            raise
         api: Api = "chat" if "messages" in obj else "completion"
         p = await gw.prepare(api, data, force_stream=True)
-    except msgspec.DecodeError as e:
-        p, err = None, bad_request(f"The request is not valid JSON: {e}")
+        lease = await gw.admit(key, p)
     except APIError as e:
-        p, err = None, e
-    if p is None:
-        gw.metrics.count(ENDPOINT, err.status)
-        await _send(websocket, err.body())
+        gw.metrics.count(ENDPOINT, e.status)
+        await _send(websocket, e.body())
         await _send(websocket, _DONE)
         return True
 
-    tracker = gw.metrics.tracker(ENDPOINT)
+    tracker = gw.metrics.tracker(ENDPOINT, gw.releaser(lease, p))
+    gw.record(p, ENDPOINT, tracker)
     aborted = False
 
     async def stopped() -> None:
@@ -120,10 +178,10 @@ async def _serve_one(gw: Gateway, websocket: WebSocket, data: bytes, inbox: _Inb
         nonlocal aborted
         while (msg := await inbox.get()) is not None:
             try:
-                if msgspec.json.decode(msg).get("abort") is True:
+                if parse_json_object(msg).get("abort") is True:
                     aborted = True
                     return
-            except (msgspec.DecodeError, AttributeError):
+            except APIError:
                 pass
             await _send(
                 websocket,
@@ -145,6 +203,9 @@ async def _serve_one(gw: Gateway, websocket: WebSocket, data: bytes, inbox: _Inb
         if aborted:
             await _send(websocket, _DONE)
         return aborted
+    except BaseException as e:  # never left in flight, whatever failed
+        tracker.done(CLIENT_CLOSED if isinstance(e, asyncio.CancelledError) else 500)
+        raise
 
     events = gw.chunk_events(p, stream, first, tracker)
 
@@ -169,5 +230,10 @@ async def _serve_one(gw: Gateway, websocket: WebSocket, data: bytes, inbox: _Inb
     except Exception as e:  # the socket failed under us (send on a closed connection)
         log.info("%s: websocket send failed (%r); aborted", p.generate.request_id, e)
         return False
+    finally:
+        # A pump cancelled before it ran never reached its finally: close here too (idempotent).
+        with anyio.CancelScope(shield=True):
+            await gw.close_stream(stream)
+        tracker.done(CLIENT_CLOSED)  # a no-op when the events ran to their end
     await _send(websocket, _DONE)
     return True

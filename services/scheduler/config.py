@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from services.connections import add_nats_auth_arguments, nats_auth_from_args
 from services.runtime import env_float, env_int, env_str
+from services.scheduler.disagg import DisaggConfig
 from services.scheduler.placement import ROUTING_POLICIES, CostWeights
 from services.scheduler.router import RouterConfig
+from shared.wire.bus_auth import BusAuth
 
 
 @dataclass(frozen=True)
@@ -19,6 +22,7 @@ class SchedulerConfig:
     index_timeout_s: float = 0.05  # a prefix-index lookup slower than this is routed without it
     index_retry_s: float = 1.0  # after a failed lookup, route by load alone this long
     dispatch_timeout_s: float = 5.0  # an executor's answer to a dispatch
+    bus_auth: BusAuth = field(default_factory=BusAuth)  # who it is on NATS (services.connections)
 
     def __post_init__(self) -> None:
         if not self.nats_url:
@@ -58,7 +62,13 @@ def parse_config(argv: list[str] | None = None) -> SchedulerConfig:
         default=env_int("LLMSERVE_MAX_IN_FLIGHT", None),
         help="sequences routed to one executor at once (default: its max_num_seqs)",
     )
-    p.add_argument("--retry-after", type=float, default=1.0, help="Retry-After seconds on 429")
+    p.add_argument(
+        "--retry-after",
+        type=float,
+        default=1.0,
+        help="Retry-After seconds on 429 until the queue's drain rate is measured (then: the "
+        "queue's length over that rate)",
+    )
     p.add_argument(
         "--routing",
         choices=ROUTING_POLICIES,
@@ -85,7 +95,22 @@ def parse_config(argv: list[str] | None = None) -> SchedulerConfig:
         default=env_float("LLMSERVE_INDEX_TIMEOUT", 0.05),
         help="seconds a prefix-index lookup may take before the request is routed by load alone",
     )
+    p.add_argument(
+        "--disagg-min-uncached-tokens",
+        type=int,
+        default=env_int("LLMSERVE_DISAGG_MIN_UNCACHED_TOKENS", 256),
+        help="with prefill executors: prefill a prompt on its decode executor when fewer of its "
+        "tokens than this are uncached there [env LLMSERVE_DISAGG_MIN_UNCACHED_TOKENS]",
+    )
+    p.add_argument(
+        "--disagg-max-prefill-queue-tokens",
+        type=int,
+        default=env_int("LLMSERVE_DISAGG_MAX_PREFILL_QUEUE_TOKENS", 16384),
+        help="with prefill executors: prefill locally when every prefill executor has more "
+        "unstarted prefill tokens than this [env LLMSERVE_DISAGG_MAX_PREFILL_QUEUE_TOKENS]",
+    )
     p.add_argument("--name", default="scheduler", help="connection name")
+    add_nats_auth_arguments(p)
     a = p.parse_args(argv)
     try:
         router = RouterConfig(
@@ -99,9 +124,17 @@ def parse_config(argv: list[str] | None = None) -> SchedulerConfig:
                 prefill_token_cost=a.prefill_token_cost,
                 sequence_cost_tokens=a.sequence_cost_tokens,
             ),
+            disagg=DisaggConfig(
+                min_uncached_tokens=a.disagg_min_uncached_tokens,
+                max_prefill_queue_tokens=a.disagg_max_prefill_queue_tokens,
+            ),
         )
         return SchedulerConfig(
-            nats_url=a.nats_url, router=router, name=a.name, index_timeout_s=a.index_timeout
+            nats_url=a.nats_url,
+            router=router,
+            name=a.name,
+            index_timeout_s=a.index_timeout,
+            bus_auth=nats_auth_from_args(a),
         )
     except ValueError as e:
         p.error(str(e))

@@ -1,10 +1,11 @@
 """What one scheduler replica knows of one executor: its last heartbeat, the load it last reported
 and the requests this replica routed to it. Pure: no NATS, no asyncio.
 
-Load, in sequences (a request with n=4 weighs 4):
+Load, in sequences (a request with n=4 weighs 4), and the prefill work waiting there, in tokens,
+are each estimated the same way:
 
-    estimate = reported.num_admitted                      (the executor's own count, newest report)
-             + weight of this replica's requests the report does not include yet
+    estimate = the executor's own count in its newest report
+             + this replica's requests the report does not include yet
 
 A request is included once the executor's reply to it carried a load version <= the report's
 version (versions grow by one at every accept and finish). Requests still waiting for that reply
@@ -32,6 +33,7 @@ class InFlight:
     deadline: float | None
     cached_blocks: dict[str, int] | None  # the index's answer it was routed with, for re-routing
     order: int  # its place in the queue, kept if it has to wait again
+    num_prefill_tokens: int = 0  # what it was expected to prefill where it was sent
     ack_version: int | None = None  # the executor's load version in its accepting reply
     started: bool = False
     aborted: bool = False
@@ -72,6 +74,18 @@ class ExecutorState:
         )
         return reported.num_admitted + unreported
 
+    def pending_prefill_estimate(self) -> int:
+        """Prompt tokens to prefill ahead of a new request: the executor's report plus this
+        replica's requests it does not include yet, less those that started."""
+        reported = self.reported
+        unreported = sum(
+            f.num_prefill_tokens
+            for f in self.in_flight.values()
+            if not f.started
+            and (reported is None or f.ack_version is None or f.ack_version > reported.version)
+        )
+        return unreported + (reported.num_pending_prefill_tokens if reported is not None else 0)
+
     def capacity(self, override: int | None, default: int) -> int:
         """The weight it may hold: the flag, else what it advertises, else its batch limit."""
         if override is not None:
@@ -84,9 +98,13 @@ class ExecutorState:
         return self.heartbeat.model == model
 
     def routable(self, now: float, heartbeat_timeout_s: float) -> bool:
+        """A whole request (or its decode) may go here."""
+        return self.live(now, heartbeat_timeout_s) and self.heartbeat.role in ROLES_THAT_DECODE
+
+    def live(self, now: float, heartbeat_timeout_s: float) -> bool:
+        """Heard from lately, not draining, not found gone: work of its role may go here."""
         return (
             now - self.last_seen <= heartbeat_timeout_s
             and not self.heartbeat.draining
             and not self.unreachable
-            and self.heartbeat.role in ROLES_THAT_DECODE
         )

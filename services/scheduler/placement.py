@@ -1,13 +1,15 @@
 """Which executor gets a request, among those of its model with room for it. Pure.
 
 Policies:
-- ``cache``: the lowest cost, in tokens of work,
+- ``cache``: the lowest cost, in tokens of work before the request's first token,
 
-      cost = uncached prompt tokens × prefill_token_cost + load estimate × sequence_cost_tokens
+      cost = (prefill pending there + uncached prompt tokens) × prefill_token_cost
+           + load estimate × sequence_cost_tokens
 
   where the uncached part is what the prefix index says the executor lacks (the leading blocks it
-  holds are skipped by its prefill). Without an index answer every executor lacks the whole
-  prompt, so this is routing by load alone.
+  holds are skipped by its prefill) and the pending prefill is that of the requests it holds that
+  have not started. Without an index answer every executor lacks the whole prompt, so this is
+  routing by load and queued work alone.
 - ``load``: the lowest load estimate, ignoring the cache.
 - ``round_robin``: the next executor in id order, ignoring cache and load (a baseline for
   benchmarks).
@@ -63,10 +65,8 @@ def choose(
     def key(s: ExecutorState) -> tuple[float, int, int, str]:
         load = s.load_estimate()
         if policy == "cache":
-            cost = (
-                uncached_tokens(s, request, cached_blocks) * weights.prefill_token_cost
-                + load * weights.sequence_cost_tokens
-            )
+            prefill = s.pending_prefill_estimate() + uncached_tokens(s, request, cached_blocks)
+            cost = prefill * weights.prefill_token_cost + load * weights.sequence_cost_tokens
         else:
             cost = float(load)
         return (cost, load, -s.heartbeat.stats.num_free_blocks, s.executor_id)

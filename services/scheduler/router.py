@@ -23,6 +23,12 @@ Invariants:
 - An executor that goes silent, or comes back with a new epoch (restarted), loses everything it
   held: requests that had not started are routed again (attempt + 1, ahead of the queue); started
   ones end with a 502 error, since their partial output cannot be taken back.
+- Retry-After (429, and the 503s it gives) is the time the queue needs to drain at its measured
+  rate (``drain.DrainRate``: requests leaving the queue per busy second, smoothed): every public
+  method first moves that clock to its ``now``, with the queue as the previous call left it.
+- ``forget_requests`` (the scheduler lost the bus, so its view of every request may be stale) ends
+  every queued request with a 503 and forgets what it routed: the executors' own reports are
+  the load from then on.
 """
 
 from __future__ import annotations
@@ -33,8 +39,10 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from services.scheduler.disagg import DisaggConfig, decide
+from services.scheduler.drain import DrainRate
 from services.scheduler.executors import ExecutorState, InFlight
-from services.scheduler.placement import ROUTING_POLICIES, CostWeights, choose
+from services.scheduler.placement import ROUTING_POLICIES, CostWeights, choose, uncached_tokens
 from shared.wire.messages import (
     ExecuteReply,
     ExecuteRequest,
@@ -54,15 +62,24 @@ class RouterConfig:
     no_executor_timeout_s: float = 10.0  # queued requests wait this long for any executor → 503
     max_in_flight_per_executor: int | None = None  # None: what the executor advertises
     default_max_in_flight: int = 64  # when neither the flag nor the executor says
-    retry_after_s: float = 1.0  # Retry-After on 429
+    retry_after_s: float = 1.0  # Retry-After on 429 before the drain rate is measured
+    drain_tau_s: float = 10.0  # the drain rate's smoothing: about the last this many busy seconds
+    max_retry_after_s: float = 300.0
     max_attempts: int = 3  # routing attempts of one request (fail-over included)
     routing: str = "cache"  # see placement.ROUTING_POLICIES
     weights: CostWeights = field(default_factory=CostWeights)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
 
     def __post_init__(self) -> None:
         if self.max_queue_len < 0:
             raise ValueError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
-        for name in ("heartbeat_timeout_s", "no_executor_timeout_s", "retry_after_s"):
+        for name in (
+            "heartbeat_timeout_s",
+            "no_executor_timeout_s",
+            "retry_after_s",
+            "drain_tau_s",
+            "max_retry_after_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_in_flight_per_executor is not None and self.max_in_flight_per_executor < 1:
@@ -79,6 +96,7 @@ class RouterConfig:
 class Dispatch:
     executor_id: str
     request: ExecuteRequest
+    decision: str = ""  # disagg.DECISIONS when prefill executors exist, for the metrics
 
 
 @dataclass(frozen=True)
@@ -114,10 +132,17 @@ class Router:
         # model -> when an executor serving it last reported
         self._model_seen: dict[str, float] = {}
         self.num_refused_dispatches = 0
+        self.disagg_decisions: dict[str, int] = {}  # disagg.DECISIONS -> count
+        self.drain = DrainRate(
+            tau_s=config.drain_tau_s,
+            fallback_s=config.retry_after_s,
+            max_retry_after_s=config.max_retry_after_s,
+        )
 
     # -- inputs ------------------------------------------------------------------------------
 
     def on_heartbeat(self, hb: ExecutorHeartbeat, now: float) -> list[Action]:
+        self._advance(now)
         actions: list[Action] = []
         old = self.executors.get(hb.executor_id)
         if old is not None and old.heartbeat.epoch == hb.epoch:
@@ -141,6 +166,7 @@ class Router:
     ) -> list[Action]:
         """``cached_blocks``: the prefix index's answer for the prompt (executor id → leading
         blocks held); None routes by load alone."""
+        self._advance(now)
         if req.request_id in self._queued or self._owner(req.request_id) is not None:
             return []  # a redelivered submit: the request is already being served
         if req.deadline is not None and wall_time >= req.deadline:
@@ -181,6 +207,7 @@ class Router:
         return self._admit(entry, now)
 
     def on_dispatch_reply(self, request_id: str, reply: ExecuteReply, now: float) -> list[Action]:
+        self._advance(now)
         state = self.executors.get(reply.executor_id)
         entry = state.in_flight.get(request_id) if state is not None else None
         if state is None or entry is None or state.heartbeat.epoch != reply.epoch:
@@ -200,6 +227,7 @@ class Router:
         self, request_id: str, executor_id: str, now: float
     ) -> list[Action]:
         """Nobody listens on the executor's subject: it is gone, whatever its heartbeats said."""
+        self._advance(now)
         state = self.executors.get(executor_id)
         entry = state.in_flight.pop(request_id, None) if state is not None else None
         if state is None or entry is None:
@@ -208,21 +236,41 @@ class Router:
         return self._reroute(entry, state, now, "is unreachable")
 
     def on_progress(self, progress: RequestProgress, now: float) -> list[Action]:
+        self._advance(now)
         state = self.executors.get(progress.executor_id)
         entry = state.in_flight.get(progress.request_id) if state else None
         if state is not None:
             state.report(progress.load)
+        if progress.state == "adopted" and state is not None and entry is None:
+            self._adopt(progress, now)
+            return []
         if state is None or entry is None:
             # Not ours (another scheduler routed it) or already failed over; the room it freed
             # may let a queued request go.
             return self._drain_queue(now) if progress.state == "finished" else []
+        if progress.state == "adopted":
+            self._adopt(progress, now)
+            return []
         if progress.state == "started":
             entry.started = True
             return []
         del state.in_flight[progress.request_id]  # 'finished': its slot is free
         return self._drain_queue(now)
 
+    def _adopt(self, progress: RequestProgress, now: float) -> None:
+        """A decode executor installed a request handed to it: it holds the request from now on
+        (its death ends the request; its 'finished' frees the slot). Moves nothing when the
+        prefill executor's 'finished' came first (its own reports count the load then)."""
+        owner = self._owner(progress.request_id)
+        target = self.executors.get(progress.executor_id)
+        if owner is None or target is None or owner is target:
+            return
+        entry = owner.in_flight.pop(progress.request_id)
+        entry.started = True
+        target.in_flight[progress.request_id] = entry
+
     def abort(self, request_id: str, now: float) -> list[Action]:
+        self._advance(now)
         queued = self._queued.pop(request_id, None)
         if queued is not None:
             queued.cancelled = True
@@ -235,6 +283,7 @@ class Router:
 
     def tick(self, now: float, wall_time: float) -> list[Action]:
         """Periodic: declare silent executors dead, expire queued requests, drain the queue."""
+        self._advance(now)
         actions: list[Action] = []
         for state in list(self.executors.values()):
             if now - state.last_seen > self.config.heartbeat_timeout_s:
@@ -262,16 +311,49 @@ class Router:
                 )
         return actions + self._drain_queue(now)
 
+    def forget_requests(self, now: float) -> list[Action]:
+        """The bus connection dropped: messages about any request may have been lost meanwhile
+        (progress, replies, aborts), and the gateway may have given up on them. Every queued
+        request ends with a 503; routed ones are forgotten (their executors end them, or finish
+        them; either way their reports count them)."""
+        self._advance(now)
+        actions: list[Action] = [
+            self._drop_queued(
+                queued,
+                503,
+                "server_error",
+                "the scheduler lost its connection to the message bus while the request "
+                "waited; retry it",
+            )
+            for queued in list(self._queued.values())
+        ]
+        self._queues.clear()
+        for state in self.executors.values():
+            state.in_flight.clear()
+        return actions
+
     # -- outputs -----------------------------------------------------------------------------
+
+    def queued_request_ids(self) -> list[str]:
+        """Every request waiting in a queue (its stream gets the scheduler's keepalives)."""
+        return list(self._queued)
+
+    def retry_after_s(self) -> float:
+        """What a 429 says now: the time the queue needs to drain at its measured rate."""
+        return self.drain.retry_after_s(self.num_queued)
 
     @property
     def num_queued(self) -> int:
         return len(self._queued)
 
     def num_candidates(self, model: str, now: float) -> int:
-        """Live executors serving ``model`` (with room or not): with fewer than two there is no
-        placement to choose, and no need to ask the prefix index."""
-        return sum(1 for s in self._alive(now) if s.serves(model))
+        """Live executors serving ``model`` (with room or not; prefill executors too): with fewer
+        than two there is no placement to choose, and no need to ask the prefix index."""
+        return sum(
+            1
+            for s in self.executors.values()
+            if s.serves(model) and s.live(now, self.config.heartbeat_timeout_s)
+        )
 
     def status(self, now: float) -> SchedulerStatus:
         executors = [
@@ -291,15 +373,22 @@ class Router:
             )
             for s in self._alive(now)
         ]
+        self._advance(now)
         return SchedulerStatus(
             executors=executors,
             num_queued=self.num_queued,
             max_queue_len=self.config.max_queue_len,
             routing=self.config.routing,
             num_refused_dispatches=self.num_refused_dispatches,
+            drain_rate_per_s=self.drain.rate_per_s() or 0.0,
+            retry_after_s=self.retry_after_s(),
         )
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _advance(self, now: float) -> None:
+        # The queue is as the previous call left it: it changes only inside these methods.
+        self.drain.advance(now, self.num_queued)
 
     def _capacity(self, state: ExecutorState) -> int:
         return state.capacity(
@@ -357,7 +446,7 @@ class Router:
         if self._head(request.model) is None:
             target = self._pick(entry, now)
             if target is not None:
-                return [self._dispatch(target, entry)]
+                return [self._dispatch(target, entry, now)]
         if self._no_executor_for(request.model, now):
             return [
                 Fail(
@@ -365,6 +454,7 @@ class Router:
                         request_id=request.request_id,
                         status=503,
                         message=self._no_executor_message(request.model, now),
+                        retry_after_s=self.retry_after_s(),
                     )
                 )
             ]
@@ -377,7 +467,7 @@ class Router:
                         type="rate_limit_error",
                         message=f"the server is overloaded: {len(self._queued)} requests are "
                         f"already waiting (max_queue_len={self.config.max_queue_len}); retry later",
-                        retry_after_s=self.config.retry_after_s,
+                        retry_after_s=self.retry_after_s(),
                     )
                 )
             ]
@@ -386,10 +476,45 @@ class Router:
         self._queued[request.request_id] = queued
         return self._drain_queue(now)
 
-    def _dispatch(self, target: ExecutorState, entry: InFlight) -> Dispatch:
+    def _prefill_candidates(self, entry: InFlight, now: float) -> list[ExecutorState]:
+        timeout_s = self.config.heartbeat_timeout_s
+        return [
+            s
+            for s in self.executors.values()
+            if s.heartbeat.role == "prefill"
+            and s.serves(entry.request.model)
+            and s.live(now, timeout_s)
+            and not (s.load_estimate() > 0 and s.load_estimate() + entry.weight > self._capacity(s))
+        ]
+
+    def _dispatch(self, target: ExecutorState, entry: InFlight, now: float = 0.0) -> Dispatch:
+        """``target``: where the request decodes. With prefill executors about, its prefill may go
+        to one of them (disagg.decide); the entry is in flight there until the decode executor
+        adopts it."""
         entry.ack_version, entry.started, entry.aborted = None, False, False
-        target.in_flight[entry.request.request_id] = entry
-        return Dispatch(target.executor_id, entry.request)
+        num_prompt_tokens = len(entry.request.prompt_token_ids)
+        request = entry.request
+        decision = ""
+        prefill_candidates = self._prefill_candidates(entry, now)
+        if any(s.heartbeat.role == "prefill" for s in self.executors.values()):
+            decision, prefill = decide(
+                request,
+                uncached_tokens(target, request, entry.cached_blocks),
+                prefill_candidates,
+                entry.cached_blocks,
+                self.config.disagg,
+                self.config.weights,
+            )
+            self.disagg_decisions[decision] = self.disagg_decisions.get(decision, 0) + 1
+            if prefill is not None:
+                request = msgspec.structs.replace(request, decode_executor_id=target.executor_id)
+                target = prefill
+        entry.num_prefill_tokens = uncached_tokens(target, request, entry.cached_blocks)
+        target.in_flight[request.request_id] = entry
+        request = msgspec.structs.replace(
+            request, num_expected_cached_tokens=num_prompt_tokens - entry.num_prefill_tokens
+        )
+        return Dispatch(target.executor_id, request, decision)
 
     def _head(self, model: str) -> _Queued | None:
         """The first live entry of the model's queue; drops cancelled ones and an emptied queue."""
@@ -410,14 +535,24 @@ class Router:
                     break
                 heapq.heappop(self._queues[model])
                 del self._queued[head.entry.request.request_id]
-                actions.append(self._dispatch(target, head.entry))
+                self.drain.on_departures(1)
+                actions.append(self._dispatch(target, head.entry, now))
         return actions
 
     def _drop_queued(self, queued: _Queued, status: int, type_: str, message: str) -> Fail:
         queued.cancelled = True
         rid = queued.entry.request.request_id
         del self._queued[rid]
-        return Fail(StreamError(request_id=rid, status=status, type=type_, message=message))
+        retry_after_s = self.retry_after_s() if status in (429, 503) else None
+        return Fail(
+            StreamError(
+                request_id=rid,
+                status=status,
+                type=type_,
+                message=message,
+                retry_after_s=retry_after_s,
+            )
+        )
 
     def _owner(self, request_id: str) -> ExecutorState | None:
         for s in self.executors.values():
@@ -458,6 +593,7 @@ class Router:
                         status=503,
                         message=f"executor {state.executor_id} {why} before this request "
                         f"started, after {entry.request.attempt + 1} attempts; try again later",
+                        retry_after_s=self.retry_after_s(),
                     )
                 )
             ]

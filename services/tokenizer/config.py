@@ -10,12 +10,14 @@ capped by the model's own, as the engine caps it."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from services.runtime import env_str, env_value
+from services.connections import add_nats_auth_arguments, nats_auth_from_args
+from services.runtime import env_int, env_str, env_value
 from services.served_models import pair_models, split_names
 from services.tokenizer.prompts import PromptLimits, model_context_len
 from shared.engine.config import EngineConfig, add_engine_arguments
+from shared.wire.bus_auth import BusAuth
 
 # The engine settings a tokenizer needs: which model, and the prompt limits it checks.
 TOKENIZER_LIMIT_SETTINGS = ("max_model_len", "block_size")
@@ -34,6 +36,7 @@ class TokenizerConfig:
     nats_url: str
     models: tuple[TokenizerModel, ...]
     name: str = "tokenizer"
+    bus_auth: BusAuth = field(default_factory=BusAuth)  # who it is on NATS (services.connections)
 
     def __post_init__(self) -> None:
         if not self.nats_url:
@@ -52,12 +55,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--nats-url", default=env_str("NATS_URL", "nats://127.0.0.1:4222"))
     p.add_argument("--name", default="tokenizer", help="connection name")
+    add_nats_auth_arguments(p)
     p.add_argument(
         "--model-name",
         action="append",
         default=None,
         help="the name requests select a model by: once per --model, in the same order "
         "(default: $LLMSERVE_MODEL_NAME, comma-separated, else each model's file name)",
+    )
+    p.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=env_int("LLMSERVE_MAX_PROMPT_CHARS", None),
+        metavar="N",
+        help="refuse (400) a prompt, or messages, of more characters than this before tokenizing "
+        "(env LLMSERVE_MAX_PROMPT_CHARS; default: 16 per token of each model's context)",
     )
     add_engine_arguments(
         p,
@@ -95,9 +107,15 @@ def parse_config(argv: list[str] | None = None) -> TokenizerConfig:
             limits = PromptLimits(
                 max_model_len=min(engine.max_model_len or context_len, context_len),
                 block_size=engine.block_size,
+                max_prompt_chars=a.max_prompt_chars,
             )
             models.append(TokenizerModel(m.name, path, limits))
-        return TokenizerConfig(nats_url=a.nats_url, models=tuple(models), name=a.name)
+        return TokenizerConfig(
+            nats_url=a.nats_url,
+            models=tuple(models),
+            name=a.name,
+            bus_auth=nats_auth_from_args(a),
+        )
     except ValueError as e:
         p.error(str(e))
         raise

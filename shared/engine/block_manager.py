@@ -296,6 +296,14 @@ class BlockManager:
             list(parent.block_ids), parent.num_reserved_tokens, parent.num_hashed_blocks
         )
 
+    def rename(self, seq_id: Hashable, new_seq_id: Hashable) -> None:
+        """Hand a sequence's blocks to another id unchanged (ref counts, hashes, reservation): a KV
+        transfer holds a finished prefill's blocks under its own id, and gives them back to a
+        sequence when the request is decoded here after all (shared/engine/kv_transfer.py)."""
+        if new_seq_id in self._seqs:
+            raise ValueError(f"sequence {new_seq_id!r} already exists")
+        self._seqs[new_seq_id] = self._seqs.pop(seq_id)
+
     def commit(
         self,
         seq_id: Hashable,

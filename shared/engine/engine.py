@@ -37,6 +37,7 @@ from shared.engine.quantization import kv_dtype_name
 from shared.engine.sampler import SamplingBatch, make_generator, sample
 from shared.engine.scheduler import LongPrefill, Scheduler
 from shared.engine.sequence import Request, Sequence, SequenceStatus
+from shared.engine.step_record import PrefillChunk, StepRecord
 from shared.engine.tokenizer import Tokenizer
 from shared.wire.kv_events import KVEventBatch
 from shared.wire.outputs import EngineStats, RequestOutput
@@ -55,6 +56,19 @@ class _LayeredPrefill:
     num_new: int
     chunk: ScheduledChunk
     forward: Forward
+    start_ns: int  # its first layer began (time.time_ns(), for its trace span)
+
+
+def _is_prefill(seq: Sequence, num_new: int) -> bool:
+    """A chunk of the prompt, or a preempted sequence's recompute (several tokens at once)."""
+    return num_new > 1 or seq.num_computed_tokens < seq.num_prompt_tokens
+
+
+def _prefill_chunk(seq: Sequence, num_new: int) -> PrefillChunk:
+    """The step record's view of a prefill chunk; taken before its tokens count computed."""
+    return PrefillChunk(
+        seq.request.request_id, seq.num_computed_tokens, num_new, seq.request.num_cached_tokens
+    )
 
 
 class Engine:
@@ -127,6 +141,9 @@ class Engine:
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._kv_events: KVEventBatch | None = None
+        # Tracing's view of each step (step_record.py); off unless the executor turns it on.
+        self.record_steps = False
+        self._step_record: StepRecord | None = None
         self._arrivals = itertools.count()
         self._counters = dict(
             num_prompt_tokens=0,
@@ -134,7 +151,10 @@ class Engine:
             num_generated_tokens=0,
             num_steps=0,
             last_step_num_tokens=0,
+            last_step_num_seqs=0,
         )
+        # Requests whose first step ran since the last take_first_scheduled (queue-time metric).
+        self._first_scheduled: list[str] = []
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -242,14 +262,28 @@ class Engine:
         batch, self._kv_events = self._kv_events, None
         return batch
 
+    def take_first_scheduled(self) -> list[str]:
+        """Ids of the requests scheduled for the first time since the last call (a request
+        preempted and scheduled again is not named twice)."""
+        ids, self._first_scheduled = self._first_scheduled, []
+        return ids
+
+    def take_step_record(self) -> StepRecord | None:
+        """What the last step did (None: recording is off, the step ran nothing, or it was
+        taken)."""
+        record, self._step_record = self._step_record, None
+        return record
+
     def kv_cache_snapshot(self) -> tuple[int, list[int]]:
         """(seq, cached block hashes): the cache as the KV event batches up to ``seq`` describe it.
         Call it between steps (the executor's engine thread does)."""
         return self.block_manager.snapshot()
 
     def _step(self) -> list[RequestOutput]:
+        start_ns = time.time_ns() if self.record_steps else 0
         self._counters["num_steps"] += 1
         self._counters["last_step_num_tokens"] = 0
+        self._counters["last_step_num_seqs"] = 0
         if self._layered_in_flight() and self._slice_due:
             return self._advance_layered()
         sched = self.scheduler.schedule()
@@ -258,15 +292,40 @@ class Engine:
         self._layered_in_flight()  # drops a forward whose sequence this schedule preempted
         if sched.layered is not None:
             seq, num_new = sched.layered
+            self._note_scheduled(seq)
             chunk = self._chunk(seq, num_new)
-            self._layered = _LayeredPrefill(seq, num_new, chunk, self.runner.start([chunk]))
+            self._layered = _LayeredPrefill(
+                seq, num_new, chunk, self.runner.start([chunk]), time.time_ns()
+            )
         if sched.scheduled:
+            for seq, _ in sched.scheduled:
+                self._note_scheduled(seq)
             self._slice_due = self._layered_in_flight()
             self._counters["last_step_num_tokens"] = sched.num_tokens
-            return self._run_batch(sched.scheduled)
+            self._counters["last_step_num_seqs"] = len(sched.scheduled)
+            # Taken before the batch runs: a chunk starts where its sequence's computed tokens end.
+            prefills = (
+                [_prefill_chunk(seq, n) for seq, n in sched.scheduled if _is_prefill(seq, n)]
+                if self.record_steps
+                else []
+            )
+            outputs = self._run_batch(sched.scheduled)
+            if self.record_steps:
+                self._step_record = StepRecord(
+                    start_ns=start_ns,
+                    end_ns=time.time_ns(),
+                    prefill_chunks=tuple(prefills),
+                    preempted_request_ids=tuple(s.request.request_id for s in sched.preempted),
+                )
+            return outputs
         if self._layered_in_flight():
             return self._advance_layered()
         return []
+
+    def _note_scheduled(self, seq: Sequence) -> None:
+        if not seq.request.scheduled_once:
+            seq.request.scheduled_once = True
+            self._first_scheduled.append(seq.request.request_id)
 
     def _layered_in_flight(self) -> bool:
         """Whether a long prefill's forward is in flight, dropping one whose sequence the scheduler
@@ -286,9 +345,19 @@ class Engine:
         if not layered.forward.advance(until):
             return []
         self._layered = None
+        prefill = _prefill_chunk(layered.seq, layered.num_new)
         self.scheduler.end_layered(layered.seq, layered.num_new)
         self._counters["last_step_num_tokens"] = layered.num_new
-        return self._finish([(layered.seq, layered.num_new)], [layered.chunk], layered.forward)
+        self._counters["last_step_num_seqs"] = 1
+        outputs = self._finish([(layered.seq, layered.num_new)], [layered.chunk], layered.forward)
+        if self.record_steps:  # the chunk's span: from its first layer to its sampled token
+            self._step_record = StepRecord(
+                start_ns=layered.start_ns,
+                end_ns=time.time_ns(),
+                prefill_chunks=(prefill,),
+                preempted_request_ids=(),
+            )
+        return outputs
 
     def _chunk(self, seq: Sequence, num_new: int) -> ScheduledChunk:
         start = seq.num_computed_tokens
@@ -387,6 +456,16 @@ class Engine:
 
     # ---- counters -------------------------------------------------------------------------------
 
+    def resident_weight_bytes(self) -> int:
+        return self.model.weight_bytes()
+
+    def kv_cache_bytes(self) -> int:
+        return self.kv_cache.num_bytes
+
+    def num_kv_blocks(self) -> int:
+        """The pool's blocks, padding block 0 included."""
+        return self.kv_cache.num_blocks
+
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(
@@ -398,5 +477,6 @@ class Engine:
             prefix_cache_queries_tokens=bm.prefix_cache_queries_tokens,
             prefix_cache_hits_tokens=bm.prefix_cache_hits_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            num_cached_blocks=bm.num_cached_blocks,
             **self._counters,
         )

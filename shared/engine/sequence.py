@@ -35,6 +35,7 @@ class Request:
     max_tokens: int  # resolved: params.max_tokens or what the context leaves
     sequences: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    scheduled_once: bool = False  # in a step's batch at least once (its queue time is over)
 
     @property
     def finished(self) -> bool:

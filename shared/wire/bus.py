@@ -13,6 +13,14 @@ should hand work to its own task.
 Subscribe-before-publish: a SUB and a later PUB on the *same* connection reach the server in order,
 so the gateway can subscribe to ``stream(rid)`` and publish the request without a flush. Across
 connections (tests, other processes) call ``flush()`` after subscribing to be sure the server knows.
+
+Losing the server: the connection reconnects by itself, forever, with a bounded backoff
+(``reconnect_delay_s``: 0 s, then 0.1 s doubling up to 1 s between attempts), replaying its
+subscriptions; a dead server is logged once per outage (and every ``_STILL_DOWN_LOG_S``), not at
+every attempt. Core NATS keeps nothing for a client that is away: what was published to it meanwhile
+is gone, and what it publishes meanwhile waits in a bounded buffer (over it: ``BusError``). So a
+service that holds requests registers ``on_connection_lost`` and ends them: after a reconnect no
+one can tell which of their messages were lost.
 """
 
 from __future__ import annotations
@@ -20,25 +28,37 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+import ssl
+import time
+import urllib.parse
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
 
 import nats
 import nats.errors
 import nats.js.api
 import nats.js.errors
 from nats.aio.client import Client
+from nats.aio.client import Server as _NatsServer
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription as _NatsSubscription
 
+from shared.wire.bus_auth import AccessRefused, BusAuth, redact_url
+from shared.wire.permissions import inbox_prefix
+
 __all__ = [
     "Bus",
+    "BusAuth",
+    "BusAuthError",
     "BusError",
+    "BusInterrupted",
     "BusNoResponders",
     "BusTimeout",
     "Handler",
     "Msg",
     "PullConsumer",
     "Subscription",
+    "reconnect_delay_s",
 ]
 
 log = logging.getLogger("llmserve.bus")
@@ -50,18 +70,92 @@ Handler = Callable[[Msg], Awaitable[None]]
 PENDING_MSGS_LIMIT = 1 << 16
 PENDING_BYTES_LIMIT = 256 * 1024 * 1024
 
+# Reconnect backoff: the first attempt at once (a restarted server is usually back within a
+# second), then from _RECONNECT_FIRST_WAIT_S doubling up to _RECONNECT_MAX_WAIT_S, so a server that
+# comes back is found within that bound and a dead one costs a few attempts a second.
+_RECONNECT_FIRST_WAIT_S = 0.1
+_RECONNECT_MAX_WAIT_S = 1.0
+_STILL_DOWN_LOG_S = 10.0  # while disconnected, a reminder this often (not one line per attempt)
+
+# Errors that mean "the connection cannot carry this now"; all become BusError.
+_CONNECTION_ERRORS = (
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionDrainingError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.OutboundBufferLimitError,
+)
+
+
+def reconnect_delay_s(num_failed_attempts: int) -> float:
+    """Seconds to wait before the next reconnect attempt, after ``num_failed_attempts`` failed ones
+    since the connection was lost: 0, 0.1, 0.2, 0.4, 0.8, then 1.0 for ever."""
+    if num_failed_attempts <= 0:
+        return 0.0
+    return min(_RECONNECT_MAX_WAIT_S, _RECONNECT_FIRST_WAIT_S * 2 ** (num_failed_attempts - 1))
+
+
+async def _unsubscribe_quietly(
+    sub: _NatsSubscription | nats.js.JetStreamContext.PullSubscription,
+) -> None:
+    """Unsubscribe; one already gone (or a connection closing) is fine: it is idempotent."""
+    with contextlib.suppress(
+        nats.errors.BadSubscriptionError,
+        nats.errors.ConnectionClosedError,
+        nats.errors.ConnectionDrainingError,
+    ):
+        await sub.unsubscribe()
+
 
 class BusError(Exception):
     """A bus operation failed (connection lost, closed, payload too large, ...)."""
+
+
+class BusAuthError(BusError, AccessRefused):
+    """The server refused who we are: a wrong user or password, or (TLS) a server certificate
+    that does not verify. Waiting will not help: a service fails at start with this message."""
 
 
 class BusTimeout(BusError, TimeoutError):
     """No reply to a request within its timeout."""
 
 
+class BusInterrupted(BusError):
+    """``Subscription.interrupt()`` was called: the subscriber's owner stops waiting (shutdown)."""
+
+
 class BusNoResponders(BusTimeout):
     """No subscriber at all for a request's subject; fails fast instead of waiting out the timeout.
     A subclass of BusTimeout so callers that only care about "no answer" catch one exception."""
+
+
+def _is_refusal(e: Exception) -> bool:
+    """A first-connection error that retrying cannot cure: the server refused our user, or TLS
+    failed over a certificate (theirs does not verify, ours is missing or not trusted)."""
+    if isinstance(e, ssl.SSLError):
+        reason = getattr(e, "reason", None) or ""
+        return (
+            isinstance(e, ssl.SSLCertVerificationError)
+            or "CERTIFICATE" in reason
+            or ("UNKNOWN_CA" in reason)
+        )
+    return isinstance(e, nats.errors.AuthorizationError) or (
+        "authorization violation" in str(e).lower()
+    )
+
+
+def _describe(auth: BusAuth, user: str | None) -> str:
+    return auth.describe() if auth.user is not None or user is None else f"user {user!r} (URL)"
+
+
+def _why(e: Exception) -> str:
+    if isinstance(e, ssl.SSLCertVerificationError):
+        return f"the server's TLS certificate does not verify ({e.verify_message}; NATS_TLS_CA)"
+    if isinstance(e, ssl.SSLError):
+        return (
+            f"the server did not accept our TLS client certificate ({e.reason}; NATS_TLS_CERT, "
+            "NATS_TLS_KEY)"
+        )
+    return "authorization violation (a wrong or missing user or password: NATS_USER, NATS_PASSWORD)"
 
 
 class Subscription:
@@ -77,10 +171,13 @@ class Subscription:
     def __init__(self, sub: _NatsSubscription) -> None:
         self._sub = sub
         self.subject: str = sub.subject
+        self._interrupted = False
 
     async def next(self, timeout: float | None = None) -> Msg:
         """The next message; ``BusTimeout`` if none arrives within ``timeout`` seconds (None =
-        wait)."""
+        wait); ``BusInterrupted`` once ``interrupt()`` was called, even while waiting."""
+        if self._interrupted:
+            raise BusInterrupted(f"stopped waiting on {self.subject}")
         try:
             # nats-py treats timeout=None as "wait forever" (asyncio.wait_for semantics).
             return await self._sub.next_msg(timeout=timeout)
@@ -88,6 +185,21 @@ class Subscription:
             raise BusTimeout(f"no message on {self.subject} within {timeout}s") from None
         except nats.errors.ConnectionClosedError:
             raise BusError(f"connection closed while waiting on {self.subject}") from None
+        except asyncio.CancelledError:
+            # interrupt() cancelled nats-py's inner wait, not our task: ours goes on, with the
+            # error. A cancellation of our own task (cancelling() > 0) is passed on as such.
+            task = asyncio.current_task()
+            if self._interrupted and (task is None or not task.cancelling()):
+                raise BusInterrupted(f"stopped waiting on {self.subject}") from None
+            raise
+
+    def interrupt(self) -> None:
+        """Make a pending ``next()``, and every later one, raise ``BusInterrupted``. Messages
+        already buffered are not delivered."""
+        self._interrupted = True
+        # nats-py waits for each next_msg in a task of its own, kept in this dict.
+        for waiter in list(self._sub._pending_next_msgs_calls.values()):
+            waiter.cancel()
 
     def __aiter__(self) -> AsyncIterator[Msg]:
         return self._iterate()
@@ -100,13 +212,7 @@ class Subscription:
                 return
 
     async def unsubscribe(self) -> None:
-        # Already gone: unsubscribing is idempotent.
-        with contextlib.suppress(
-            nats.errors.BadSubscriptionError,
-            nats.errors.ConnectionClosedError,
-            nats.errors.ConnectionDrainingError,
-        ):
-            await self._sub.unsubscribe()
+        await _unsubscribe_quietly(self._sub)
 
     async def __aenter__(self) -> Subscription:
         return self
@@ -138,12 +244,7 @@ class PullConsumer:
             raise BusError(f"cannot fetch from {self.subject}: {e!r}") from None
 
     async def unsubscribe(self) -> None:
-        with contextlib.suppress(
-            nats.errors.BadSubscriptionError,
-            nats.errors.ConnectionClosedError,
-            nats.errors.ConnectionDrainingError,
-        ):
-            await self._sub.unsubscribe()
+        await _unsubscribe_quietly(self._sub)
 
 
 class Bus:
@@ -153,51 +254,147 @@ class Bus:
         self._nc = nc
         self.name = name
         self._closing = False  # a disconnect we asked for is not worth a warning
+        self._lost_listeners: list[Callable[[], None]] = []
+        self._back_listeners: list[Callable[[], None]] = []
+        self.disconnected_since: float | None = None  # monotonic; None while connected
+        self.num_disconnects = 0
+
+    def on_connection_lost(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` (on the loop, synchronously) each time the connection is lost,
+        before reconnecting starts. Not called for our own close or drain."""
+        self._lost_listeners.append(listener)
+
+    def on_reconnected(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` each time the connection is back (subscriptions replayed)."""
+        self._back_listeners.append(listener)
+
+    def _lost(self) -> None:
+        if self._closing:
+            return
+        self.disconnected_since = time.monotonic()
+        self.num_disconnects += 1
+        log.warning("[%s] disconnected from nats; reconnecting", self.name)
+        _notify(self.name, self._lost_listeners)
+
+    def _back(self) -> None:
+        since, self.disconnected_since = self.disconnected_since, None
+        away = f" after {time.monotonic() - since:.1f}s" if since is not None else ""
+        log.info("[%s] reconnected to nats%s", self.name, away)
+        _notify(self.name, self._back_listeners)
 
     @classmethod
     async def connect(
-        cls, url: str, name: str, *, connect_timeout_s: float = 30.0, reconnect_wait_s: float = 0.5
+        cls,
+        url: str,
+        name: str,
+        *,
+        auth: BusAuth | None = None,
+        connect_timeout_s: float = 30.0,
+        reconnect_wait_s: float = 0.5,
+        pending_bytes: int = 8 * 1024 * 1024,
     ) -> Bus:
-        """Connect, retrying the *first* connection for up to ``connect_timeout_s`` (a service may
-        start before the server is up); after that, reconnect forever. ``name`` shows in the
-        server's monitoring and in our logs."""
+        """Connect as ``auth``'s user (anonymous without one), retrying the *first* connection for
+        up to ``connect_timeout_s`` (a service may start before the server is up; every
+        ``reconnect_wait_s``); after that, reconnect forever with ``reconnect_delay_s``'s backoff.
+        A refusal that waiting cannot cure (wrong user or password, a server certificate that does
+        not verify) raises ``BusAuthError`` at once. ``name`` shows in the server's monitoring and
+        in our logs. ``pending_bytes``: what may be published while disconnected, sent on
+        reconnect."""
+        auth = auth or BusAuth()
         connected = False
         holder: list[Bus] = []
+        refused: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
+        last_logged = [0.0]
 
         async def on_error(e: Exception) -> None:
-            if connected:  # before the first connection, refusals are expected: we retry quietly
+            if not connected:
+                if _is_refusal(e) and not refused.done():
+                    refused.set_result(e)
+                # Other errors before the first connection (refused, not up yet): retried quietly.
+                return
+            since = holder[0].disconnected_since if holder else None
+            if since is None or not isinstance(e, OSError | nats.errors.Error | TimeoutError):
                 log.warning("[%s] nats error: %r", name, e)
+                return
+            # A failed reconnect attempt: once when the outage begins, then every so often.
+            now = time.monotonic()
+            if last_logged[0] < since or now - last_logged[0] >= _STILL_DOWN_LOG_S:
+                last_logged[0] = now
+                log.warning(
+                    "[%s] nats unreachable for %.1fs, still trying: %r", name, now - since, e
+                )
 
         async def on_disconnected() -> None:
-            if not (holder and holder[0]._closing):
-                log.warning("[%s] disconnected from nats", name)
+            if holder:
+                holder[0]._lost()
 
         async def on_reconnected() -> None:
-            log.info("[%s] reconnected to nats", name)
+            if holder:
+                holder[0]._back()
 
+        def next_server(
+            servers: list[_NatsServer], info: dict[str, Any]
+        ) -> tuple[_NatsServer | None, float]:
+            # One URL: the same server again, after the backoff its failed attempts call for.
+            failed = max((s.reconnects for s in servers), default=0)
+            return None, reconnect_delay_s(failed)
+
+        # A user named only in the URL (nats://user:pass@host) gets that user's inbox prefix too.
+        user = auth.user or urllib.parse.urlsplit(url).username or None
+        options: dict[str, Any] = {}
+        if auth.user is not None:
+            options.update(user=auth.user, password=auth.password)
+        if user is not None:
+            options["inbox_prefix"] = inbox_prefix(user)
+        where = f"NATS at {redact_url(url)}"
+        try:
+            context = auth.ssl_context()
+        except OSError as e:  # ssl.SSLError included
+            raise BusError(f"cannot use the TLS files for {where}: {e}") from None
+        if context is not None:
+            options["tls"] = context
         # With max_reconnect_attempts=-1 nats-py also retries the first connection forever, so the
         # deadline is ours.
-        try:
-            nc = await asyncio.wait_for(
-                nats.connect(
-                    servers=url,
-                    name=name,
-                    allow_reconnect=True,
-                    max_reconnect_attempts=-1,
-                    reconnect_time_wait=reconnect_wait_s,
-                    connect_timeout=2,
-                    ping_interval=5,
-                    max_outstanding_pings=3,
-                    error_cb=on_error,
-                    disconnected_cb=on_disconnected,
-                    reconnected_cb=on_reconnected,
-                ),
-                timeout=connect_timeout_s,
+        connecting = asyncio.ensure_future(
+            nats.connect(
+                servers=url,
+                name=name,
+                allow_reconnect=True,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=reconnect_wait_s,
+                reconnect_to_server_handler=next_server,
+                connect_timeout=2,
+                ping_interval=5,
+                max_outstanding_pings=3,
+                pending_size=pending_bytes,
+                error_cb=on_error,
+                disconnected_cb=on_disconnected,
+                reconnected_cb=on_reconnected,
+                **options,
             )
-        except TimeoutError:
-            raise BusError(f"cannot connect to NATS at {url} within {connect_timeout_s}s") from None
+        )
+        waiters: set[asyncio.Future[Any]] = {connecting, refused}
+        try:
+            done, _ = await asyncio.wait(
+                waiters,
+                timeout=connect_timeout_s,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if connecting in done:
+                nc = connecting.result()
+            elif refused in done:
+                raise BusAuthError(
+                    f"{where} refused {_describe(auth, user)}: {_why(refused.result())}"
+                )
+            else:
+                raise BusError(f"cannot connect to {where} within {connect_timeout_s}s")
         except (OSError, nats.errors.Error) as e:
-            raise BusError(f"cannot connect to NATS at {url}: {e!r}") from e
+            raise BusError(f"cannot connect to {where}: {e!r}") from e
+        finally:
+            if not connecting.done():
+                connecting.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await connecting
         connected = True
         holder.append(cls(nc, name))
         return holder[0]
@@ -221,7 +418,7 @@ class Bus:
                 f"message of {len(data)} bytes on {subject} exceeds the server's "
                 f"max_payload of {self.max_payload} bytes"
             ) from None
-        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as e:
+        except _CONNECTION_ERRORS as e:
             raise BusError(f"cannot publish on {subject}: {e!r}") from None
 
     async def request(
@@ -239,7 +436,7 @@ class Bus:
                 f"request of {len(data)} bytes on {subject} exceeds the server's "
                 f"max_payload of {self.max_payload} bytes"
             ) from None
-        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as e:
+        except _CONNECTION_ERRORS as e:
             raise BusError(f"cannot request on {subject}: {e!r}") from None
         return msg.data
 
@@ -373,3 +570,11 @@ class Bus:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _notify(name: str, listeners: Sequence[Callable[[], None]]) -> None:
+    for listener in listeners:
+        try:
+            listener()
+        except Exception:  # one listener's bug must not keep the others from hearing it
+            log.exception("[%s] a connection listener failed", name)

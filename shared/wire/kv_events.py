@@ -27,8 +27,6 @@ __all__ = [
     "KVEventBatch",
     "KVEventsMessage",
     "KVSnapshotRequest",
-    "decode_kv_event_batch",
-    "encode_kv_event_batch",
     "new_epoch",
 ]
 
@@ -104,18 +102,6 @@ def new_epoch() -> str:
     so a later start's epoch sorts after an earlier one's (string order) and two starts in the same
     nanosecond still differ."""
     return f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"
-
-
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(KVEventBatch)
-
-
-def encode_kv_event_batch(batch: KVEventBatch) -> bytes:
-    return _encoder.encode(batch)
-
-
-def decode_kv_event_batch(data: bytes) -> KVEventBatch:
-    return _decoder.decode(data)
 
 
 KV_EVENTS_MESSAGE = Codec[KVEventsMessage](KVEventsMessage)

@@ -29,6 +29,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True, frozen=True):
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    # ``prompt`` only: encode special-token texts in it as plain text. A chat message's content is
+    # always plain text (only the template writes control tokens), whatever this says.
+    split_special_tokens: bool = False
     priority: int = 0
     arrival_time: float = 0.0  # gateway wall clock (time.time()), for queue-time metrics
     deadline: float | None = None  # wall clock after which the request is abandoned
@@ -63,6 +66,12 @@ class ExecuteRequest(msgspec.Struct, kw_only=True, frozen=True):
     priority: int = 0
     arrival_time: float = 0.0
     attempt: int = 0  # > 0 when re-routed after an executor died
+    # prompt tokens the prefix index said this executor holds (its matched blocks x block size):
+    # the executor counts the rest as prefill work ahead of later requests until this one starts
+    num_expected_cached_tokens: int = 0
+    # Disaggregated: prefill here, sample the first token, stream it, then hand the request (its KV
+    # pages) to this decode executor (services/executor/handoff.py). None: run it here to the end.
+    decode_executor_id: str | None = None
 
 
 class StreamError(msgspec.Struct, kw_only=True, frozen=True, tag="error", tag_field="kind"):
@@ -85,7 +94,78 @@ class StreamOutput(msgspec.Struct, kw_only=True, frozen=True, tag="output", tag_
     output: RequestOutput
 
 
-StreamMessage = StreamOutput | StreamError
+class StreamKeepalive(msgspec.Struct, kw_only=True, frozen=True, tag="keepalive", tag_field="kind"):
+    """Whoever holds a request that has nothing to stream yet (tokenizer: queued or tokenizing;
+    scheduler: waiting in its queue; executor: not started, or silent since its last output) says
+    so on the request's stream every ``KEEPALIVE_INTERVAL_S``. It carries no output: the gateway
+    only restarts its progress clock, so a request whose holder died is failed once its stream has
+    been silent for the gateway's progress timeout instead of waiting out the request timeout."""
+
+    request_id: str
+    holder: str  # the process that holds it: "tokenizer", "scheduler", an executor id
+    state: str = ""  # what it waits for there: "tokenizing", "queued", "prefilling", "running"
+
+
+# How often a holder sends a StreamKeepalive for a request it holds. The gateway's progress timeout
+# must be several of these (GatewayConfig checks it), so a slow loop never fails a live request.
+KEEPALIVE_INTERVAL_S = 2.0
+
+
+class KVPageLayout(msgspec.Struct, kw_only=True, frozen=True):
+    """What one KV page (a block of every layer, K and V) is made of; pages move only between
+    engines whose layouts are equal (shared/engine/kv_transfer.py)."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    row: int
+    dtype: str
+
+
+class KVOffer(msgspec.Struct, kw_only=True, frozen=True):
+    """Prefill executor → decode executor (request/reply on ``subjects.kv_offer``): a request whose
+    first token is out, its pages ready to send. The decode side reserves blocks for the prompt
+    (its own cached leading blocks, by block hash, included) before it accepts."""
+
+    request_id: str
+    prefill_executor_id: str
+    layout: KVPageLayout
+    prompt_token_ids: list[int]
+    block_hashes: list[int]
+    params: SamplingParams
+    priority: int
+    first_token_id: int
+    num_emitted_chars: int
+    num_cached_tokens: int
+    generator_state: bytes | None
+    # Seconds from the offer within which every page must have arrived: past it the decode side
+    # frees its reservation and never commits (so the prefill side, which gives up a grace period
+    # later, knows the request did not start there).
+    timeout_s: float
+
+
+class KVOfferReply(msgspec.Struct, kw_only=True, frozen=True):
+    """Accepted: send pages [num_cached_blocks, end) of the prompt's blocks. Refused (no room, a
+    layout or prompt it cannot take, draining): ``reason`` says why; the prefill side decodes the
+    request itself."""
+
+    accepted: bool
+    num_cached_blocks: int = 0
+    reason: str = ""
+
+
+class KVChunkAck(msgspec.Struct, kw_only=True, frozen=True):
+    """Decode executor → prefill executor, the reply to one chunk of pages. The reply to the last
+    chunk means every page is installed and the request decodes there: the prefill side frees its
+    blocks."""
+
+    ok: bool
+    reason: str = ""
+
+
+# Every message on ``subjects.stream(rid)``, told apart by ``kind``. A reader must accept (skip) the
+# variants it has no use for: keepalives were added after outputs and errors.
+StreamMessage = StreamOutput | StreamError | StreamKeepalive
 
 
 class AbortRequest(msgspec.Struct, kw_only=True, frozen=True):
@@ -95,7 +175,7 @@ class AbortRequest(msgspec.Struct, kw_only=True, frozen=True):
 
 class ExecutorLoad(msgspec.Struct, kw_only=True, frozen=True):
     """What an executor holds, as it counts it: the weight (sequences: n of each request) of the
-    requests it accepted and has not finished. ``version`` grows by one at every accept and every
+    requests it accepted and has not finished. ``version`` grows by one at every accept, start and
     finish within an epoch, so of two reports the one with the larger version is the newer.
     It refuses a request that would take ``num_admitted`` past ``max_admitted`` (its max_num_seqs
     plus the queue it advertises), unless it holds nothing."""
@@ -103,13 +183,18 @@ class ExecutorLoad(msgspec.Struct, kw_only=True, frozen=True):
     version: int
     num_admitted: int
     max_admitted: int
+    # prompt tokens still to prefill of the requests it holds that have not started (each
+    # request's prompt less what the index expected cached): work ahead of a new request's prefill
+    num_pending_prefill_tokens: int = 0
     peak_num_admitted: int = 0  # the most it has held at once in this epoch
     num_refused: int = 0  # dispatches it refused as full in this epoch
 
 
 class RequestProgress(msgspec.Struct, kw_only=True, frozen=True):
-    """Executor → scheduler. ``state``: 'started' (first delta is about to be published) or
-    'finished' (finished, aborted or failed; its in-flight slot is free). ``load``: the executor's
+    """Executor → scheduler. ``state``: 'started' (first delta is about to be published),
+    'adopted' (a decode executor installed the pages of a request prefilled elsewhere: it holds the
+    request from now on) or 'finished' (finished, aborted, failed or handed off; its in-flight slot
+    is free). ``load``: the executor's
     load after it, so every scheduler replica sees the freed room at once, not at the next
     heartbeat."""
 
@@ -130,6 +215,27 @@ class ExecuteReply(msgspec.Struct, kw_only=True, frozen=True):
     load: ExecutorLoad
 
 
+class ExecutorMemory(msgspec.Struct, kw_only=True, frozen=True):
+    """An executor's memory ledger (shared/engine/memory.py), planned against actual. ``planned_*``:
+    what ``llmserve plan`` prints for this executor's settings (weights counted from the
+    parameters); the others: what the loaded engine holds. Activations are transient and only
+    planned. Fixed once the engine is loaded, except ``process_rss_bytes``."""
+
+    memory_budget_bytes: int  # 0: the KV pool was sized by a block count, not a budget
+    weight_dtype: str
+    kv_dtype: str
+    planned_weight_bytes: int
+    planned_activation_bytes: int
+    planned_kv_cache_bytes: int
+    planned_num_kv_blocks: int
+    weight_bytes: int  # resident: packed weights and a tied head's copy included
+    kv_cache_bytes: int  # the allocated pool, padding block included
+    num_kv_blocks: int  # the pool's blocks, padding block included
+    kv_bytes_per_block: int
+    process_rss_bytes: int = 0  # the whole process's resident memory when sent (0: unknown)
+    max_num_batched_tokens: int = 0  # the step's token budget the activations are planned for
+
+
 class ExecutorHeartbeat(msgspec.Struct, kw_only=True, frozen=True):
     """Executor → scheduler (and anyone else), every ~0.5 s. A new ``epoch`` means the executor
     restarted and its previous state (KV cache, requests) is gone."""
@@ -145,6 +251,7 @@ class ExecutorHeartbeat(msgspec.Struct, kw_only=True, frozen=True):
     max_num_seqs: int = 0  # the engine's batch limit: the scheduler's in-flight cap (0 = unknown)
     draining: bool = False  # shutting down: finishing what it holds, route nothing new to it
     load: ExecutorLoad | None = None  # None: an executor that does not count its admissions
+    memory: ExecutorMemory | None = None  # None: an executor that does not report its ledger
 
 
 class PrefixMatchRequest(msgspec.Struct, kw_only=True, frozen=True):
@@ -224,6 +331,48 @@ class SchedulerStatus(msgspec.Struct, kw_only=True, frozen=True):
     num_index_fallbacks: int = 0  # requests routed without the index's answer because of that
     index_lookup_ms_p50: float = 0.0  # median prefix-index round trip, of the last 1000 lookups
     num_refused_dispatches: int = 0  # dispatches an executor refused as full (then re-routed)
+    # Requests leaving the queue per second while it is not empty, smoothed (0: not measured yet),
+    # and the Retry-After a 429 would carry now: the queue's length over that rate.
+    drain_rate_per_s: float = 0.0
+    retry_after_s: float = 0.0
+
+
+class MetricSample(msgspec.Struct, kw_only=True, frozen=True, array_like=True):
+    """One sample as prometheus-client names it: ``name`` is the family's name plus its suffix
+    (``_total``, ``_bucket``, ``_sum``, ``_count``), ``labels`` include ``le`` on a bucket."""
+
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+class MetricFamilyData(msgspec.Struct, kw_only=True, frozen=True):
+    """One metric family of a service's registry: ``type`` is prometheus-client's ('counter',
+    'gauge', 'histogram', 'summary'); counters and histogram buckets are cumulative since that
+    process started."""
+
+    name: str
+    type: str
+    documentation: str
+    samples: list[MetricSample]
+
+
+class MetricsReport(msgspec.Struct, kw_only=True, frozen=True):
+    """Every service → gateways (publish on ``subjects.metrics(service, instance)`` every
+    METRICS_INTERVAL_S): the whole of its metrics registry. A gateway's /metrics re-exports the
+    latest report of each live instance, labelled ``service`` and ``instance``; an instance whose
+    reports stop is left out (shared/metrics/book.py)."""
+
+    service: str  # the kind: 'gateway', 'tokenizer', 'scheduler', 'executor', 'prefix_index'
+    instance: str  # unique per process (an executor: its id)
+    sent_at: float  # wall clock
+    families: list[MetricFamilyData]
+
+
+# How often each service publishes its MetricsReport. A gateway drops an instance whose last report
+# is older than METRICS_STALE_AFTER_S: several intervals, so one late report does not flap it.
+METRICS_INTERVAL_S = 1.0
+METRICS_STALE_AFTER_S = 5.0
 
 
 GENERATE_REQUEST = Codec[GenerateRequest](GenerateRequest)
@@ -242,6 +391,10 @@ PREFIX_MATCH_REQUEST = Codec[PrefixMatchRequest](PrefixMatchRequest)
 PREFIX_MATCH_REPLY = Codec[PrefixMatchReply](PrefixMatchReply)
 PREFIX_INDEX_STATUS_REQUEST = Codec[PrefixIndexStatusRequest](PrefixIndexStatusRequest)
 PREFIX_INDEX_STATUS = Codec[PrefixIndexStatus](PrefixIndexStatus)
+METRICS_REPORT = Codec[MetricsReport](MetricsReport)
+KV_OFFER = Codec[KVOffer](KVOffer)
+KV_OFFER_REPLY = Codec[KVOfferReply](KVOfferReply)
+KV_CHUNK_ACK = Codec[KVChunkAck](KVChunkAck)
 
 __all__ = [
     "ABORT_REQUEST",
@@ -249,6 +402,10 @@ __all__ = [
     "EXECUTE_REQUEST",
     "EXECUTOR_HEARTBEAT",
     "GENERATE_REQUEST",
+    "KEEPALIVE_INTERVAL_S",
+    "METRICS_INTERVAL_S",
+    "METRICS_REPORT",
+    "METRICS_STALE_AFTER_S",
     "PREFIX_INDEX_STATUS",
     "PREFIX_INDEX_STATUS_REQUEST",
     "PREFIX_MATCH_REPLY",
@@ -269,6 +426,9 @@ __all__ = [
     "ExecutorLoad",
     "ExecutorStatus",
     "GenerateRequest",
+    "MetricFamilyData",
+    "MetricSample",
+    "MetricsReport",
     "PrefixIndexStatus",
     "PrefixIndexStatusRequest",
     "PrefixMatchReply",
@@ -279,6 +439,7 @@ __all__ = [
     "SchedulerStatus",
     "SchedulerStatusRequest",
     "StreamError",
+    "StreamKeepalive",
     "StreamMessage",
     "StreamOutput",
     "TokenLogprobs",

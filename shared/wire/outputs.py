@@ -70,3 +70,6 @@ class EngineStats(msgspec.Struct, kw_only=True, frozen=True):
     num_generated_tokens: int
     num_steps: int
     last_step_num_tokens: int  # tokens scheduled in the most recent step
+    last_step_num_seqs: int = 0  # sequences in the most recent step's batch
+    # Blocks holding a reusable prefix hash, in use or free (a free one stays cached until reused).
+    num_cached_blocks: int = 0

@@ -21,6 +21,15 @@ MAX_LOGPROBS = 20
 PENALTY_RANGE = (-2.0, 2.0)
 # torch.Generator.manual_seed accepts exactly this range.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+# Every other integer has an upper bound too: an unbounded Python int does not fit the wire
+# (msgpack stops at 64 bits: OverflowError, once a 500) nor the engine's int32/int64 tensors. Token
+# ids and counts fit an int32 with room; no context is anywhere near it.
+MAX_INT32 = 2**31 - 1
+# Stop strings are checked against every step's text of every sequence: their number and length
+# bound that work (OpenAI allows 4 strings; these are generous).
+MAX_STOP_SEQUENCES = 32
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -55,7 +64,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     def __post_init__(self) -> None:
         _check_int("n", self.n, lo=1, hi=MAX_N)
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, lo=1, what="a positive integer or None")
+            _check_int("max_tokens", self.max_tokens, lo=1, hi=MAX_INT32)
         for name in (
             "temperature",
             "top_p",
@@ -71,7 +80,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _check_int("top_k", self.top_k, lo=-1, what="an integer >= -1 (0 or -1 disables it)")
+        _check_int(
+            "top_k",
+            self.top_k,
+            lo=-1,
+            hi=MAX_INT32,
+            what=f"an integer in [-1, {MAX_INT32}] (0 or -1 disables it)",
+        )
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:
@@ -159,7 +174,7 @@ def _check_int(
     ok = ok and (hi is None or value <= hi)  # type: ignore[operator]
     if not ok:
         what = what or (f"an integer in [{lo}, {hi}]" if hi is not None else f"an integer >= {lo}")
-        raise ValueError(f"{name} must be {what}, got {value!r}")
+        raise ValueError(f"{name} must be {what}, got {_short(value)}")
 
 
 def _as_float(name: str, value: object) -> float:
@@ -168,19 +183,40 @@ def _as_float(name: str, value: object) -> float:
     return float(value)
 
 
+def _short(value: object) -> str:
+    """A value for an error message, cut short: the value may be megabytes long (and an int of
+    more than 4300 digits has no repr at all)."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+
+
 def _check_stop(stop: object) -> list[str]:
     if not isinstance(stop, (list, tuple)):
-        raise ValueError(f"stop must be a list of strings, got {stop!r}")
+        raise ValueError(f"stop must be a list of strings, got {_short(stop)}")
+    if len(stop) > MAX_STOP_SEQUENCES:
+        raise ValueError(f"stop must hold at most {MAX_STOP_SEQUENCES} strings, got {len(stop)}")
     for s in stop:
         if not isinstance(s, str) or not s:
-            raise ValueError(f"stop must contain only non-empty strings, got {s!r}")
+            raise ValueError(f"stop must contain only non-empty strings, got {_short(s)}")
+        if len(s) > MAX_STOP_CHARS:
+            raise ValueError(
+                f"stop strings must be at most {MAX_STOP_CHARS} characters, got one of {len(s)}"
+            )
     return list(stop)
 
 
 def _check_stop_token_ids(ids: object) -> list[int]:
     if not isinstance(ids, (list, tuple)):
-        raise ValueError(f"stop_token_ids must be a list of integers, got {ids!r}")
+        raise ValueError(f"stop_token_ids must be a list of integers, got {_short(ids)}")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(
+            f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}"
+        )
     for t in ids:
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise ValueError(f"stop_token_ids must contain only integers >= 0, got {t!r}")
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_INT32:
+            raise ValueError(
+                f"stop_token_ids must contain only integers in [0, {MAX_INT32}], got {_short(t)}"
+            )
     return list(ids)

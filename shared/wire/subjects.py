@@ -31,9 +31,18 @@ PREFIX_INDEX_MATCH = f"{PREFIX}.prefix_index.match"
 PREFIX_INDEX_STATUS = f"{PREFIX}.prefix_index.status"
 # Every executor's heartbeat, for wildcard subscribers.
 EXECUTOR_STATS_ALL = f"{PREFIX}.executor.*.stats"
+# Every executor's work and snapshot subjects (executor_decode, executor_kv_snapshot), for the NATS
+# permissions (shared/wire/permissions.py): who may send to, or listen as, any executor.
+EXECUTOR_DECODE_ALL = f"{PREFIX}.executor.*.decode"
+EXECUTOR_KV_SNAPSHOT_ALL = f"{PREFIX}.executor.*.kv_snapshot"
+EXECUTOR_KV_OFFER_ALL = f"{PREFIX}.executor.*.kv_offer"
+# Every KV page transfer (kv_pages), for the permissions: executors send pages to any executor.
+KV_PAGES_ALL = f"{PREFIX}.kv.*.*"
 # Every executor's KV events, for wildcard subscribers (the prefix index): see kv_events().
 KV_EVENTS_ALL = f"{PREFIX}.kv_events.*"
-# Token deltas of every request, for wildcard subscribers (tests, tracing).
+# Every service's MetricsReport (see metrics()), for the gateways' /metrics.
+METRICS_ALL = f"{PREFIX}.metrics.*.*"
+# Token deltas of every request, for wildcard subscribers (the gateway's permission, tests).
 STREAM_ALL = f"{PREFIX}.stream.*"
 
 QUEUE_TOKENIZER = "tokenizer"
@@ -80,3 +89,30 @@ def kv_events(executor_id: str) -> str:
     KVEventsMessage after every step that changed its cached blocks; its batch's seq counts that
     executor's batches (a new epoch starts it again at 1)."""
     return f"{PREFIX}.kv_events.{_token(executor_id, 'executor id')}"
+
+
+def metrics(service: str, instance: str) -> str:
+    """A service instance → every gateway (publish, fan-out): its MetricsReport, periodically."""
+    return f"{PREFIX}.metrics.{_token(service, 'service')}.{_token(instance, 'instance')}"
+
+
+def metrics_of(service: str) -> str:
+    """Every instance of one kind of service's reports: what that kind may publish."""
+    return f"{PREFIX}.metrics.{_token(service, 'service')}.*"
+
+
+def executor_kv_offer(executor_id: str) -> str:
+    """Prefill executor → decode executor (request/reply): KVOffer → KVOfferReply."""
+    return f"{PREFIX}.executor.{_token(executor_id, 'executor id')}.kv_offer"
+
+
+def kv_pages(decode_executor_id: str, request_id: str) -> str:
+    """Prefill executor → decode executor (request/reply per chunk): one request's KV pages, raw
+    bytes with the chunk's place in headers (shared/wire/kv_transport.py) → KVChunkAck."""
+    decode = _token(decode_executor_id, "executor id")
+    return f"{PREFIX}.kv.{decode}.{_token(request_id, 'request id')}"
+
+
+def kv_pages_of(decode_executor_id: str) -> str:
+    """Every transfer to one decode executor: what it subscribes to."""
+    return f"{PREFIX}.kv.{_token(decode_executor_id, 'executor id')}.*"

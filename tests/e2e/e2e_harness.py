@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from services.cli.launcher import Stack
 from services.tokenizer.prompts import prompt_token_ids
 from shared.wire import subjects
 from shared.wire.bus import Bus
@@ -116,9 +118,11 @@ def finish_reason(chunks: list[dict[str, Any]], index: int = 0) -> str | None:
     return reasons[0] if reasons else None
 
 
-def scheduler_status(nats_url: str) -> SchedulerStatus:
+def scheduler_status(stack: Stack) -> SchedulerStatus:
+    """The scheduler's status, asked as the stack's admin user (a stranger is refused)."""
+
     async def ask() -> SchedulerStatus:
-        async with await Bus.connect(nats_url, "e2e-test") as bus:
+        async with await Bus.connect(stack.nats_url, "e2e-test", auth=stack.admin_auth) as bus:
             data = await bus.request(
                 subjects.SCHEDULER_STATUS,
                 SCHEDULER_STATUS_REQUEST.encode(SchedulerStatusRequest()),
@@ -133,3 +137,14 @@ def served_model(base_url: str, headers: dict[str, str]) -> str:
     r = httpx.get(base_url + "/v1/models", headers=headers, timeout=10)
     r.raise_for_status()
     return r.json()["data"][0]["id"]
+
+
+def wait_for(cond, timeout: float, what: str, interval: float = 0.25):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)

@@ -8,31 +8,22 @@ import asyncio
 import time
 
 import httpx
-from e2e_harness import parse_sse, scheduler_status, served_model
+from e2e_harness import parse_sse, scheduler_status, served_model, wait_for
+
+from services.cli.launcher import Stack
 
 LONG_PROMPT = "Write a very long story about a dragon who learns to bake bread."
 
 
-def wait_for(cond, timeout: float, what: str, interval: float = 0.25):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
-
-
-def free_blocks(nats_url: str) -> int:
-    [executor] = scheduler_status(nats_url).executors
+def free_blocks(s: Stack) -> int:
+    [executor] = scheduler_status(s).executors
     return executor.num_free_blocks
 
 
 def test_client_disconnect_returns_kv_blocks(stack):
     s = stack(num_kv_blocks=128)
     model = served_model(s.base_url, {})
-    baseline = free_blocks(s.nats_url)
+    baseline = free_blocks(s)
     body = {
         "model": model,
         "prompt": LONG_PROMPT,
@@ -52,11 +43,11 @@ def test_client_disconnect_returns_kv_blocks(stack):
         # mid-generation the request holds blocks: its prompt and 20 tokens fill two or more
         # 16-token blocks; a heartbeat from its first steps may still report fewer, so wait for
         # a newer one
-        wait_for(lambda: baseline - free_blocks(s.nats_url) >= 2, 10, "two or more blocks in use")
+        wait_for(lambda: baseline - free_blocks(s) >= 2, 10, "two or more blocks in use")
     # the connection is closed here, mid-stream
     # the executor frees them once the abort arrives (seen through its next heartbeats)
-    wait_for(lambda: free_blocks(s.nats_url) == baseline, 15, "the blocks to come back")
-    assert scheduler_status(s.nats_url).executors[0].num_running == 0
+    wait_for(lambda: free_blocks(s) == baseline, 15, "the blocks to come back")
+    assert scheduler_status(s).executors[0].num_running == 0
 
 
 def test_overload_gives_429_with_retry_after_and_admitted_requests_complete(stack):

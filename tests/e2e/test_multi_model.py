@@ -60,7 +60,7 @@ def test_two_models_each_answer_with_their_own_greedy_output(stack, tmp_path):
     assert expected[SMOL]["prompt"][0].text != expected[TINY]["prompt"][0].text
 
     s = stack(models=(ServedModel(SMOL, smol_path), ServedModel(TINY, tiny_path)), **ENGINE)
-    assert sorted((e.executor_id, e.model) for e in scheduler_status(s.nats_url).executors) == [
+    assert sorted((e.executor_id, e.model) for e in scheduler_status(s).executors) == [
         ("executor-0", SMOL),
         ("executor-1", TINY),
     ]

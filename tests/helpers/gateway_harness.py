@@ -16,7 +16,13 @@ The script is chosen by a keyword in the prompt (completions) or last message (c
     fail_after_first  one output, then StreamError 503
     hang              nothing at all
     slow              one token every 50 ms (up to 2000) until aborted
+    paced             max_tokens tokens, one every 50 ms, then 'length' (a stream that ends on its
+                      own, but not at once)
     garbage           an undecodable message
+    stall_after_first one output, then nothing (a holder that died mid-stream)
+    keepalive         a StreamKeepalive every 0.5 s for 8 s, then one finished output (a request
+                      held alive, e.g. queued, longer than a short progress timeout)
+    noack             not even acknowledged (a tokenizer that took it and stopped)
 """
 
 from __future__ import annotations
@@ -39,15 +45,20 @@ from shared.wire import subjects
 from shared.wire.bus import Bus
 from shared.wire.messages import (
     ABORT_REQUEST,
+    EXECUTOR_HEARTBEAT,
     GENERATE_REQUEST,
+    METRICS_REPORT,
     SCHEDULER_STATUS,
     STREAM_MESSAGE,
     TOKENIZER_STATUS,
     AbortRequest,
+    ExecutorHeartbeat,
     ExecutorStatus,
     GenerateRequest,
+    MetricsReport,
     SchedulerStatus,
     StreamError,
+    StreamKeepalive,
     StreamOutput,
     TokenizerModelStatus,
     TokenizerStatus,
@@ -132,6 +143,31 @@ class FakeBackend:
             time.sleep(0.02)
         return found()[-1]
 
+    def publish_metrics(self, report: MetricsReport) -> None:
+        """Publish a MetricsReport, as a service instance would."""
+
+        async def publish() -> None:
+            assert self._bus is not None
+            await self._bus.publish(
+                subjects.metrics(report.service, report.instance), METRICS_REPORT.encode(report)
+            )
+            await self._bus.flush()
+
+        self._call(publish())
+
+    def publish_heartbeat(self, heartbeat: ExecutorHeartbeat) -> None:
+        """Publish an executor's heartbeat, as an executor would."""
+
+        async def publish() -> None:
+            assert self._bus is not None
+            await self._bus.publish(
+                subjects.executor_stats(heartbeat.executor_id),
+                EXECUTOR_HEARTBEAT.encode(heartbeat),
+            )
+            await self._bus.flush()
+
+        self._call(publish())
+
     # -- the backend (its own loop) ----------------------------------------------------------------
 
     async def _start(self) -> None:
@@ -205,6 +241,9 @@ class FakeBackend:
 
     async def _on_generate(self, msg: Any) -> None:
         req = GENERATE_REQUEST.decode(msg.data)
+        if "noack" in _prompt_text(req):
+            self.requests[req.request_id] = req
+            return
         await msg.respond(b"")
         self.requests[req.request_id] = req
         self._aborted.setdefault(req.request_id, asyncio.Event())
@@ -212,7 +251,7 @@ class FakeBackend:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _send(self, rid: str, message: StreamOutput | StreamError) -> None:
+    async def _send(self, rid: str, message: StreamOutput | StreamError | StreamKeepalive) -> None:
         assert self._bus is not None
         await self._bus.publish(subjects.stream(rid), STREAM_MESSAGE.encode(message))
 
@@ -282,6 +321,23 @@ class FakeBackend:
             await self._bus.publish(subjects.stream(rid), b"\xc1 not msgpack")
         elif "hang" in text:
             pass
+        elif "stall_after_first" in text:
+            await self._output(req, [self._delta(req, 0, 0, False)], False)
+        elif "keepalive" in text:
+            for _ in range(16):
+                await asyncio.sleep(0.5)
+                await self._send(
+                    rid, StreamKeepalive(request_id=rid, holder="fake-scheduler", state="queued")
+                )
+            await self._output(req, [self._delta(req, 0, 0, True)], True)
+        elif "paced" in text:
+            num_tokens = req.params.max_tokens or 16
+            for step in range(num_tokens):
+                if self._aborted[rid].is_set():
+                    return
+                last = step == num_tokens - 1
+                await self._output(req, [self._delta(req, 0, step, last)], last)
+                await asyncio.sleep(0.05)
         elif "slow" in text:
             for step in range(2000):
                 if self._aborted[rid].is_set():
@@ -334,14 +390,16 @@ class GatewayProcess:
             "warning",
             *args,
         ]
+        # The key by environment, as the launcher passes it (the gateway refuses it on argv).
+        env = {k: v for k, v in os.environ.items() if k != "LLMSERVE_API_KEY"}
         if api_key:
-            argv += ["--api-key", api_key]
+            env["LLMSERVE_API_KEY"] = api_key
         self.process = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**env, "PYTHONUNBUFFERED": "1"},
         )
         self._wait_ready()
 

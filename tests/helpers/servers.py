@@ -9,9 +9,13 @@ whole stack as separate processes through the launcher ``llmserve up`` uses.
         s.base_url                              # "http://127.0.0.1:<port>" (None without a gateway)
         s.services["executor-0"].kill()         # ServiceProcess handles: pid, alive(), log_tail()
         s.nats_url, s.redis_url                 # the stack's own servers (isolated per stack)
+        Bus.connect(s.nats_url, "t", auth=s.admin_auth)  # its bus is closed: a test connects as
+                                                # the stack's admin user (s.credentials: all)
 
 Each stack gets its own nats-server and redis-server so heartbeats of one test's executors never
 reach another test's scheduler; every stack is stopped at the end of its test (no process leaks).
+A stack's servers are closed as ``llmserve up`` closes them (services/cli/credentials.py); the
+session servers of ``nats_url`` / ``redis_url`` are open, for tests of one service at a time.
 Async tests: write ``def test_...(): asyncio.run(main())`` (no asyncio pytest plugin is needed).
 """
 

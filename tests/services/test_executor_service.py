@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 import uuid
 
 import pytest
@@ -26,6 +27,7 @@ from services.executor.worker import (
 from shared.wire import messages, subjects
 from shared.wire.block_hash import hash_prompt_blocks
 from shared.wire.bus import Bus
+from shared.wire.keepalive import KEEPALIVE_INTERVAL_S
 from shared.wire.kv_events import (
     KV_CACHE_SNAPSHOT,
     KV_EVENTS_MESSAGE,
@@ -43,6 +45,7 @@ from shared.wire.messages import (
     RequestOutput,
     SamplingParams,
     StreamError,
+    StreamKeepalive,
     StreamOutput,
 )
 
@@ -97,6 +100,9 @@ class FakeEngine:
     def take_kv_events(self):
         self.thread_ids.add(threading.get_ident())
         return None
+
+    def take_first_scheduled(self) -> list[str]:
+        return []
 
     def kv_cache_snapshot(self) -> tuple[int, list[int]]:
         return 0, []
@@ -277,6 +283,8 @@ class Client:
             )
             while True:
                 msg = messages.STREAM_MESSAGE.decode((await sub.next(60)).data)
+                if isinstance(msg, StreamKeepalive):  # a slow step: the request is alive
+                    continue
                 out.append(msg)
                 if abort_after is not None and len(out) == abort_after:
                     await self.bus.publish(
@@ -456,6 +464,123 @@ def test_service_over_nats_matches_engine(nats_url, engine):
             refused = await client.dispatch("ex-test", uuid.uuid4().hex, prompt, GREEDY)
             assert not refused.accepted and refused.load.num_admitted == 0
         finally:
+            await client.bus.close()
+            await service_bus.close()
+
+    asyncio.run(main())
+
+
+class SilentEngine(FakeEngine):
+    """Prompt [777] is taken and then produces nothing, step after step (a long prefill, or a
+    request waiting for room); the others run as FakeEngine's."""
+
+    def step(self):
+        time.sleep(0.02)  # a step takes time: no busy loop while the silent request is held
+        silent = {rid: s for rid, s in self.requests.items() if s[2] == 777}
+        for rid in silent:
+            del self.requests[rid]
+        try:
+            return super().step()
+        finally:
+            self.requests.update(silent)
+
+
+def test_a_request_without_output_gets_keepalives_until_it_ends(nats_url):
+    """Its stream is never silent for longer than a keepalive interval (and a heartbeat): the
+    executor says it holds the request, still waiting for its first token, until it is aborted."""
+
+    async def main() -> None:
+        engine = SilentEngine()
+        service_bus = await Bus.connect(nats_url, "executor-keepalive-test")
+        service = ExecutorService(
+            service_bus,
+            EngineWorker(engine),
+            ExecutorServiceConfig(
+                executor_id="ex-keep",
+                model_name="m",
+                max_model_len=64,
+                block_size=16,
+                max_num_seqs=2,
+                heartbeat_interval_s=0.25,
+            ),
+        )
+        client = Client(await Bus.connect(nats_url, "client-test"))
+        await client.start()
+        await service.start()
+        try:
+            rid = uuid.uuid4().hex
+            async with await client.bus.subscribe_iter(subjects.stream(rid)) as sub:
+                reply = await client.dispatch("ex-keep", rid, [777], GREEDY)
+                assert reply.accepted
+                loop = asyncio.get_running_loop()
+                last = loop.time()
+                gaps: list[float] = []
+                keepalives: list[StreamKeepalive] = []
+                while len(keepalives) < 2:
+                    msg = messages.STREAM_MESSAGE.decode((await sub.next(10)).data)
+                    now = loop.time()
+                    gaps.append(now - last)
+                    last = now
+                    assert isinstance(msg, StreamKeepalive), msg
+                    keepalives.append(msg)
+                assert {(k.holder, k.state) for k in keepalives} == {("ex-keep", "waiting")}
+                assert max(gaps) < KEEPALIVE_INTERVAL_S + 1.0
+                await client.bus.publish(
+                    subjects.ABORT, messages.ABORT_REQUEST.encode(AbortRequest(request_id=rid))
+                )
+                while True:  # the aborted request's final output ends the keepalives
+                    msg = messages.STREAM_MESSAGE.decode((await sub.next(10)).data)
+                    if isinstance(msg, StreamOutput):
+                        assert msg.output.finished
+                        break
+            await wait_for(lambda: (rid, "finished") in client.progress)
+        finally:
+            await service.drain()
+            await client.bus.close()
+            await service_bus.close()
+
+    asyncio.run(main())
+
+
+def test_a_request_nobody_reads_is_aborted_and_one_read_is_not(nats_url):
+    """A request whose stream lost its reader (its gateway died: no abort was ever sent) is aborted
+    at the next client check; one whose reader is there runs on, however long it is silent."""
+
+    async def main() -> None:
+        engine = SilentEngine()
+        service_bus = await Bus.connect(nats_url, "executor-orphan-test")
+        service = ExecutorService(
+            service_bus,
+            EngineWorker(engine),
+            ExecutorServiceConfig(
+                executor_id="ex-orphan",
+                model_name="m",
+                max_model_len=64,
+                block_size=16,
+                max_num_seqs=2,
+                client_check_interval_s=0.3,
+            ),
+        )
+        client = Client(await Bus.connect(nats_url, "client-orphan-test"))
+        await client.start()
+        await service.start()
+        read, orphan = uuid.uuid4().hex, uuid.uuid4().hex
+        try:
+            async with await client.bus.subscribe_iter(subjects.stream(read)):
+                async with await client.bus.subscribe_iter(subjects.stream(orphan)):
+                    for rid in (read, orphan):
+                        assert (await client.dispatch("ex-orphan", rid, [777], GREEDY)).accepted
+                    await asyncio.sleep(0.8)  # two checks: both have readers
+                    assert set(engine.requests) == {read, orphan}
+                # The orphan's reader is gone without an abort, as when its gateway dies.
+                t0 = time.monotonic()
+                await wait_for(lambda: (orphan, "finished") in client.progress)
+                assert time.monotonic() - t0 < 0.3 + 0.3 / 5 + 0.5
+                assert set(engine.requests) == {read}
+                await asyncio.sleep(0.8)  # more checks: the request still read stays
+                assert set(engine.requests) == {read} and (read, "finished") not in client.progress
+        finally:
+            await service.drain()
             await client.bus.close()
             await service_bus.close()
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry, Counter
 
 from helpers.gateway_harness import (
     FAKE_MODEL,
@@ -20,6 +21,8 @@ from helpers.gateway_harness import (
     sse_events,
     token_id,
 )
+from shared.metrics.publisher import report_of
+from shared.wire.messages import EngineStats, ExecutorHeartbeat, ExecutorMemory
 
 API_KEY = "test-key"
 REQUEST_TIMEOUT_S = 3.0
@@ -185,16 +188,30 @@ def test_models_health_metrics(client, gateway, backend):
     finally:
         backend.set_tokenizer_listening(True)
     assert httpx.get(gateway.base_url + "/health").status_code == 200
-    text = httpx.get(gateway.base_url + "/metrics").text
+    # An executor's MetricsReport (what services/executor/metrics.py publishes) reaches /metrics,
+    # labelled by service and replica.
+    registry = CollectorRegistry()
+    labels = ["executor", "model_name"]
+    queries = Counter("llmserve:prefix_cache_queries", "", labels, registry=registry)
+    queries.labels("fake-0", FAKE_MODEL).inc(100)
+    backend.publish_metrics(report_of("executor", "fake-0", registry))
+    exported = (
+        'llmserve:prefix_cache_queries_total{executor="fake-0",model_name="fake-model",'
+        'replica="fake-0",service="executor"} 100.0'
+    )
+    deadline = time.monotonic() + 5
+    while exported not in (text := httpx.get(gateway.base_url + "/metrics").text):
+        assert time.monotonic() < deadline, text
+        time.sleep(0.05)
     for name in (
         "llmserve:time_to_first_token_seconds_bucket",
         "llmserve:e2e_request_latency_seconds_count",
         "llmserve:inter_token_latency_seconds_count",
+        "llmserve:time_per_output_token_seconds_count",
         "llmserve:generation_tokens_total",
-        'llmserve:gateway_requests_total{endpoint="completions",status="200"}',
-        # The stack's, from the scheduler's status: per executor, and the routing state.
-        f'llmserve:prefix_cache_queries_total{{executor="fake-0",model_name="{FAKE_MODEL}"}} 100.0',
-        f'llmserve:prefix_cache_hits_total{{executor="fake-0",model_name="{FAKE_MODEL}"}} 50.0',
+        'llmserve:gateway_requests_total{endpoint="completions",replica="gateway-',
+        'llmserve:nats_round_trip_seconds_count{replica="gateway-',
+        # The stack's, from the scheduler's status: the routing state.
         "llmserve:routing_index_available 1.0",
     ):
         assert name in text, name
@@ -350,3 +367,120 @@ def test_timeout_mid_stream_ends_with_error_event(client, backend):
     assert events[-1] == "[DONE]" and len(events) > 3
     assert json.loads(events[-2])["error"]["code"] == "request_timeout"
     backend.wait_abort(r.headers["x-request-id"])
+
+
+# ------------------------------------------------------------------------------------ console
+
+
+def fake_heartbeat(executor_id: str = "fake-0", num_free_blocks: int = 90) -> ExecutorHeartbeat:
+    stats = EngineStats(
+        num_running=1,
+        num_waiting=0,
+        num_total_blocks=100,
+        num_free_blocks=num_free_blocks,
+        kv_cache_usage=(100 - num_free_blocks) / 100,
+        prefix_cache_queries_tokens=64,
+        prefix_cache_hits_tokens=16,
+        num_preemptions=2,
+        num_prompt_tokens=64,
+        num_computed_tokens=80,
+        num_generated_tokens=16,
+        num_steps=17,
+        last_step_num_tokens=1,
+        num_cached_blocks=4,
+    )
+    memory = ExecutorMemory(
+        memory_budget_bytes=1 << 30,
+        weight_dtype="float32",
+        kv_dtype="float32",
+        planned_weight_bytes=500 << 20,
+        planned_activation_bytes=50 << 20,
+        planned_kv_cache_bytes=400 << 20,
+        planned_num_kv_blocks=101,
+        weight_bytes=510 << 20,
+        kv_cache_bytes=101 * 4096,
+        num_kv_blocks=101,
+        kv_bytes_per_block=4096,
+        process_rss_bytes=900 << 20,
+    )
+    return ExecutorHeartbeat(
+        executor_id=executor_id,
+        epoch="e1",
+        role="both",
+        model=FAKE_MODEL,
+        max_model_len=2048,
+        block_size=16,
+        stats=stats,
+        sent_at=time.time(),
+        memory=memory,
+    )
+
+
+def test_console_static_files_are_public_and_its_data_needs_the_key(gateway, client):
+    page = httpx.get(gateway.base_url + "/console/")
+    assert page.status_code == 200 and "llmserve" in page.text and "app.js" in page.text
+    script = httpx.get(gateway.base_url + "/console/app.js")
+    assert script.status_code == 200 and "javascript" in script.headers["content-type"]
+    for path in ("/console/api/state", "/console/api/plan/options", "/console/api/plan?memory=1G"):
+        assert_openai_error(httpx.get(gateway.base_url + path), 401)
+        assert client.get(path).status_code == 200, path
+    assert_openai_error(client.get("/console/api/plan?memory=1GiB&model=/etc/passwd"), 400, "model")
+    assert_openai_error(client.get("/console/api/plan?memory=1GiB&block_size=-3"), 400)
+    assert_openai_error(client.get("/console/api/plan?memory=1KiB"), 400)  # cannot hold the model
+
+
+def test_console_state_shows_executors_and_each_request_from_queued_to_done(client, backend):
+    backend.publish_heartbeat(fake_heartbeat())
+    deadline = time.monotonic() + 5
+    while not (state := client.get("/console/api/state").json())["executors"]:
+        assert time.monotonic() < deadline, state
+        time.sleep(0.05)
+    [executor] = state["executors"]
+    assert executor["kv"] == {
+        "num_total_blocks": 100,
+        "num_used_blocks": 10,
+        "num_free_blocks": 90,
+        "num_cached_blocks": 4,
+        "usage": 0.1,
+    }
+    assert executor["prefix_cache"]["hit_rate"] == 0.25
+    assert executor["batch"]["num_preemptions"] == 2
+    assert [r["item"] for r in executor["memory"]["rows"]] == ["weights", "activations", "kv cache"]
+    assert state["scheduler"]["available"] and state["scheduler"]["num_queued"] == 0
+
+    r = client.post("/v1/completions", json=completion(max_tokens=4))
+    rid = r.headers["x-request-id"]
+    [done] = [
+        q for q in client.get("/console/api/state").json()["requests"] if q["request_id"] == rid
+    ]
+    assert (done["state"], done["status"], done["num_tokens"]) == ("done", 200, 4)
+    assert done["ttft_s"] is not None and done["e2e_s"] >= done["ttft_s"]
+    assert done["num_prompt_tokens"] == NUM_PROMPT_TOKENS and done["finish_reason"] == "length"
+
+    # A request its holder keeps alive is shown in the holder's state (the gateway answers no
+    # byte before the first output), then as an error once it times out.
+    def held_request() -> None:
+        client.post("/v1/completions", json=completion(prompt="keepalive"))
+
+    thread = threading.Thread(target=held_request)
+    thread.start()
+    try:
+        rid = backend.request_for("keepalive").request_id
+        held = wait_for_record(client, rid, lambda q: q["state"] == "queued")
+        assert held["holder"] == "fake-scheduler" and held["status"] is None
+        assert held["ttft_s"] is None and held["num_tokens"] == 0
+    finally:
+        thread.join()
+    ended = wait_for_record(client, rid, lambda q: q["status"] is not None)
+    assert (ended["state"], ended["status"]) == ("error", 504)
+
+
+def wait_for_record(client: httpx.Client, rid: str, cond, timeout: float = 5.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        requests = client.get("/console/api/state").json()["requests"]
+        [record] = [q for q in requests if q["request_id"] == rid]
+        if cond(record):
+            return record
+        assert time.monotonic() < deadline, record
+        time.sleep(0.05)

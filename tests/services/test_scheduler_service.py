@@ -9,6 +9,8 @@ import asyncio
 import contextlib
 import uuid
 
+import pytest
+
 from helpers.stats import engine_stats
 from services.scheduler.router import RouterConfig
 from services.scheduler.service import SchedulerConfig, SchedulerService
@@ -99,6 +101,7 @@ class Harness:
 
     def __init__(self, nats_url: str, **router_kw) -> None:
         self.nats_url = nats_url
+        self.keepalives: list[messages.StreamKeepalive] = []
         # Heartbeats every 0.1 s; the timeout leaves room for a loaded machine to stall the loop.
         self.router_kw = {
             "max_queue_len": 1,
@@ -125,6 +128,8 @@ class Harness:
             if isinstance(out, StreamError):
                 self.errors[out.request_id] = out
                 self.error_event.set()
+            elif isinstance(out, messages.StreamKeepalive):
+                self.keepalives.append(out)
 
         await self.client.subscribe(subjects.STREAM_ALL, on_stream)
         await self.client.flush()
@@ -270,5 +275,47 @@ def test_abort_removes_a_queued_request(nats_url):
             await a.progress(first, "finished")
             await asyncio.sleep(0.2)
             assert a.received.empty()  # the aborted one never runs
+
+    asyncio.run(main())
+
+
+def test_retry_after_follows_the_measured_drain_rate_and_queued_requests_get_keepalives(nats_url):
+    """An executor that finishes one request every 0.4 s and a queue of 6 kept full: a 429's
+    Retry-After is the queue over the drain rate the test itself observes (not the 1 s it starts
+    from), and every queued request's stream hears from the scheduler while it waits."""
+
+    async def main() -> None:
+        async with Harness(nats_url, max_queue_len=6) as h:
+            a = await h.executor("a", max_num_seqs=1)
+            await h.wait_executors(1)
+            await h.submit()
+            running = (await recv(a, 5)).request_id
+            for _ in range(6):
+                await h.submit()
+            assert (await h.status()).num_queued == 6
+            loop = asyncio.get_running_loop()
+            started, departures = loop.time(), 0
+            while loop.time() - started < 4.0:
+                await asyncio.sleep(0.4)
+                await a.progress(running, "finished")  # a queued one takes its place
+                running = (await recv(a, 5)).request_id
+                departures += 1
+                await h.submit()  # and a new one the freed place in the queue
+            observed_rate = departures / (loop.time() - started)
+            err = await h.error_for(await h.submit())
+            expected = 6 / observed_rate
+            print(
+                f"\n{observed_rate:.2f} requests/s left the queue: Retry-After "
+                f"{err.retry_after_s:.2f} s for 6 queued (expected {expected:.2f})"
+            )
+            assert err.status == 429 and err.retry_after_s is not None
+            assert err.retry_after_s == pytest.approx(expected, rel=0.3)
+            assert err.retry_after_s > 1.5  # not the constant it starts from
+            status = await h.status()
+            assert status.drain_rate_per_s == pytest.approx(observed_rate, rel=0.3)
+            # Requests that waited over a keepalive interval heard from the scheduler meanwhile.
+            assert {k.holder for k in h.keepalives} == {"scheduler"}
+            assert {k.state for k in h.keepalives} == {"queued"}
+            assert len({k.request_id for k in h.keepalives}) >= 6
 
     asyncio.run(main())

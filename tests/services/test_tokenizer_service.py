@@ -5,6 +5,7 @@ ids + block hashes, bad ones end on the request's stream with a 400 StreamError;
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import subprocess
@@ -25,11 +26,12 @@ from services.tokenizer.prompts import (
     select_model,
     tokenize_request,
 )
-from services.tokenizer.service import TokenizerService
+from services.tokenizer.service import SUBMIT_ACK_TIMEOUT_S, TokenizerService
 from shared.engine.tokenizer import Tokenizer
 from shared.wire import messages, subjects
 from shared.wire.block_hash import hash_prompt_blocks
 from shared.wire.bus import Bus
+from shared.wire.keepalive import KEEPALIVE_INTERVAL_S
 from shared.wire.messages import ChatMessage, GenerateRequest, SamplingParams, StreamError
 
 LIMITS = PromptLimits(max_model_len=64, block_size=4)
@@ -383,3 +385,55 @@ def test_process_serves_and_drains_on_sigterm(nats_url):
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+def test_a_held_request_gets_keepalives_and_a_bounded_end(nats_url, smollm2_tokenizer):
+    """A scheduler that takes submits but never acks: the tokenizer holds the request, says so on
+    its stream every keepalive interval (the gateway's progress clock), and after its ack timeout
+    ends it with a 503 and an abort: held, never hanging, never silent."""
+
+    async def main() -> None:
+        service_bus = await Bus.connect(nats_url, "tokenizer-test")
+        service = TokenizerService(service_bus, {"m": ModelTokenizer(smollm2_tokenizer, LIMITS)})
+        await service.start()
+        client = await Bus.connect(nats_url, "gateway-test")
+        try:
+            req = gen(prompt="hold me")
+            async with (
+                await client.subscribe_iter(subjects.SCHEDULER_SUBMIT) as submits,
+                await client.subscribe_iter(subjects.ABORT) as aborts,
+                await client.subscribe_iter(subjects.stream(req.request_id)) as stream,
+            ):
+                await client.request(
+                    subjects.TOKENIZER_GENERATE, messages.GENERATE_REQUEST.encode(req), timeout=5
+                )
+                loop = asyncio.get_running_loop()
+                acked_at = loop.time()
+                await submits.next(5)  # taken, never acked
+                assert service.num_held == 1
+                seen = []
+                while True:
+                    out = messages.STREAM_MESSAGE.decode((await stream.next(10)).data)
+                    seen.append((loop.time() - acked_at, out))
+                    if isinstance(out, StreamError):
+                        break
+                keepalives = [(t, k) for t, k in seen if isinstance(k, messages.StreamKeepalive)]
+                assert [(k.holder, k.state) for _, k in keepalives] == [
+                    ("tokenizer", "submitting")
+                ] * len(keepalives)
+                assert len(keepalives) >= int(SUBMIT_ACK_TIMEOUT_S / KEEPALIVE_INTERVAL_S) - 1
+                times = [0.0] + [t for t, _ in seen]  # from the ack, each message's arrival
+                gaps = [b - a for a, b in itertools.pairwise(times)]
+                assert max(gaps) < 2 * KEEPALIVE_INTERVAL_S  # never silent for long
+                end_t, error = seen[-1]
+                assert isinstance(error, StreamError) and error.status == 503
+                assert end_t < SUBMIT_ACK_TIMEOUT_S + 2
+                abort = messages.ABORT_REQUEST.decode((await aborts.next(5)).data)
+                assert abort.request_id == req.request_id
+                assert service.num_held == 0
+        finally:
+            await service.stop()
+            await client.close()
+            await service_bus.close()
+
+    asyncio.run(main())

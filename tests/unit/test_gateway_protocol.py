@@ -8,7 +8,7 @@ import json
 import pytest
 
 from services.gateway import protocol
-from services.gateway.errors import APIError, from_stream_error
+from services.gateway.errors import APIError, from_stream_error, model_not_found, route_not_found
 from services.gateway.openai_schema import parse_chat_request, parse_completion_request
 from shared.wire.messages import StreamError
 from shared.wire.outputs import CompletionDelta, RequestOutput, TokenLogprobs
@@ -466,3 +466,44 @@ def test_unnamed_logprobs_tokens_show_their_ids():
 def test_delta_for_a_choice_outside_n_is_a_bug():
     with pytest.raises(ValueError):
         protocol.ResponseBuilder(spec(n=1)).apply(out(d(1, [1], "x")))
+
+
+def test_only_a_model_404_says_model_not_found():
+    """An unknown route is OpenAI's plain "Invalid URL" 404 (no code); a 404 about the model, from
+    the gateway's check or a backend's StreamError, keeps ``model_not_found``."""
+    route = route_not_found("GET", "/v1/nothing")
+    assert (route.status, route.code, route.param) == (404, None, None)
+    assert route.body()["error"]["message"] == "Invalid URL (GET /v1/nothing)"
+    assert model_not_found("x", "m").code == "model_not_found"
+    other = from_stream_error(StreamError(request_id="r", status=404, message="gone"))
+    assert other.code is None
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (b'{"model": "m", "prompt": "x", "priority": 18446744073709551616}', "priority"),
+        (b'{"model": "m", "prompt": "x", "priority": -2147483648}', "priority"),
+        (b'{"model": "m", "prompt": [1, 2147483648]}', "prompt"),
+        (b'{"model": "m", "prompt": [[-1]]}', "prompt"),
+    ],
+)
+def test_integers_outside_the_wire_are_400s(body, param):
+    with pytest.raises(APIError) as e:
+        protocol.completion_to_generate(
+            parse_completion_request(body),
+            request_id="r",
+            limits=LIMITS,
+            arrival_time=0,
+            deadline=None,
+        )
+    assert (e.value.status, e.value.param) == (400, param)
+
+
+def test_split_special_tokens_is_carried_for_raw_prompts():
+    for raw, expected in ((b"", False), (b', "split_special_tokens": true', True)):
+        req = parse_completion_request(b'{"model": "m", "prompt": "<|im_start|>"' + raw + b"}")
+        g = protocol.completion_to_generate(
+            req, request_id="r", limits=LIMITS, arrival_time=0, deadline=None
+        )
+        assert g.split_special_tokens is expected

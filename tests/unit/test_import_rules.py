@@ -17,13 +17,20 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # package prefix -> module prefixes it must never import
 FORBIDDEN = {
     "shared/wire": ("shared.engine", "services", "kernels", "torch", "triton"),
-    "shared/engine": ("services",),
+    "shared/metrics": ("shared.engine", "services", "kernels", "torch", "triton"),
+    "shared/engine": ("services", "opentelemetry"),  # the engine reports, the shell traces
     "services/gateway": ("torch", "kernels", "shared.engine.models", "services.cli"),
     "services/tokenizer": ("torch", "kernels", "shared.engine.models", "services.cli"),
     "services/scheduler": ("torch", "kernels", "shared.engine", "services.cli"),
+    "services/prefix_index": ("torch", "kernels", "shared.engine", "services.cli"),
     "services/executor": ("services.cli",),
 }
-TORCH_FREE_SERVICES = ("services.gateway", "services.tokenizer", "services.scheduler")
+TORCH_FREE_SERVICES = (
+    "services.gateway",
+    "services.tokenizer",
+    "services.scheduler",
+    "services.prefix_index",
+)
 
 
 def imported_modules(path: pathlib.Path) -> set[str]:

@@ -166,3 +166,24 @@ def test_three_replicas_never_push_an_executor_past_its_cap(rounds):
     assert held == {"a": cap, "b": cap} if rounds * 3 >= 2 * cap else sum(held.values()) == 3
     assert sum(r.num_queued for r in replicas) == max(0, rounds * 3 - 2 * cap)
     assert not any(failed(r.tick(0.0, 0.0)) for r in replicas)
+
+
+def test_prefill_pending_at_the_holder_can_send_a_request_elsewhere():
+    r = make(max_queue_len=8)
+    busy = ExecutorLoad(version=1, num_admitted=1, max_admitted=8, num_pending_prefill_tokens=400)
+    r.on_heartbeat(with_load("a", busy), 0.0)
+    r.on_heartbeat(with_load("b", load(0, 0, max_admitted=8)), 0.0)
+    # a holds 8 of the 10 blocks but has 400 tokens to prefill first: 400 + 32 + 64 > 160.
+    [action] = r.submit(prompt_req("r0"), 0.0, 0.0, {"a": 8})
+    assert isinstance(action, Dispatch) and action.executor_id == "b"
+    # The executor is told what the index expected it to hold, here nothing of the prompt.
+    assert action.request.num_expected_cached_tokens == 0
+    # Without that backlog the holder wins, and is told of its 128 cached tokens.
+    r.on_heartbeat(with_load("a", load(2, 1, max_admitted=8)), 0.0)
+    [action] = r.submit(prompt_req("r1"), 0.0, 0.0, {"a": 8})
+    assert isinstance(action, Dispatch) and action.executor_id == "a"
+    assert action.request.num_expected_cached_tokens == 128
+    # r0's prefill counts at b until b reports it or it starts.
+    assert r.executors["b"].pending_prefill_estimate() == 160
+    r.on_progress(progress("r0", "b", "started"), 0.0)
+    assert r.executors["b"].pending_prefill_estimate() == 0

@@ -245,3 +245,47 @@ def test_config_validation():
         RouterConfig(max_queue_len=-1)
     with pytest.raises(ValueError, match="heartbeat_timeout_s"):
         RouterConfig(heartbeat_timeout_s=0)
+
+
+def test_retry_after_on_429_is_the_queue_over_its_measured_drain_rate():
+    """One executor finishing a request every 2 s, a queue of 4 kept full: the 429's Retry-After
+    is ~4 / 0.5 = 8 s, not the constant it starts from; the 503 of a queue with no executor left
+    carries the same estimate, and the status reports the rate."""
+    r = make(max_queue_len=4, no_executor_timeout_s=30.0)
+    r.on_heartbeat(hb("a", max_num_seqs=1), 0)
+    assert dispatched(r.submit(req("r0"), 0, 0)) == [("a", "r0")]
+    for i in range(1, 5):
+        assert r.submit(req(f"r{i}"), 0, 0) == []
+    [fail] = r.submit(req("early"), 0, 0)
+    assert isinstance(fail, Fail) and fail.error.retry_after_s == 1.0  # nothing measured yet
+    running, t = "r0", 0.0
+    for i in range(5, 20):  # a departure every 2 s; a new request takes each freed place
+        t += 2.0
+        r.on_heartbeat(hb("a", max_num_seqs=1), t)
+        [d] = r.on_progress(progress(running, "a", "finished"), t)
+        assert isinstance(d, Dispatch)
+        running = d.request.request_id
+        assert r.submit(req(f"r{i}"), t, t) == [] and r.num_queued == 4
+    [fail] = r.submit(req("late"), t, t)
+    assert isinstance(fail, Fail) and fail.error.status == 429
+    assert fail.error.retry_after_s == pytest.approx(8.0, rel=0.15)
+    status = r.status(t)
+    assert status.drain_rate_per_s == pytest.approx(0.5, rel=0.15)
+    assert status.retry_after_s == fail.error.retry_after_s
+    assert set(r.queued_request_ids()) == {f"r{i}" for i in range(16, 20)}
+
+
+def test_forget_requests_ends_the_queue_and_forgets_routed_ones():
+    """The scheduler lost the bus: every queued request ends with a 503 (with Retry-After), and
+    routed ones no longer count (their executor's own report does)."""
+    r = make(max_queue_len=4)
+    r.on_heartbeat(hb("a", max_num_seqs=1), 0)
+    assert dispatched(r.submit(req("r0"), 0, 0)) == [("a", "r0")]
+    assert r.submit(req("r1"), 0, 0) == [] and r.submit(req("r2"), 0, 0) == []
+    actions = r.forget_requests(1.0)
+    assert sorted(failed(actions)) == [("r1", 503), ("r2", 503)]
+    assert all(isinstance(a, Fail) and a.error.retry_after_s for a in actions)
+    assert r.num_queued == 0 and r.queued_request_ids() == []
+    assert r.executors["a"].in_flight == {}
+    # The executor has room again as far as this replica knows: a new request goes there.
+    assert dispatched(r.submit(req("r3"), 1.0, 1.0)) == [("a", "r3")]

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from services.cli.servers import start_nats
-from shared.wire.bus import Bus, BusError, BusNoResponders, BusTimeout
+from shared.wire.bus import Bus, BusError, BusInterrupted, BusNoResponders, BusTimeout
 
 SUBJECT = "test.bus.a"
 
@@ -199,5 +199,32 @@ def test_connect_failure_is_clear():
     async def main() -> None:
         with pytest.raises(BusError, match="cannot connect"):
             await Bus.connect("nats://127.0.0.1:1", "x", connect_timeout_s=0.5)
+
+    asyncio.run(main())
+
+
+def test_interrupt_wakes_a_waiting_iterator_subscription(nats_url):
+    """A gateway that drains ends the streams it waits on: interrupt() makes the pending next()
+    (and every later one) raise BusInterrupted, without cancelling the waiting task."""
+
+    async def main() -> None:
+        async with await Bus.connect(nats_url, "sub") as bus:
+            sub = await bus.subscribe_iter(SUBJECT + ".interrupt")
+            waiter = asyncio.ensure_future(sub.next(timeout=30))
+            await asyncio.sleep(0.05)
+            sub.interrupt()
+            with pytest.raises(BusInterrupted):
+                await asyncio.wait_for(waiter, 2)
+            with pytest.raises(BusInterrupted):
+                await sub.next(timeout=1)
+            # A cancellation of the waiting task itself is still a cancellation.
+            other = await bus.subscribe_iter(SUBJECT + ".cancel")
+            task = asyncio.ensure_future(other.next(timeout=30))
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await sub.unsubscribe()
+            await other.unsubscribe()
 
     asyncio.run(main())

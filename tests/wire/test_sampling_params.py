@@ -40,6 +40,8 @@ def test_defaults_are_valid_and_match_openai():
         dict(seed=-1),
         dict(seed=2**64 - 1),
         dict(stop=["\n", "END"], stop_token_ids=[0, 2]),
+        dict(max_tokens=2**31 - 1, top_k=2**31 - 1, stop_token_ids=[2**31 - 1] * 1024),
+        dict(stop=["s" * 1024] * 32),
     ],
 )
 def test_valid_edge_values_pass(kwargs):
@@ -88,6 +90,19 @@ def test_valid_edge_values_pass(kwargs):
         ("stop_token_ids", [True]),
         ("ignore_eos", 1),
         ("skip_special_tokens", "yes"),
+        # Every integer is bounded (issue 21: 2**64 once became a 500 at msgpack encoding).
+        ("max_tokens", 2**31),
+        ("max_tokens", 2**64),
+        ("top_k", 2**64),
+        ("stop_token_ids", [2**31]),
+        ("stop_token_ids", [2**70]),
+        ("n", 2**64),
+        ("logprobs", 2**64),
+        ("seed", -(2**63) - 1),
+        # Stop lists are bounded in count and length; the message stays short.
+        ("stop", ["s"] * 33),
+        ("stop", ["s" * 1025]),
+        ("stop_token_ids", [1] * 1025),
     ],
 )
 def test_bad_value_raises_value_error_naming_the_field(field, value):
@@ -154,3 +169,12 @@ def test_wire_round_trip_and_frozen():
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(p), type=SamplingParams) == p
     with pytest.raises(AttributeError):
         p.temperature = 0.0  # type: ignore[misc]
+
+
+def test_errors_quote_huge_values_briefly():
+    with pytest.raises(ValueError) as e:
+        SamplingParams(stop=["x" * 10**6])
+    assert len(str(e.value)) < 200
+    with pytest.raises(ValueError) as e:
+        SamplingParams(max_tokens=10**5000)
+    assert len(str(e.value)) < 200 and "max_tokens" in str(e.value)

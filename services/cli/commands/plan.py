@@ -4,14 +4,11 @@ budget."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from typing import Any
 
+from shared.engine.plan_report import KV_DTYPES, WEIGHT_DTYPES
 from shared.engine.quantization import QUANTIZATION_HELP, QUANTIZATIONS, kv_dtype_name
-
-WEIGHT_DTYPES = ("float16", "bfloat16", "float32")
-KV_DTYPES = ("auto", "float16", "bfloat16", "float32", "int8", "fp8")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -59,14 +56,28 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    settings = dict(
+        memory=args.memory,
+        dtype=args.dtype,
+        kv_dtype=args.kv_dtype,
+        quantization=args.quantization,
+        block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        context=args.context,
+    )
+    if args.json:
+        from shared.engine.plan_report import plan_report
+
+        print(json.dumps(plan_report(args.model, **settings), indent=2))
+        return 0
     from shared.engine.memory import format_ledger, parse_bytes, plan_memory
     from shared.engine.models.known_configs import resolve_model
 
-    budget = parse_bytes(args.memory)
     model = resolve_model(args.model)
     ledger = plan_memory(
         model.config,
-        memory_budget_bytes=budget,
+        memory_budget_bytes=parse_bytes(args.memory),
         weight_dtype=args.dtype,
         kv_dtype=kv_dtype_name(args.kv_dtype, args.dtype),
         block_size=args.block_size,
@@ -76,15 +87,5 @@ def run(args: argparse.Namespace) -> int:
         num_params=model.num_params,
         quantization=args.quantization,
     )
-    if args.json:
-        payload = {
-            "model": model.config.name or model.config.architecture,
-            **dataclasses.asdict(ledger),
-            "num_usable_kv_blocks": ledger.num_usable_kv_blocks,
-            "kv_cache_bytes": ledger.kv_cache_bytes,
-            "headroom_bytes": ledger.headroom_bytes,
-        }
-        print(json.dumps(payload, indent=2))
-    else:
-        print(format_ledger(ledger, model.config))
+    print(format_ledger(ledger, model.config))
     return 0

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import sys
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from services.executor.config import SERVED_ENGINE_DEFAULTS
+from services.executor.config import SERVED_ENGINE_DEFAULTS, parse_cpu_list
+from services.gateway.config import ENV_API_KEY, add_api_key_arguments, api_key_from_args
 from services.runtime import env_str, env_value
 from services.scheduler.placement import ROUTING_POLICIES
 from services.served_models import pair_models
@@ -26,8 +28,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "up",
         help="start the whole stack locally (NATS, Redis, every service) and serve HTTP",
         description="Start nats-server and redis-server on free loopback ports (or use $NATS_URL / "
-        "$REDIS_URL), then the executor, scheduler, tokenizer and gateway services, each "
-        "as its own process. Ctrl-C drains and stops everything.",
+        "$REDIS_URL), then the executor, prefix index, scheduler, tokenizer and gateway services, "
+        "each as its own process. Ctrl-C drains and stops everything.",
     )
     p.add_argument(
         "--model-name",
@@ -38,16 +40,49 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1", help="HTTP host of the gateway")
     p.add_argument(
-        "--port", type=int, default=8000, help="HTTP port of the gateway (0: a free port)"
+        "--port",
+        type=int,
+        default=8000,
+        help="HTTP port of the (first) gateway; gateway i listens on PORT+i (0: free ports)",
+    )
+    p.add_argument(
+        "--gateways",
+        type=int,
+        default=1,
+        help="gateway processes, each on its own port (consecutive from --port): put a load "
+        "balancer in front, or spread clients over the printed URLs",
     )
     p.add_argument(
         "--executors",
         type=int,
-        default=1,
-        help="executor processes per model (each loads its model)",
+        default=None,
+        help="executor processes of role 'both' per model (each loads its model; default 1, or 0 "
+        "with --prefill/--decode)",
+    )
+    p.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        help="prefill executors per model: they run long prompts and hand the KV pages to a "
+        "decode executor",
+    )
+    p.add_argument(
+        "--decode", type=int, default=0, help="decode executors per model (take handoffs)"
+    )
+    p.add_argument(
+        "--executor-cpus",
+        default="",
+        help="cores of each executor, ';' between executors in launch order (both, then prefill, "
+        "then decode), e.g. '0;1' or '0-1;2-3' (default: no pinning)",
     )
     p.add_argument("--tokenizers", type=int, default=1, help="tokenizer processes")
     p.add_argument("--schedulers", type=int, default=1, help="scheduler processes")
+    p.add_argument(
+        "--prefix-indexes",
+        type=int,
+        default=1,
+        help="prefix index processes (replicas over one Redis; 0: none, routing by load)",
+    )
     p.add_argument(
         "--routing",
         choices=ROUTING_POLICIES,
@@ -63,10 +98,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--max-queue-len", type=int, default=256, help="waiting requests beyond this get 429"
     )
+    add_api_key_arguments(p)
     p.add_argument(
-        "--api-key",
-        default=env_str("LLMSERVE_API_KEY", None),
-        help="require 'Authorization: Bearer <key>' (env LLMSERVE_API_KEY)",
+        "--credentials",
+        default=env_str("LLMSERVE_CREDENTIALS_DIR", None),
+        metavar="DIR",
+        help="the NATS and Redis users from `llmserve credentials DIR` instead of fresh ones: "
+        "each service gets its kind's; needed to close a bus given by $NATS_URL / $REDIS_URL "
+        "[env LLMSERVE_CREDENTIALS_DIR]",
     )
     p.add_argument(
         "--request-timeout", type=float, default=None, help="seconds before a request is aborted"
@@ -84,6 +123,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="seconds in-flight requests get on shutdown",
     )
     p.add_argument("--log-dir", default=None, help="write each service's log to <dir>/<name>.log")
+    p.add_argument(
+        "--observability",
+        action="store_true",
+        help="also start a local Prometheus (scraping every gateway) and trace backend (Jaeger "
+        "or Arize Phoenix) where installed, and print their URLs; says what is not installed",
+    )
     # Every executor's engine; num_threads None is resolved per executor by the launcher.
     add_engine_arguments(
         p,
@@ -105,10 +150,16 @@ def _note(msg: str) -> None:
     print(f"llmserve: {msg}", file=sys.stderr, flush=True)
 
 
-def _curl_example(base_url: str, model: str, api_key: str | None) -> str:
-    auth = f" \\\n    -H 'Authorization: Bearer {api_key}'" if api_key else ""
+def _curl_example(base_url: str, model: str, api_key_file: str | None, with_key: bool) -> str:
+    """A request to paste into a shell. The key itself is never printed (a terminal's scrollback,
+    a CI log): the shell fills it in from $LLMSERVE_API_KEY, read from the key's file if that is
+    where it came from."""
+    setup = (
+        f'export {ENV_API_KEY}="$(head -n 1 {shlex.quote(api_key_file)})"\n' if api_key_file else ""
+    )
+    auth = f' \\\n    -H "Authorization: Bearer ${ENV_API_KEY}"' if with_key else ""
     return (
-        f"curl -N {base_url}/v1/chat/completions \\\n"
+        f"{setup}curl -N {base_url}/v1/chat/completions \\\n"
         f"    -H 'Content-Type: application/json'{auth} \\\n"
         f'    -d \'{{"model": "{model}", "stream": true, "max_tokens": 32, '
         f'"messages": [{{"role": "user", "content": "Hello!"}}]}}\''
@@ -117,6 +168,7 @@ def _curl_example(base_url: str, model: str, api_key: str | None) -> str:
 
 def stack_config(args: argparse.Namespace) -> StackConfig:
     """The stack the command line asks for; ValueError for a bad combination of flags."""
+    from services.cli.credentials import StackCredentials
     from services.cli.launcher import StackConfig
 
     engine = EngineConfig.from_args(
@@ -130,19 +182,32 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
         models=models,
         host=args.host,
         port=args.port,
-        num_executors=args.executors,
+        num_gateways=args.gateways,
+        num_executors=(
+            args.executors
+            if args.executors is not None
+            else (0 if args.prefill or args.decode else 1)
+        ),
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        executor_cpus=tuple(
+            parse_cpu_list(part) for part in args.executor_cpus.split(";") if part.strip()
+        ),
         num_tokenizers=args.tokenizers,
         num_schedulers=args.schedulers,
+        num_prefix_indexes=args.prefix_indexes,
         routing=args.routing,
         max_queued=args.max_queued,
         max_queue_len=args.max_queue_len,
-        api_key=args.api_key,
+        api_key=api_key_from_args(args),
+        credentials=StackCredentials.load(args.credentials) if args.credentials else None,
         request_timeout_s=args.request_timeout,
         nats_url=env_str("NATS_URL", None),
         redis_url=env_str("REDIS_URL", None),
         log_dir=args.log_dir,
         ready_timeout_s=args.ready_timeout,
         drain_timeout_s=args.drain_timeout,
+        observability=args.observability,
     )
 
 
@@ -170,16 +235,23 @@ def run(args: argparse.Namespace) -> int:
 
     for m in models:
         _note(
-            f"starting {args.executors} executor(s) with {m.path or 'the default model'} as "
+            f"starting {config.executors_per_model} executor(s) with "
+            f"{m.path or 'the default model'} as "
             f"{m.name}; the model loads in each executor (progress below)"
         )
     stack = None
     try:
         stack = launch(config, progress=_note)
+        curl = _curl_example(
+            stack.base_url, models[0].name, args.api_key_file, config.api_key is not None
+        )
+        more = "".join(f"\n  gateway {i}: {url}" for i, url in enumerate(stack.base_urls))
+        more = more if len(stack.base_urls) > 1 else ""
+        more += "".join(f"\n  {name}: {url}" for name, url in stack.observability.items())
         print(
             f"\nllmserve is ready at {stack.base_url}  (Ctrl-C to stop), serving "
-            f"{', '.join(m.name for m in models)}\n\n"
-            f"{_curl_example(stack.base_url, models[0].name, args.api_key)}\n",
+            f"{', '.join(m.name for m in models)}{more}\n\n"
+            f"{curl}\n",
             flush=True,
         )
         while True:

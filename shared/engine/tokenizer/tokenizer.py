@@ -4,17 +4,26 @@ Built from a GGUF file's metadata (`from_gguf`) or a Hugging Face `tokenizer.jso
 (`from_pretrained_dir`); `from_path` picks the one a path is. BOS/EOS are added here, not by the
 backend's post-processor, so both sources follow one rule: `add_special_tokens=True` adds BOS iff
 the model says `add_bos_token` (EOS likewise).
+
+A long text is encoded with the backend's `encode_batch`, which releases the GIL (`encode` holds
+it): a long prompt tokenized in a worker thread leaves the caller's event loop running. Short ones
+keep `encode`: `encode_batch` runs on the library's thread pool, and a process that has used it
+prints a warning in every child it forks.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
+from functools import cached_property
 from typing import Any
 
+from tokenizers import Encoding
 from tokenizers import Tokenizer as Backend
 
+from .chat_encoding import control_markers, encode_chat, marker_pattern
 from .chat_template import render_chat_template
 from .gguf_metadata import metadata_from_reader, read_gguf_metadata
 from .gguf_vocab import build_from_metadata
@@ -136,16 +145,53 @@ class Tokenizer:
 
     # -- encoding / decoding ------------------------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`. Special-token texts inside it (e.g. "<|im_start|>") become their
-        ids."""
-        ids: list[int] = self.backend.encode(text, add_special_tokens=False).ids
+    def encode(
+        self, text: str, add_special_tokens: bool = True, *, split_special_tokens: bool = False
+    ) -> list[int]:
+        """Token ids of `text`. Added-token texts inside it (e.g. "<|im_start|>") become their ids,
+        unless `split_special_tokens`: then the text is all plain text (`encode_plain`).
+        `add_special_tokens` adds BOS/EOS as the model says, either way."""
+        if split_special_tokens:
+            ids = self.encode_plain(text)
+        else:
+            ids = self.encode_with_offsets(text).ids
         if add_special_tokens:
             if self.add_bos_token and self.bos_token_id is not None:
                 ids.insert(0, self.bos_token_id)
             if self.add_eos_token:
                 ids.append(self.eos_token_ids[0])
         return ids
+
+    def encode_with_offsets(self, text: str) -> Encoding:
+        """The backend's encoding of `text` (added tokens parsed, nothing added): ids and the
+        character span of each."""
+        return _encode(self.backend, text)
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of `text` with no added token parsed: "<|im_start|>" is the characters "<",
+        "|", ... A text holding no added token encodes exactly as `encode` encodes it."""
+        ids: list[int] = _encode(self._plain_backend, text).ids
+        return ids
+
+    @cached_property
+    def _plain_backend(self) -> Backend:
+        # The same pipeline, every added token marked special and special tokens not parsed
+        # (`encode_special_tokens`): the library's own text path, so plain runs encode the same.
+        data = json.loads(self.backend.to_str())
+        for token in data.get("added_tokens", []):
+            token["special"] = True
+        plain = Backend.from_str(json.dumps(data))
+        plain.encode_special_tokens = True
+        return plain
+
+    @cached_property
+    def control_markers(self) -> dict[str, int]:
+        """The texts that are control tokens in a chat prompt (see chat_encoding)."""
+        return control_markers(self)
+
+    @cached_property
+    def control_marker_pattern(self) -> re.Pattern[str] | None:
+        return marker_pattern(self.control_markers)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -160,6 +206,13 @@ class Tokenizer:
         return self.id_to_token(token_id) if token_id is not None else None
 
     # -- chat ---------------------------------------------------------------------------------
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """The prompt ids of a conversation: the template's control tokens, and each message's
+        content as plain text, whatever it holds (see chat_encoding). Raises ChatTemplateError."""
+        return encode_chat(self, messages, add_generation_prompt)
 
     def apply_chat_template(
         self,
@@ -187,6 +240,16 @@ class Tokenizer:
             special_tokens=special_tokens,
             **extra,
         )
+
+
+# Below this many characters an encode takes well under a millisecond: holding the GIL is harmless.
+_RELEASE_GIL_MIN_CHARS = 4096
+
+
+def _encode(backend: Backend, text: str) -> Encoding:
+    if len(text) < _RELEASE_GIL_MIN_CHARS:
+        return backend.encode(text, add_special_tokens=False)
+    return backend.encode_batch([text], add_special_tokens=False)[0]
 
 
 def _read_json(path: str) -> dict[str, Any]:
