@@ -161,8 +161,10 @@ class KVHandoffs:
         """A client abort: stop a transfer in flight (the worker's Abort frees the blocks)."""
         if (task := self._sending.get(rid)) is not None:
             task.cancel()
-        if (incoming := self._incoming.pop(rid, None)) is not None and incoming.timer:
-            incoming.timer.cancel()
+        if (incoming := self._incoming.pop(rid, None)) is not None:
+            if incoming.timer is not None:
+                incoming.timer.cancel()
+            self._outcome("cancelled")  # every reservation ends with an outcome, for the metrics
 
     async def _send(self, event: Prefilled) -> None:
         rid, decode_id, h = event.request_id, event.decode_executor_id, event.handoff

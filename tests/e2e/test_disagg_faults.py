@@ -1,15 +1,17 @@
 """KV handoff failures against real processes: one prefill and one decode executor (``llmserve up
 --prefill 1 --decode 1``), a long prompt handed from one to the other, and one executor SIGKILLed
-or SIGSTOPped at the moment its first token reaches the client (the prefill executor offers the
-pages right after streaming it, so the signal lands during the offer or the page transfer).
+or SIGSTOPped during the handoff: the decode executor as the first token reaches the client (the
+prefill executor offers the pages right after streaming it), the prefill executor once the decode
+executor has reserved blocks for them.
 
 Each test asserts that the client gets its whole answer or an error within a stated bound (never a
 hang), and that the surviving executor's KV blocks all come back (its free blocks, from its
 heartbeats through the scheduler's status, return to their level before the request).
 
-- prefill killed: the decode side frees its reservation at the transfer's deadline; the client
-  gets a 502 once the scheduler misses the prefill executor's heartbeats (or the answer, when the
-  last ack beat the kill and the decode executor had adopted the request).
+- prefill killed (once the decode side has reserved blocks for the pages): the decode side frees
+  its reservation at the transfer's deadline; the client gets a 502 once the scheduler misses the
+  prefill executor's heartbeats (or the answer, when the last ack beat the kill and the decode
+  executor had adopted the request).
 - decode killed: the prefill side's next chunk (or its offer) finds nobody and it decodes the
   request itself: the whole answer (or, when the transfer had completed, a 502 as above).
 - decode stopped (SIGSTOP): no ack comes; the prefill side gives up at its transfer timeout (or
@@ -25,6 +27,7 @@ import random
 import re
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -93,14 +96,21 @@ def transfer_outcomes(s: Stack) -> dict[tuple[str, str], float]:
     return out
 
 
-def long_prompt(seed: int) -> list[int]:
-    # 1,500 float32 tokens: about 70 MB of pages, some tenths of a second on the wire.
+def long_prompt(seed: int, num_tokens: int = 1500) -> list[int]:
+    # 1,500 float32 tokens: about 70 MB of pages, most of a second on the wire.
     rng = random.Random(seed)
-    return [rng.randrange(1000, 40000) for _ in range(1500)]
+    return [rng.randrange(1000, 40000) for _ in range(num_tokens)]
 
 
-def stream_and_signal(s: Stack, prompt: list[int], victim: str, sig: signal.Signals) -> Outcome:
-    """Stream the prompt; at its first text chunk send ``sig`` to ``victim``; read to the end."""
+def stream_and_signal(
+    s: Stack,
+    prompt: list[int],
+    victim: str,
+    sig: signal.Signals,
+    when: Callable[[], bool] | None = None,
+) -> Outcome:
+    """Stream the prompt and send ``sig`` to ``victim`` at its first text chunk, or, with ``when``,
+    once ``when()`` (polled from the request's start) is true; read the stream to its end."""
     body = {
         "model": MODEL,
         "prompt": prompt,
@@ -117,13 +127,29 @@ def stream_and_signal(s: Stack, prompt: list[int], victim: str, sig: signal.Sign
         ):
             assert r.status_code == 200, await r.aread()
             raw, signalled_at = "", 0.0
-            async for chunk in r.aiter_text():
-                raw += chunk
-                if not signalled_at and '"text"' in raw:
+
+            def send() -> None:
+                nonlocal signalled_at
+                if not signalled_at:
                     s.services[victim].signal_group(sig)
                     signalled_at = time.monotonic()
+
+            async def poll(cond: Callable[[], bool]) -> None:
+                while not await asyncio.to_thread(cond):
+                    await asyncio.sleep(0.05)
+                send()
+
+            poller = asyncio.create_task(poll(when)) if when is not None else None
+            try:
+                async for chunk in r.aiter_text():
+                    raw += chunk
+                    if poller is None and '"text"' in raw:
+                        send()
+            finally:
+                if poller is not None:
+                    poller.cancel()
             ended_at = time.monotonic()
-        assert signalled_at, raw
+        assert signalled_at, f"never signalled; the request ended: {raw[-300:]}"
         chunks, done = parse_sse(raw)
         assert done, raw[-500:]
         errors = [c["error"]["message"] for c in chunks if "error" in c]
@@ -153,7 +179,16 @@ def assert_answer_or_error(outcome: Outcome) -> str:
 def test_prefill_killed_during_the_handoff(stack):
     s = disagg_stack(stack)
     before = baseline(s)
-    outcome = stream_and_signal(s, long_prompt(1), PREFILL, signal.SIGKILL)
+    # Killed once the decode executor has reserved blocks for the pages (seen in its heartbeat,
+    # every 0.5 s): mid-transfer, or just after the install when the transfer beat the poll.
+    outcome = stream_and_signal(
+        s,
+        # 115 MB of pages: the transfer outlasts a heartbeat or two, so the kill mostly lands in it.
+        long_prompt(1, 2500),
+        PREFILL,
+        signal.SIGKILL,
+        when=lambda: (free_blocks(s, DECODE) or before[DECODE]) < before[DECODE],
+    )
     kind = assert_answer_or_error(outcome)
     # The decode side's reservation (or the request it adopted) gives every block back.
     wait_for(
@@ -161,12 +196,19 @@ def test_prefill_killed_during_the_handoff(stack):
         BLOCKS_BOUND_S,
         f"the decode executor's {before[DECODE]} free blocks",
     )
-    outcomes = transfer_outcomes(s)
-    decode_side = {o for (e, o) in outcomes if e == DECODE}
+    # Which it was: the pages never all came (the reservation expired at its deadline, or was
+    # cancelled when the executor's reader check found the request ended), or the request had
+    # been installed. The metrics report comes within a second or two.
+    decode_side = wait_for(
+        lambda: {o for (e, o) in transfer_outcomes(s) if e == DECODE},
+        10,
+        "the decode side's transfer outcome",
+    )
     print(f"prefill killed: {kind} after {outcome.after_s:.1f} s; decode side {decode_side}")
-    if kind == "error":  # the pages never all arrived: the reservation expired
-        assert "received" not in decode_side, (outcome, outcomes)
-        assert "expired" in decode_side or not decode_side, outcomes
+    if kind == "error":
+        assert decode_side and decode_side <= {"expired", "cancelled"}, (outcome, decode_side)
+    else:
+        assert decode_side == {"received"}, (outcome, decode_side)
 
 
 @pytest.mark.timeout(600)
