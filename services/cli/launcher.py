@@ -115,6 +115,11 @@ class StackConfig:
     num_decode: int = 0  # role 'decode' executors per model
     # Cores of each executor, by executor index (empty: no pinning); e.g. ((0,), (1,)).
     executor_cpus: tuple[tuple[int, ...], ...] = ()
+    # Disaggregation (with num_prefill > 0): each executor's KV handoff limit, offer to last ack
+    # (services/executor/handoff.py), and the schedulers' thresholds (services/scheduler/disagg.py).
+    kv_transfer_timeout_s: float = 10.0
+    disagg_min_uncached_tokens: int = 256
+    disagg_max_prefill_queue_tokens: int = 16384
     num_tokenizers: int = 1
     num_schedulers: int = 1
     num_prefix_indexes: int = 1  # prefix index replicas (0: none; the schedulers route by load)
@@ -168,7 +173,16 @@ class StackConfig:
             raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
         if self.max_queued is not None and self.max_queued < 0:
             raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
-        for name in ("heartbeat_timeout_s", "no_executor_timeout_s", "ready_timeout_s"):
+        if min(self.disagg_min_uncached_tokens, self.disagg_max_prefill_queue_tokens) < 0:
+            raise ValueError(
+                "disagg_min_uncached_tokens and disagg_max_prefill_queue_tokens must be >= 0"
+            )
+        for name in (
+            "heartbeat_timeout_s",
+            "no_executor_timeout_s",
+            "ready_timeout_s",
+            "kv_transfer_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.drain_timeout_s < 0:
@@ -544,8 +558,28 @@ def executor_args(config: StackConfig, index: int) -> list[str]:
         model.name,
         "--drain-timeout",
         str(config.drain_timeout_s),
+        "--kv-transfer-timeout",
+        str(config.kv_transfer_timeout_s),
         *([] if config.max_queued is None else ["--max-queued", str(config.max_queued)]),
         *engine.to_argv(),
+    ]
+
+
+def scheduler_args(config: StackConfig) -> list[str]:
+    """A scheduler's command line (the NATS URL comes by environment)."""
+    return [
+        "--max-queue-len",
+        str(config.max_queue_len),
+        "--heartbeat-timeout",
+        str(config.heartbeat_timeout_s),
+        "--no-executor-timeout",
+        str(config.no_executor_timeout_s),
+        "--routing",
+        config.routing,
+        "--disagg-min-uncached-tokens",
+        str(config.disagg_min_uncached_tokens),
+        "--disagg-max-prefill-queue-tokens",
+        str(config.disagg_max_prefill_queue_tokens),
     ]
 
 
@@ -695,16 +729,7 @@ def launch(
             stack.start_service(
                 f"scheduler-{i}",
                 "services.scheduler",
-                [
-                    "--max-queue-len",
-                    str(config.max_queue_len),
-                    "--heartbeat-timeout",
-                    str(config.heartbeat_timeout_s),
-                    "--no-executor-timeout",
-                    str(config.no_executor_timeout_s),
-                    "--routing",
-                    config.routing,
-                ],
+                scheduler_args(config),
                 env_of("scheduler"),
             )
         for i in range(config.num_tokenizers):

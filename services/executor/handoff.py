@@ -24,6 +24,9 @@ Failures, each bounded, none leaking a block:
   the scheduler, which sees the prefill executor's heartbeats stop, ends the started request with
   a 502 (within its heartbeat timeout).
 - a client abort during the transfer: both sides free their blocks (the worker's Abort).
+- a drain (SIGTERM) on either side: a transfer counts as a request held (the shell's ``adopt`` /
+  ``release``), so the drain waits for it up to its drain timeout, then cancels it (the peer is
+  told and frees its side; a prefill side already gone decodes nothing).
 """
 
 from __future__ import annotations
@@ -78,12 +81,13 @@ class ShellHooks:
         self,
         adopt: Callable[[str, int], bool],
         release: Callable[[str], object],
-        progress: Callable[[str, str], Awaitable[None]],
+        progress: Callable[..., Awaitable[None]],
         draining: Callable[[], bool],
     ) -> None:
         self.adopt = adopt  # (rid, num_prompt_tokens) -> counted as held here (False: no room)
         self.release = release  # forget a request that ended or left
-        self.progress = progress  # (rid, state) on the scheduler's progress subject
+        # (rid, state, handed_to=None) on the scheduler's progress subject
+        self.progress = progress
         self.draining = draining
 
 
@@ -157,8 +161,10 @@ class KVHandoffs:
         """A client abort: stop a transfer in flight (the worker's Abort frees the blocks)."""
         if (task := self._sending.get(rid)) is not None:
             task.cancel()
-        if (incoming := self._incoming.pop(rid, None)) is not None and incoming.timer:
-            incoming.timer.cancel()
+        if (incoming := self._incoming.pop(rid, None)) is not None:
+            if incoming.timer is not None:
+                incoming.timer.cancel()
+            self._outcome("cancelled")  # every reservation ends with an outcome, for the metrics
 
     async def _send(self, event: Prefilled) -> None:
         rid, decode_id, h = event.request_id, event.decode_executor_id, event.handoff
@@ -212,7 +218,7 @@ class KVHandoffs:
         self._outcome("sent", stats)
         self.worker.submit(Release(rid))
         self.hooks.release(rid)
-        await self.hooks.progress(rid, "finished")
+        await self.hooks.progress(rid, "finished", handed_to=decode_id)
 
     # -- decode side (KVReceiver) ------------------------------------------------------------------
 

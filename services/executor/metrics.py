@@ -64,7 +64,7 @@ class ExecutorMetrics:
         self._kv_transfers = Counter(
             "llmserve:kv_transfers",
             "KV handoffs by outcome: sent, peer_gone, timeout, refused (prefill side); received, "
-            "expired, cancelled, bad_chunk (decode side).",
+            "expired, cancelled (by the prefill side or an abort), bad_chunk (decode side).",
             [*LABELS, "outcome"],
             registry=r,
         )

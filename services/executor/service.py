@@ -180,7 +180,7 @@ class ExecutorService:
             self.transport,
             ShellHooks(
                 adopt=self._adopt,
-                release=self._release,
+                release=self._handoff_release,
                 progress=self._progress,
                 draining=lambda: self.draining,
             ),
@@ -276,6 +276,13 @@ class ExecutorService:
                 self._pending_prefill_tokens -= live.num_prefill_tokens
             self._load_version += 1
         return live
+
+    def _handoff_release(self, rid: str) -> None:
+        """A handoff let a request go (sent, or a reservation dropped): no engine event follows,
+        so the publish loop would not see the executor go idle; a drain waits on that."""
+        self._release(rid)
+        if not self._live:
+            self._idle.set()
 
     def _adopt(self, rid: str, num_prompt_tokens: int) -> bool:
         """A request prefilled elsewhere is offered here: held (started: its first token is out)
@@ -432,12 +439,16 @@ class ExecutorService:
         )
         await self._progress(rid, "finished")
 
-    async def _progress(self, rid: str, state: str) -> None:
+    async def _progress(self, rid: str, state: str, handed_to: str | None = None) -> None:
         await self.bus.publish(
             subjects.SCHEDULER_PROGRESS,
             messages.REQUEST_PROGRESS.encode(
                 messages.RequestProgress(
-                    request_id=rid, executor_id=self.config.executor_id, state=state, load=self.load
+                    request_id=rid,
+                    executor_id=self.config.executor_id,
+                    state=state,
+                    load=self.load,
+                    handed_to=handed_to,
                 )
             ),
         )
@@ -524,6 +535,7 @@ class ExecutorService:
         except TimeoutError:
             for rid in list(self._live):
                 self._release(rid)
+                self.handoffs.abort(rid)  # a transfer in flight: cancelled, the peer told
                 self.worker.submit(Abort(rid))
                 await self._end_with_error(
                     rid,

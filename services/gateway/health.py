@@ -20,10 +20,20 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from shared.wire.messages import PrefixIndexStatus, SchedulerStatus, TokenizerStatus
+from shared.wire.messages import (
+    ExecutorStatus,
+    PrefixIndexStatus,
+    SchedulerStatus,
+    TokenizerStatus,
+)
 
 OK = "ok"
 DOWN = "down"
+
+
+def _serving(scheduler: SchedulerStatus) -> list[ExecutorStatus]:
+    """The executors a whole request may go to: prefill ones alone serve nothing."""
+    return [e for e in scheduler.executors if e.role != "prefill"]
 
 
 def model_health(
@@ -31,7 +41,7 @@ def model_health(
 ) -> dict[str, dict[str, Any]]:
     """name → {"num_executors", "max_model_len"} for every model configured at the gateway, served
     by a live executor or known to the tokenizer, in name order."""
-    num_executors = Counter(e.model for e in scheduler.executors)
+    num_executors = Counter(e.model for e in _serving(scheduler))
     context = {m.name: m.max_model_len for m in tokenizer.models}
     names = sorted({*configured, *num_executors, *context})
     return {
@@ -71,12 +81,13 @@ def health_report(
                 "dependencies": deps,
             }
     assert isinstance(scheduler, SchedulerStatus) and isinstance(tokenizer, TokenizerStatus)
-    if not scheduler.executors:
+    if not _serving(scheduler):
         return 503, {"status": "unavailable", "reason": "no live executor", "dependencies": deps}
     deps["executors"] = OK
     return 200, {
         "status": "ok",
-        "num_executors": len(scheduler.executors),
+        "num_executors": len(_serving(scheduler)),
+        "num_prefill_executors": len(scheduler.executors) - len(_serving(scheduler)),
         "num_queued": scheduler.num_queued,
         "dependencies": deps,
         "models": model_health(configured, scheduler, tokenizer),

@@ -255,6 +255,12 @@ class Router:
             entry.started = True
             return []
         del state.in_flight[progress.request_id]  # 'finished': its slot is free
+        target = self.executors.get(progress.handed_to) if progress.handed_to else None
+        if target is not None:
+            # Handed off before the decode executor's 'adopted' arrived: it holds the request now
+            # (its death must end the request; its 'finished' frees the slot).
+            entry.started = True
+            target.in_flight[progress.request_id] = entry
         return self._drain_queue(now)
 
     def _adopt(self, progress: RequestProgress, now: float) -> None:
@@ -370,8 +376,11 @@ class Router:
                 capacity=self._capacity(s),
                 prefix_cache_queries_tokens=s.heartbeat.stats.prefix_cache_queries_tokens,
                 prefix_cache_hits_tokens=s.heartbeat.stats.prefix_cache_hits_tokens,
+                role=s.heartbeat.role,
             )
-            for s in self._alive(now)
+            # Prefill executors too (role says which), so their blocks and load are visible.
+            for s in self.executors.values()
+            if s.live(now, self.config.heartbeat_timeout_s)
         ]
         self._advance(now)
         return SchedulerStatus(

@@ -202,6 +202,10 @@ class RequestProgress(msgspec.Struct, kw_only=True, frozen=True):
     executor_id: str
     state: str
     load: ExecutorLoad | None = None
+    # 'finished' of a request handed off: the decode executor that acknowledged every page (it
+    # holds the request now), so a scheduler that sees this before that executor's 'adopted'
+    # (progress from two connections is not ordered) still moves the request there.
+    handed_to: str | None = None
 
 
 class ExecuteReply(msgspec.Struct, kw_only=True, frozen=True):
@@ -320,6 +324,7 @@ class ExecutorStatus(msgspec.Struct, kw_only=True, frozen=True):
     capacity: int = 0  # the most it accepts
     prefix_cache_queries_tokens: int = 0  # cumulative, from its heartbeat
     prefix_cache_hits_tokens: int = 0
+    role: str = "both"  # 'prefill' ones take no whole request (the gateway's health skips them)
 
 
 class SchedulerStatus(msgspec.Struct, kw_only=True, frozen=True):

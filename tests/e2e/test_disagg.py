@@ -9,6 +9,7 @@ import time
 
 import httpx
 import pytest
+from e2e_harness import scheduler_status, wait_for
 
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
@@ -40,11 +41,23 @@ def test_a_long_prompt_is_disaggregated_with_the_same_output(stack):
     expected = llm.generate(
         [long_prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     )[0]
-    s = stack(num_executors=0, num_prefill=1, num_decode=1, num_prefix_indexes=0)
+    # A loaded host must not turn a slow transfer into a local decode (which gives the same text
+    # but no 'sent'/'received'): the handoff's timeout here is far above any transfer's time.
+    s = stack(
+        num_executors=0,
+        num_prefill=1,
+        num_decode=1,
+        num_prefix_indexes=0,
+        kv_transfer_timeout_s=60.0,
+    )
+    # The stack is ready once one executor of the model is live; the scheduler must have heard
+    # both, or it prefills locally ('no_prefill_executor') and nothing is transferred.
+    wait_for(lambda: len(scheduler_status(s).executors) == 2, 60, "both executors' heartbeats")
     body = complete(s.base_url, long_prompt, 8)
     assert body["choices"][0]["text"] == expected.outputs[0].text
-    # Every service reports its metrics each second: the last transfer's within a few.
-    deadline = time.monotonic() + 10
+    # Every service reports its metrics each second: the last transfer's within a few (a loaded
+    # host may delay a report by seconds).
+    deadline = time.monotonic() + 30
     while True:
         metrics = httpx.get(f"{s.base_url}/metrics", timeout=30).text
         wanted = (
@@ -55,4 +68,9 @@ def test_a_long_prompt_is_disaggregated_with_the_same_output(stack):
         if all(w in metrics for w in wanted) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    assert all(w in metrics for w in wanted), metrics
+    # On failure: which decision and which transfer outcome (timeout, refused, peer_gone...) it was.
+    assert all(w in metrics for w in wanted), "\n".join(
+        line
+        for line in metrics.splitlines()
+        if line.startswith(("llmserve:disaggregation_decisions", "llmserve:kv_transfers_total"))
+    )

@@ -188,10 +188,13 @@ def test_handoff_streams_the_same_tokens_and_frees_every_block(small_nats, engin
             sd = await stack.executor(d, "dec-1", "decode")
             client = await stack.bus("client")
             progress: list[tuple[str, str]] = []
+            handed_to: list[str | None] = []
 
             async def on_progress(msg: Msg) -> None:
                 m = messages.REQUEST_PROGRESS.decode(msg.data)
                 progress.append((m.executor_id, m.state))
+                if (m.executor_id, m.state) == ("pre-1", "finished"):
+                    handed_to.append(m.handed_to)
 
             await client.subscribe(subjects.SCHEDULER_PROGRESS, on_progress)
             await client.flush()
@@ -210,6 +213,10 @@ def test_handoff_streams_the_same_tokens_and_frees_every_block(small_nats, engin
                 await asyncio.sleep(0.02)
             assert progress.index(("pre-1", "started")) < progress.index(("dec-1", "adopted"))
             assert ("dec-1", "finished") in progress and ("pre-1", "finished") in progress
+            # The prefill side names where the request went (the scheduler moves it there even if
+            # this 'finished' overtakes the 'adopted'), and it is idle: a drain would not wait.
+            assert handed_to == ["dec-1"]
+            assert sp._idle.is_set() and not sp._live
 
             # The decode side's cached prefix is not sent again: the same prompt's first 9 blocks
             # are in its prefix cache now (the 10th, partly filled, is sent).

@@ -4,6 +4,8 @@ prefix index and Redis only for cache routing (200, reported)."""
 
 from __future__ import annotations
 
+import msgspec
+
 from services.gateway.errors import service_unavailable
 from services.gateway.health import health_report, nats_down_report
 from shared.wire.messages import (
@@ -77,3 +79,19 @@ def test_what_is_needed_to_serve_is_named_when_down():
     )
     body = nats_down_report("disconnected 1.2 s ago, reconnecting")
     assert "NATS" in body["reason"] and body["dependencies"] == {"nats": "down"}
+
+
+def test_a_prefill_executor_alone_serves_nothing():
+    prefill = msgspec.structs.replace(EXECUTOR, executor_id="executor-1", role="prefill")
+    code, body = health_report(
+        ["m"], SchedulerStatus(executors=[prefill], num_queued=0, max_queue_len=8), TOKENIZER, None
+    )
+    assert code == 503 and body["reason"] == "no live executor"
+    code, body = health_report(
+        ["m"],
+        SchedulerStatus(executors=[EXECUTOR, prefill], num_queued=0, max_queue_len=8),
+        TOKENIZER,
+        None,
+    )
+    assert code == 200 and (body["num_executors"], body["num_prefill_executors"]) == (1, 1)
+    assert body["models"]["m"]["num_executors"] == 1

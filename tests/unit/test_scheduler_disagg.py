@@ -126,3 +126,37 @@ def test_a_prefill_executor_dying_before_its_first_token_reroutes():
     d = only_dispatch(r.tick(2.6, 2.6))
     # The prefill executor is gone (forgotten): its decode executor prefills the request itself.
     assert (d.executor_id, d.request.attempt, d.request.decode_executor_id) == ("d", 1, None)
+
+
+def test_a_handoff_finished_before_adopted_still_moves_the_request():
+    r = router(hb("p", "prefill"), hb("d", "decode"), min_uncached_tokens=0)
+    only_dispatch(r.submit(req("a", 500), 0.0, 0.0))
+    r.on_progress(RequestProgress(request_id="a", executor_id="p", state="started"), 0.1)
+    # Progress from two executors is not ordered: the prefill side's 'finished' comes first.
+    r.on_progress(
+        RequestProgress(request_id="a", executor_id="p", state="finished", handed_to="d"), 0.2
+    )
+    assert "a" not in r.executors["p"].in_flight and "a" in r.executors["d"].in_flight
+    r.on_progress(RequestProgress(request_id="a", executor_id="d", state="adopted"), 0.3)
+    assert "a" in r.executors["d"].in_flight
+    # The decode executor goes silent: the request ends with a 502 at the scheduler's tick, not
+    # at the gateway's progress timeout.
+    r.on_heartbeat(hb("p", "prefill"), 2.5)
+    actions = r.tick(2.6, 2.6)
+    assert [a.error.status for a in actions if isinstance(a, Fail)] == [502]
+    # and the decode executor's own 'finished' frees the slot
+    r2 = router(hb("p", "prefill"), hb("d", "decode"), min_uncached_tokens=0)
+    only_dispatch(r2.submit(req("a", 500), 0.0, 0.0))
+    r2.on_progress(
+        RequestProgress(request_id="a", executor_id="p", state="finished", handed_to="d"), 0.2
+    )
+    r2.on_progress(RequestProgress(request_id="a", executor_id="d", state="finished"), 0.3)
+    assert not r2.executors["p"].in_flight and not r2.executors["d"].in_flight
+
+
+def test_the_status_lists_prefill_executors_with_their_role():
+    r = router(hb("p", "prefill"), hb("d", "decode"))
+    assert {e.executor_id: e.role for e in r.status(0.1).executors} == {
+        "p": "prefill",
+        "d": "decode",
+    }

@@ -8,8 +8,9 @@ import argparse
 import pytest
 
 from services.cli.commands.up import add_parser, stack_config
-from services.cli.launcher import executor_args
+from services.cli.launcher import executor_args, scheduler_args
 from services.executor.config import parse_cpu_list
+from services.scheduler.config import parse_config as parse_scheduler_config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,3 +50,29 @@ def test_cpu_lists():
     for bad in ("x", "3-1", "-1"):
         with pytest.raises(ValueError):
             parse_cpu_list(bad)
+
+
+def test_disaggregation_settings_reach_the_executors_and_schedulers():
+    config = stack_config(
+        build_parser().parse_args(
+            [
+                "--prefill",
+                "1",
+                "--decode",
+                "1",
+                "--kv-transfer-timeout",
+                "30",
+                "--disagg-min-uncached-tokens",
+                "100",
+                "--disagg-max-prefill-queue-tokens",
+                "5000",
+            ]
+        )
+    )
+    assert _flag(executor_args(config, 0), "--kv-transfer-timeout") == "30.0"
+    args = scheduler_args(config)
+    assert _flag(args, "--disagg-min-uncached-tokens") == "100"
+    assert _flag(args, "--disagg-max-prefill-queue-tokens") == "5000"
+    # and the scheduler parses what the launcher writes
+    parsed = parse_scheduler_config(args).router.disagg
+    assert (parsed.min_uncached_tokens, parsed.max_prefill_queue_tokens) == (100, 5000)

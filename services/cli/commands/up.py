@@ -75,6 +75,27 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="cores of each executor, ';' between executors in launch order (both, then prefill, "
         "then decode), e.g. '0;1' or '0-1;2-3' (default: no pinning)",
     )
+    p.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a KV handoff from a prefill to a decode executor may take before the "
+        "prefill executor decodes the request itself",
+    )
+    p.add_argument(
+        "--disagg-min-uncached-tokens",
+        type=int,
+        default=256,
+        help="with --prefill: prompts with fewer uncached tokens than this prefill where they "
+        "decode",
+    )
+    p.add_argument(
+        "--disagg-max-prefill-queue-tokens",
+        type=int,
+        default=16384,
+        help="with --prefill: prefill locally when every prefill executor has more unstarted "
+        "prefill tokens than this",
+    )
     p.add_argument("--tokenizers", type=int, default=1, help="tokenizer processes")
     p.add_argument("--schedulers", type=int, default=1, help="scheduler processes")
     p.add_argument(
@@ -193,6 +214,9 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
         executor_cpus=tuple(
             parse_cpu_list(part) for part in args.executor_cpus.split(";") if part.strip()
         ),
+        kv_transfer_timeout_s=args.kv_transfer_timeout,
+        disagg_min_uncached_tokens=args.disagg_min_uncached_tokens,
+        disagg_max_prefill_queue_tokens=args.disagg_max_prefill_queue_tokens,
         num_tokenizers=args.tokenizers,
         num_schedulers=args.schedulers,
         num_prefix_indexes=args.prefix_indexes,
