@@ -59,11 +59,17 @@ function bar(p) {
     seg("seg-kv", "kv cache", p.kv_cache_bytes), seg("seg-headroom", "", p.headroom_bytes)];
 }
 
+// Plans may be asked for faster than they come back (the first with the form's defaults, the next
+// once a live executor prefills it): only the latest one asked for is drawn.
+let latest = 0;
+
 export async function plan(event) {
   event?.preventDefault();
+  const asked = ++latest;
   $("plan-error").textContent = "";
   try {
     const p = await getJSON(`/console/api/plan?${query()}`);
+    if (asked !== latest) return;
     const share = (b) => `${formatBytes(b)} (${((100 * b) / Math.max(p.memory_budget_bytes, 1)).toFixed(1)}%)`;
     const rows = [
       ["model", `${p.model} — ${p.shape.num_layers} layers, hidden ${p.shape.hidden_size}, ${p.shape.num_heads} heads, ${p.shape.num_kv_heads} kv heads × ${p.shape.head_dim}`],
@@ -83,7 +89,7 @@ export async function plan(event) {
     $("plan-table").tBodies[0].replaceChildren(...rows.map(([k, v]) =>
       el("tr", { "data-row": k }, el("th", {}, k), el("td", {}, v))));
   } catch (e) {
-    $("plan-error").textContent = e.message;
+    if (asked === latest) $("plan-error").textContent = e.message;
   }
 }
 
