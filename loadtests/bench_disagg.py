@@ -40,7 +40,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtests.bench_serving import RequestResult, percentile, send_one
+from loadtests.bench_serving import RequestResult, percentile, send_one, sse_chunks
 from loadtests.results import write_json
 from services.cli.launcher import StackConfig, launch
 from services.executor.config import parse_cpu_list
@@ -91,10 +91,7 @@ async def stream_until(
             if r.status_code != 200:
                 stream.error = f"{r.status_code}: {(await r.aread())[:200]!r}"
                 return
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+            async for chunk in sse_chunks(r):
                 if "error" in chunk:
                     stream.error = json.dumps(chunk["error"])[:300]
                     return

@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from loadtests.bench_serving import percentile
+from loadtests.bench_serving import percentile, sse_chunks
 from loadtests.results import write_json
 from services.cli.launcher import Stack, StackConfig, launch
 from services.scheduler.placement import ROUTING_POLICIES
@@ -144,10 +144,7 @@ async def send(client: httpx.AsyncClient, model: str, turn: Turn, output_len: in
             if r.status_code != 200:
                 turn.error = f"{r.status_code}: {(await r.aread())[:200]!r}"
                 return
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+            async for chunk in sse_chunks(r):
                 if "error" in chunk:
                     turn.error = json.dumps(chunk["error"])[:200]
                     return

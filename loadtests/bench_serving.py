@@ -29,6 +29,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -215,6 +216,16 @@ def request_body(args: argparse.Namespace, model: str, prompt: str | list[int]) 
     return body
 
 
+async def sse_chunks(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The JSON of each ``data:`` line of an OpenAI-style SSE stream, up to ``[DONE]``."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            return
+        yield json.loads(line[6:])
+
+
 async def send_one(
     client: httpx.AsyncClient, url: str, body: dict[str, Any], chat: bool
 ) -> RequestResult:
@@ -228,13 +239,7 @@ async def send_one(
             if r.status_code != 200:
                 res.error = (await r.aread()).decode(errors="replace")[:300]
                 return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
+            async for chunk in sse_chunks(r):
                 if "error" in chunk:
                     res.error = json.dumps(chunk["error"])[:300]
                     return res

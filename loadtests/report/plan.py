@@ -9,9 +9,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Plan:
     name: str
-    # Rough wall time on this repository's 2-core development host when nothing else runs (loading
-    # the model, about 15 s quiet, happens once per engine and dominates a quick run; a busy host
-    # takes several times longer): stated up front so a full run is not started by accident.
+    # Rough wall time on a quiet 2-core host (loading the model, once per engine, dominates a
+    # quick run): stated up front so a full run is not started by accident.
     expected_minutes: int
     threads: int = 2
     # continuous vs static batching and paged KV: bench_engine (b)/(c)

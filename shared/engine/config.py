@@ -43,7 +43,7 @@ ENV_PREFIX = "LLMSERVE_"
 # arrives while a long prompt prefills waits for the slice in flight (or one layer of a chunk, if
 # longer) before its own step; both must stay under a 5-token request's idle time to first token
 # for its TTFT to stay within twice that (loadtests/bench_long_prefill.py, loadtests/RESULTS.md).
-# Chunks of 128 tokens cost a long prompt's prefill little against larger ones.
+# Smaller chunks make that wait shorter and the long prompt's own prefill slower.
 LONG_PREFILL_TOKEN_THRESHOLD = 128
 PREFILL_SLICE_MS = 20
 
