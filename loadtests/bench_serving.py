@@ -29,7 +29,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -268,7 +268,11 @@ async def send_one(
     return res
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
+async def run(
+    args: argparse.Namespace, after_warmup: Callable[[], Awaitable[None]] | None = None
+) -> dict[str, Any]:
+    """The benchmark's summary. ``after_warmup``: awaited between the warm-up requests and the
+    timed ones (e.g. to read the server's counters the timed part is measured against)."""
     rng = random.Random(args.seed)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limit = args.concurrency or args.max_concurrency or args.num_prompts
@@ -292,6 +296,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if not warm.ok:
                 raise SystemExit(f"warm-up request failed ({warm.status}): {warm.error}")
         prompts = prompts[args.warmup :]
+        if after_warmup is not None:
+            await after_warmup()
         results: list[RequestResult] = [RequestResult() for _ in prompts]
         sem = asyncio.Semaphore(limit)
 

@@ -66,15 +66,18 @@ def serving_namespace(args: argparse.Namespace, base_url: str | None) -> argpars
     )
 
 
-def step_counts(before, after) -> dict:
-    """Engine steps between two ``EngineStats`` and what each step carried on average."""
-    steps = after.num_steps - before.num_steps
+def step_counts(before, after, duration_s: float) -> dict:
+    """Engine steps between two ``EngineStats``, what each step carried on average, the mean step
+    time and the share of ``duration_s`` (the run's wall time) the engine spent stepping."""
+    steps = max(after.num_steps - before.num_steps, 1)
+    busy_s = after.step_seconds_total - before.step_seconds_total
     return dict(
-        num_steps=steps,
+        num_steps=after.num_steps - before.num_steps,
         generated_tokens_per_step=(after.num_generated_tokens - before.num_generated_tokens)
-        / max(steps, 1),
-        computed_tokens_per_step=(after.num_computed_tokens - before.num_computed_tokens)
-        / max(steps, 1),
+        / steps,
+        computed_tokens_per_step=(after.num_computed_tokens - before.num_computed_tokens) / steps,
+        step_ms=1000 * busy_s / steps,
+        busy_share=busy_s / duration_s,
     )
 
 
@@ -145,10 +148,9 @@ def run_engine(args: argparse.Namespace, prompts: list[str | list[int]], engine=
                 r.output_tokens += n
             if out.finished:
                 r.ok, r.status, r.e2e_s = True, 200, now - started[out.request_id]
-    summary = summarize(
-        serving_namespace(args, None), "in-process", results, time.perf_counter() - start
-    )
-    summary["steps"] = step_counts(stats0, engine.stats())
+    duration_s = time.perf_counter() - start
+    summary = summarize(serving_namespace(args, None), "in-process", results, duration_s)
+    summary["steps"] = step_counts(stats0, engine.stats(), duration_s)
     return summary
 
 
@@ -166,7 +168,7 @@ def run_stack(args: argparse.Namespace) -> dict:
     """The serving run's summary, plus ``cpu_s``: CPU seconds each process spent during the run (the
     services, nats-server, redis-server, and this client; on a host with few cores, what the others
     take is what the executor does not get), and ``steps``: the executor's steps over the run, from
-    its heartbeats (the warm-up request included)."""
+    its heartbeats (from after the warm-up request)."""
     from services.cli.launcher import StackConfig, launch
 
     stack = launch(
@@ -186,9 +188,14 @@ def run_stack(args: argparse.Namespace) -> dict:
         client_before = time.process_time()
 
         async def serve() -> dict:
-            stats0 = await next_heartbeat_stats(stack)
-            result = await run_serving(serving_namespace(args, stack.base_url))
-            result["steps"] = step_counts(stats0, await next_heartbeat_stats(stack))
+            stats0 = []
+
+            async def after_warmup() -> None:
+                stats0.append(await next_heartbeat_stats(stack))
+
+            result = await run_serving(serving_namespace(args, stack.base_url), after_warmup)
+            after = await next_heartbeat_stats(stack)
+            result["steps"] = step_counts(stats0[0], after, result["duration_s"])
             return result
 
         summary = asyncio.run(serve())
@@ -224,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             f"engine steps, {name}: {st['num_steps']}, "
             f"{st['generated_tokens_per_step']:.1f} tokens generated and "
             f"{st['computed_tokens_per_step']:.1f} computed per step, "
-            f"{1000 * s['duration_s'] / st['num_steps']:.1f} ms per step"
+            f"{st['step_ms']:.1f} ms per step, stepping {100 * st['busy_share']:.0f}% of the run"
         )
     ratio = stack["output_throughput_tps"] / engine["output_throughput_tps"]
     print(f"\nstack / in-process output throughput: {ratio:.3f} (target >= 0.90)")

@@ -153,6 +153,7 @@ class Engine:
             last_step_num_tokens=0,
             last_step_num_seqs=0,
         )
+        self._step_seconds_total = 0.0
         # Requests whose first step ran since the last take_first_scheduled (queue-time metric).
         self._first_scheduled: list[str] = []
 
@@ -248,9 +249,11 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        start_s = time.perf_counter()
         try:
             return self._step()
         finally:
+            self._step_seconds_total += time.perf_counter() - start_s
             # The block manager's events are drained every step and the engine keeps only the last
             # step's batch, so memory stays bounded whether or not anyone takes them. A batch not
             # taken before the next step is dropped; its seq is then missing, which tells a consumer
@@ -478,5 +481,6 @@ class Engine:
             prefix_cache_hits_tokens=bm.prefix_cache_hits_tokens,
             num_preemptions=self.scheduler.num_preemptions,
             num_cached_blocks=bm.num_cached_blocks,
+            step_seconds_total=self._step_seconds_total,
             **self._counters,
         )

@@ -73,3 +73,6 @@ class EngineStats(msgspec.Struct, kw_only=True, frozen=True):
     last_step_num_seqs: int = 0  # sequences in the most recent step's batch
     # Blocks holding a reusable prefix hash, in use or free (a free one stays cached until reused).
     num_cached_blocks: int = 0
+    # Wall seconds spent inside steps, cumulative: against the wall clock, how busy the engine was
+    # (the rest it waited for work); over num_steps, the mean step time.
+    step_seconds_total: float = 0.0
