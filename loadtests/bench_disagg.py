@@ -21,7 +21,8 @@ prompt's end; the streams are then closed. Reported per stack:
   gateway's /metrics, differenced over the window): bytes and seconds per transferred token, and
   each executor's mean step time.
 
-Writes loadtests/results/bench_disagg.json.
+Writes loadtests/results/bench_disagg.json. ``measure(args)`` is the whole measurement (both stacks
+and ``summarize``'s per-token transfer cost and ratios) as that JSON, for ``loadtests/report/``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,7 +143,7 @@ async def run_workload(base_url: str, args: argparse.Namespace) -> dict[str, Any
             await asyncio.sleep(0.1)
         if errors := [s.error for s in streams if s.error]:
             stop.set()
-            raise SystemExit(f"streams failed: {errors[:3]}")
+            raise RuntimeError(f"streams failed: {errors[:3]}")
         metrics_before = await scrape(client)
         t0 = time.perf_counter()
         long_prompts = [ids(args.long_len) for _ in range(args.num_long)]
@@ -162,7 +164,8 @@ async def run_workload(base_url: str, args: argparse.Namespace) -> dict[str, Any
         await asyncio.gather(*tasks)
     itls: list[float] = []
     stream_tokens = 0
-    if any(len(s.chunk_times) and s.chunk_times[-1] < t1 for s in streams):
+    num_ended = sum(bool(s.chunk_times) and s.chunk_times[-1] < t1 for s in streams)
+    if num_ended:
         print("warning: a stream ended inside the window: raise --stream-output", file=sys.stderr)
     for s in streams:
         inside = [t for t in s.chunk_times if t0 <= t <= t1]
@@ -175,6 +178,7 @@ async def run_workload(base_url: str, args: argparse.Namespace) -> dict[str, Any
     return {
         "window_s": window,
         "stream_errors": [s.error for s in streams if s.error],
+        "num_streams_ended_in_window": num_ended,
         "long_errors": [r.error for r in long_results if not r.ok],
         "itl_ms": {
             "p50": percentile(itls, 50) * 1000,
@@ -245,7 +249,13 @@ def _both_executors(base_url: str) -> bool:
     return body.get("num_executors", 0) + body.get("num_prefill_executors", 0) == 2
 
 
-def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+def log_stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_mode(
+    mode: str, args: argparse.Namespace, log: Callable[[str], None] = log_stderr
+) -> dict[str, Any]:
     cpus = tuple(parse_cpu_list(c) for c in args.cpus.split(";"))
     roles = (
         {"num_executors": 0, "num_prefill": 1, "num_decode": 1}
@@ -263,14 +273,15 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         **roles,
         **engine,
     )
-    print(f"[{mode}] starting {config.executors_per_model} executors on {cpus}...", file=sys.stderr)
+    log(f"[{mode}] starting {config.executors_per_model} executors on {cpus}...")
     with launch(config) as stack:
         # Ready means one executor is live; the scheduler must know both before the workload.
         deadline = time.monotonic() + 120
         while not _both_executors(stack.base_url):
             if time.monotonic() > deadline:
-                raise SystemExit("the second executor never reported in")
+                raise RuntimeError("the second executor never reported in")
             time.sleep(0.5)
+        log(f"[{mode}] workload: {args.streams} streams, {args.num_long} x {args.long_len} tokens")
         result = asyncio.run(run_workload(stack.base_url, args))
     result["mode"] = mode
     return result
@@ -287,34 +298,64 @@ def transfer_per_token(result: dict[str, Any], long_len: int) -> tuple[float, fl
     return nbytes / (n * long_len), seconds * 1000 / long_len
 
 
+# The issue's target: disaggregated ITL p99 at most half aggregated, at equal or better throughput.
+TARGET_ITL_P99_RATIO = 0.5
+TARGET_THROUGHPUT_RATIO = 1.0
+
+
+def summarize(results: dict[str, dict[str, Any]], long_len: int) -> dict[str, Any]:
+    """Per mode, the transfer cost per prompt token; with both modes, disagg / aggregated ratios."""
+    summary: dict[str, Any] = {"per_mode": {}}
+    for mode, r in results.items():
+        nbytes, ms = transfer_per_token(r, long_len)
+        summary["per_mode"][mode] = {"kv_bytes_per_token": nbytes, "kv_transfer_ms_per_token": ms}
+    if {"disagg", "aggregated"} <= results.keys():
+        d, a = results["disagg"], results["aggregated"]
+        itl = d["itl_ms"]["p99"] / a["itl_ms"]["p99"]
+        tput = d["output_tok_s"] / a["output_tok_s"]
+        summary["disagg_vs_aggregated"] = {
+            "itl_p99_ratio": itl,
+            "ttft_p50_ratio": d["long_ttft_ms"]["p50"] / a["long_ttft_ms"]["p50"],
+            "ttft_p99_ratio": d["long_ttft_ms"]["p99"] / a["long_ttft_ms"]["p99"],
+            "throughput_ratio": tput,
+            "target_met": itl <= TARGET_ITL_P99_RATIO and tput >= TARGET_THROUGHPUT_RATIO,
+        }
+    return summary
+
+
+def measure(args: argparse.Namespace, log: Callable[[str], None] = log_stderr) -> dict[str, Any]:
+    """Each of ``args.modes`` in turn, then ``summarize``: what ``main`` writes as JSON."""
+    results = {m: run_mode(m, args, log) for m in args.modes.split(",")}
+    return {"args": vars(args), "results": results, "summary": summarize(results, args.long_len)}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    results = {m: run_mode(m, args) for m in args.modes.split(",")}
+    data = measure(args)
+    results, summary = data["results"], data["summary"]
     print(
         f"\n{'mode':<11} {'ITL p50':>8} {'ITL p99':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
         f"{'out tok/s':>9} {'KV B/tok':>9} {'KV ms/tok':>9}"
     )
     for m, r in results.items():
-        b, ms = transfer_per_token(r, args.long_len)
+        per = summary["per_mode"][m]
         print(
             f"{m:<11} {r['itl_ms']['p50']:>8.0f} {r['itl_ms']['p99']:>8.0f} "
             f"{r['long_ttft_ms']['p50']:>9.0f} {r['long_ttft_ms']['p99']:>9.0f} "
-            f"{r['output_tok_s']:>9.1f} {b:>9.0f} {ms:>9.3f}"
+            f"{r['output_tok_s']:>9.1f} {per['kv_bytes_per_token']:>9.0f} "
+            f"{per['kv_transfer_ms_per_token']:>9.3f}"
         )
         for executor, e in r["executors"].items():
             print(f"    {executor}: {json.dumps(e)}")
         if r["stream_errors"] or r["long_errors"]:
             print(f"    errors: {r['stream_errors'][:3]} {r['long_errors'][:3]}")
-    if {"disagg", "aggregated"} <= results.keys():
-        d, a = results["disagg"], results["aggregated"]
-        ratio = d["itl_ms"]["p99"] / a["itl_ms"]["p99"]
-        tput = d["output_tok_s"] / a["output_tok_s"]
-        met = ratio <= 0.5 and tput >= 1.0
+    if ratios := summary.get("disagg_vs_aggregated"):
         print(
-            f"\nITL p99 disagg/aggregated = {ratio:.2f} (target <= 0.5), throughput ratio = "
-            f"{tput:.2f} (target >= 1): {'met' if met else 'not met'}"
+            f"\nITL p99 disagg/aggregated = {ratios['itl_p99_ratio']:.2f} (target <= "
+            f"{TARGET_ITL_P99_RATIO}), throughput ratio = {ratios['throughput_ratio']:.2f} (target "
+            f">= {TARGET_THROUGHPUT_RATIO:g}): {'met' if ratios['target_met'] else 'not met'}"
         )
-    path = write_json(args.out, {"args": vars(args), "results": results})
+    path = write_json(args.out, data)
     print(f"wrote {path}")
     return 0
 

@@ -18,6 +18,7 @@ so; they never show a number.
     prefix.py    prefix caching on vs off
     quantization.py  bf16 / int8 weights and auto / int8 KV: speed, memory, perplexity
     serving.py   throughput and latency vs concurrency, with this host's ceiling
-    absent.py    speculative decoding, prefill/decode disaggregation, int4 weights
+    disagg.py    prefill/decode disaggregation vs aggregated executors (two stacks)
+    absent.py    speculative decoding
     runner.py    runs the sections, writes raw/*.json and index.html
 """

@@ -19,19 +19,5 @@ def speculative_decoding() -> Section:
     )
 
 
-def disaggregation() -> Section:
-    return absent(
-        "disaggregation",
-        "Prefill/decode disaggregation",
-        "Running prefill and decode on separate executors (shipping the KV cache between them) "
-        "removes prefill's interference with decode latency.",
-        "Not measured yet: the roles exist (`llmserve up --prefill N --decode M`), but the "
-        "benchmark that compares them with colocated executors is not written, so there is no "
-        "number here.",
-        "When it lands, this section should compare TPOT p99 under a prefill-heavy load against "
-        "the colocated stack, in the same run.",
-    )
-
-
 def all_absent() -> list[Section]:
-    return [speculative_decoding(), disaggregation()]
+    return [speculative_decoding()]

@@ -39,13 +39,20 @@ class Plan:
     # the memory ledger: budgets (bytes strings) and the context it plans for
     ledger_memory: tuple[str, ...] = ("24GiB", "80GiB", "160GiB")
     ledger_context: int = 4096
+    # prefill/decode disaggregation: bench_disagg's workload (full: its defaults, two stacks of
+    # two single-core executors); streams decode throughout, long prompts arrive among them
+    disagg_streams: int = 16
+    disagg_long_len: int = 2000
+    disagg_num_long: int = 4
+    disagg_interval_s: float = 4.0
+    disagg_long_output: int = 16
 
 
-FULL = Plan(name="full", expected_minutes=45)
+FULL = Plan(name="full", expected_minutes=48)
 
 QUICK = Plan(
     name="quick",
-    expected_minutes=7,
+    expected_minutes=9,
     mix_requests=8,
     mix_batch=4,
     mix_prompt_len=(16, 64),
@@ -64,6 +71,13 @@ QUICK = Plan(
     requests_per_slot=2,
     serving_input_len=64,
     serving_output_len=32,
+    # two 1,000-token prompts among 8 streams: each prefill still spans many of the streams'
+    # decode steps; the two stacks' starts (model loads) take most of this section's time
+    disagg_streams=8,
+    disagg_long_len=1000,
+    disagg_num_long=2,
+    disagg_interval_s=3.0,
+    disagg_long_output=8,
 )
 
 

@@ -14,7 +14,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from loadtests.report import absent, batching, ledger, mix, paged_kv, prefix, quantization, serving
+from loadtests.report import (
+    absent,
+    batching,
+    disagg,
+    ledger,
+    mix,
+    paged_kv,
+    prefix,
+    quantization,
+    serving,
+)
 from loadtests.report.html import render_report, write_report
 from loadtests.report.model import Section, failed
 from loadtests.report.plan import Plan, plan_for
@@ -46,6 +56,7 @@ MEASUREMENTS: list[
         ],
     ),
     (serving.KEY, serving.measure, [(serving.KEY, "The serving curve", serving.build)]),
+    (disagg.KEY, disagg.measure, [(disagg.KEY, "Prefill/decode disaggregation", disagg.build)]),
 ]
 KEYS = [key for key, _, _ in MEASUREMENTS]
 

@@ -1,7 +1,7 @@
 """``llmserve bench report``'s pure parts: the memory-ledger section's arithmetic against the
 formula, the HTML writer (every figure and table links to its raw JSON), sections for features that
 do not exist, the concurrency-at-fixed-memory arithmetic, and the section builders on small
-synthetic raw JSON. No model, no engine."""
+synthetic raw JSON. No model, no engine, no stack."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import re
 
 import pytest
 
-from loadtests.report import absent, batching, ledger, paged_kv, prefix, serving
+from loadtests import bench_disagg
+from loadtests.report import absent, batching, disagg, ledger, paged_kv, prefix, serving
 from loadtests.report.html import format_cell, render_report, write_report
 from loadtests.report.model import ABSENT, MEASURED, Figure, Section, Series, Table
 from loadtests.report.plan import FULL, QUICK
@@ -131,7 +132,7 @@ def test_the_report_links_every_figure_and_table_to_its_json(tmp_path):
         assert (tmp_path / href).is_file(), href
     assert "x = x (tokens), y = y (ms)" in text
     assert "llmserve bench report --quick" in text
-    assert text.count("<section id=") == 5  # four sections + the host
+    assert text.count("<section id=") == 4  # three sections + the host
 
 
 def test_sections_that_do_not_exist_say_so_and_show_nothing():
@@ -307,14 +308,20 @@ def test_quick_plan_is_smaller_than_full():
     assert QUICK.expected_minutes < 10 <= FULL.expected_minutes
     assert QUICK.mix_requests < FULL.mix_requests
     assert max(QUICK.concurrency) < max(FULL.concurrency)
+    assert QUICK.disagg_streams < FULL.disagg_streams
+    assert QUICK.disagg_num_long < FULL.disagg_num_long
+    assert QUICK.disagg_long_len < FULL.disagg_long_len
 
 
 def test_the_cli_parses_bench_report():
+    from loadtests.report.runner import KEYS
+    from services.cli.commands.bench import REPORT_SECTIONS
     from services.cli.main import build_parser, main
 
     args = build_parser().parse_args(["bench", "report", "--quick", "--out", "/tmp/x"])
     assert args.quick and args.out == "/tmp/x"
     assert main(["bench", "report", "--only", "nonsense"]) == 2
+    assert list(REPORT_SECTIONS) == KEYS  # --only knows every measurement
 
 
 def test_a_figure_draws_as_inline_svg_with_its_units():
@@ -329,3 +336,123 @@ def test_a_figure_draws_as_inline_svg_with_its_units():
     svg = plots.svg(figure)
     assert svg.startswith("<svg") and "<?xml" not in svg
     assert "requests in flight (requests)" in svg and "output (tokens/s)" in svg
+
+
+# ---- prefill/decode disaggregation -----------------------------------------------------------
+
+
+def test_full_plan_runs_bench_disagg_at_its_defaults_and_quick_at_the_plans_sizes():
+    defaults = bench_disagg.parse_args([])
+    assert bench_disagg.parse_args(disagg.disagg_argv(FULL)) == defaults
+    quick = bench_disagg.parse_args(disagg.disagg_argv(QUICK))
+    assert (quick.streams, quick.long_len, quick.num_long) == (
+        QUICK.disagg_streams,
+        QUICK.disagg_long_len,
+        QUICK.disagg_num_long,
+    )
+    assert quick.interval == QUICK.disagg_interval_s
+    assert quick.long_output == QUICK.disagg_long_output
+
+
+PAGE_BYTES_PER_TOKEN = 23040  # SmolLM2: 30 layers x K,V x 3 KV heads x 64 x 2 bytes
+
+
+def _disagg_result(mode: str, itl_p99: float, ttft_p50: float, tok_s: float) -> dict:
+    if mode == "disagg":
+        executors = {
+            "executor-0": {
+                "llmserve:kv_transfers_total:sent": 2.0,
+                "steps": 16.0,
+                "step_ms_mean": 2000.0,
+                "transfer_bytes": 2 * 1000 * PAGE_BYTES_PER_TOKEN,
+                "transfer_s_mean": 0.25,
+            },
+            "executor-1": {"llmserve:kv_transfers_total:adopted": 2.0, "steps": 400.0},
+        }
+    else:
+        executors = {"executor-0": {"steps": 300.0, "step_ms_mean": 70.0}, "executor-1": {}}
+    return {
+        "mode": mode,
+        "window_s": 9.5,
+        "stream_errors": [],
+        "long_errors": [],
+        "num_streams_ended_in_window": 0,
+        "itl_ms": {"p50": 30.0, "p99": itl_p99, "max": itl_p99 * 2, "count": 900},
+        "long_ttft_ms": {"p50": ttft_p50, "p99": ttft_p50 * 1.5},
+        "output_tok_s": tok_s,
+        "stream_tok_s": tok_s - 2.0,
+        "executors": executors,
+    }
+
+
+def _disagg_raw() -> dict:
+    """What ``disagg.measure`` writes, its summary computed by bench_disagg itself."""
+    args = vars(bench_disagg.parse_args(disagg.disagg_argv(QUICK)))
+    results = {
+        "disagg": _disagg_result("disagg", 200.0, 15000.0, 150.0),
+        "aggregated": _disagg_result("aggregated", 1000.0, 5000.0, 200.0),
+    }
+    return {
+        "args": args,
+        "results": results,
+        "summary": bench_disagg.summarize(results, args["long_len"]),
+        "plan": "quick",
+        "command": "python -m loadtests.bench_disagg " + " ".join(disagg.disagg_argv(QUICK)),
+    }
+
+
+def test_disagg_summary_is_per_prompt_token_and_ratios():
+    summary = _disagg_raw()["summary"]
+    sent = summary["per_mode"]["disagg"]
+    assert sent["kv_bytes_per_token"] == PAGE_BYTES_PER_TOKEN  # 2 transfers of 1,000 tokens
+    assert sent["kv_transfer_ms_per_token"] == pytest.approx(0.25)  # 250 ms per 1,000 tokens
+    moved = summary["per_mode"]["aggregated"]["kv_bytes_per_token"]
+    assert moved != moved  # NaN: an aggregated stack moves no KV
+    ratios = summary["disagg_vs_aggregated"]
+    assert ratios["itl_p99_ratio"] == pytest.approx(0.2)
+    assert ratios["ttft_p50_ratio"] == pytest.approx(3.0)
+    assert ratios["throughput_ratio"] == pytest.approx(0.75)
+    assert not ratios["target_met"]  # ITL met, throughput not
+
+
+def test_disagg_section_reads_its_json_side_by_side():
+    section = disagg.build(_disagg_raw())
+    assert section.status == MEASURED
+    assert "ITL p99 is 200 ms vs 1000 ms aggregated (0.20x)" in section.reading
+    assert "TTFT p50 15,000 vs 5,000 ms (3.00x)" in section.reading
+    assert "150.0 vs 200.0 tokens/s (0.75x)" in section.reading
+    assert "23,040 bytes and 0.250 ms per prompt token" in section.reading
+    assert "not met" in section.reading
+    # the workload is stated: the quick plan's sizes
+    assert "(quick plan: a reduced workload) 8 streams" in section.measured
+    assert "2 prompts of 1,000 random tokens (no prefix hits) arrive 3 s apart" in section.measured
+    assert section.sources == [disagg.SOURCE] == ["raw/disaggregation.json"]
+    latency, transfer, executors = section.tables
+    assert [row[0] for row in latency.rows] == [label for _, label in disagg.MODES]
+    assert "ITL p99 (ms)" in latency.columns and "long TTFT p99 (ms)" in latency.columns
+    assert transfer.rows[0][1:] == [PAGE_BYTES_PER_TOKEN, pytest.approx(0.25)]
+    assert len(executors.rows) == 4  # two per stack
+    side_by_side, throughput = section.figures
+    assert side_by_side.y_unit == "ms" and side_by_side.log_y
+    assert [s.ys[1] for s in side_by_side.series] == [200.0, 1000.0]  # ITL p99
+    assert [s.ys[2] for s in side_by_side.series] == [15000.0, 5000.0]  # TTFT p50
+    assert throughput.y_unit == "tokens/s"
+    assert section.commands == [_disagg_raw()["command"]]
+
+
+def test_disagg_section_notes_errors_and_short_streams():
+    raw = _disagg_raw()
+    raw["results"]["aggregated"]["long_errors"] = ["502: executor lost"]
+    raw["results"]["disagg"]["num_streams_ended_in_window"] = 3
+    notes = " ".join(disagg.build(raw).notes)
+    assert "aggregated: errors" in notes and "502" in notes
+    assert "disagg: 3 stream(s) ended inside the window" in notes
+
+
+def test_disagg_figures_draw():
+    pytest.importorskip("matplotlib")
+    from loadtests.report import plots
+
+    for figure in disagg.build(_disagg_raw()).figures:
+        svg = plots.svg(figure)
+        assert svg.startswith("<svg") and f"({figure.y_unit})" in svg

@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Any
 
 # The report's measurement keys, repeated here so building the parser imports nothing heavy.
-REPORT_SECTIONS = ("memory_ledger", "mix", "prefix_caching", "quantization", "serving_curve")
+REPORT_SECTIONS = (
+    "memory_ledger",
+    "mix",
+    "prefix_caching",
+    "quantization",
+    "serving_curve",
+    "disaggregation",
+)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -25,10 +32,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="run the ablation study and write a self-contained HTML report",
         description=(
             "Run the ablation study (paged KV, continuous batching, prefix caching, quantization, "
-            "the memory ledger, the serving curve) on this host, each claim against its baseline "
-            "in the same run, and write OUT/index.html with the raw JSON under OUT/raw/. The full "
-            "run states its expected duration when it starts (under an hour on a quiet 2-core "
-            "host); --quick finishes in minutes."
+            "the memory ledger, the serving curve, prefill/decode disaggregation) on this host, "
+            "each claim against its baseline in the same run, and write OUT/index.html with the "
+            "raw JSON under OUT/raw/. The full run states its expected duration when it starts "
+            "(under an hour on a quiet 2-core host); --quick finishes in minutes."
         ),
     )
     report.add_argument("--quick", action="store_true", help="small workloads (minutes)")
