@@ -240,11 +240,6 @@ def executor_deltas(
 # ----------------------------------------------------------------------------------------- run
 
 
-def _both_executors(base_url: str) -> bool:
-    body = httpx.get(f"{base_url}/health", timeout=10).json()
-    return body.get("num_executors", 0) + body.get("num_prefill_executors", 0) == 2
-
-
 def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     cpus = tuple(parse_cpu_list(c) for c in args.cpus.split(";"))
     roles = (
@@ -264,13 +259,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         **engine,
     )
     print(f"[{mode}] starting {config.executors_per_model} executors on {cpus}...", file=sys.stderr)
-    with launch(config) as stack:
-        # Ready means one executor is live; the scheduler must know both before the workload.
-        deadline = time.monotonic() + 120
-        while not _both_executors(stack.base_url):
-            if time.monotonic() > deadline:
-                raise SystemExit("the second executor never reported in")
-            time.sleep(0.5)
+    with launch(config) as stack:  # ready: the scheduler has heard both executors
         result = asyncio.run(run_workload(stack.base_url, args))
     result["mode"] = mode
     return result

@@ -168,8 +168,10 @@ def stream_and_signal(
 
 
 def baseline(s: Stack) -> dict[str, int]:
-    wait_for(lambda: free_blocks(s, PREFILL) and free_blocks(s, DECODE), 30, "both executors")
-    return {e: free_blocks(s, e) or 0 for e in (PREFILL, DECODE)}
+    """Both executors' free blocks (the stack is ready once the scheduler has heard both)."""
+    blocks = {e: free_blocks(s, e) for e in (PREFILL, DECODE)}
+    assert None not in blocks.values(), blocks
+    return {e: n or 0 for e, n in blocks.items()}
 
 
 def assert_answer_or_error(outcome: Outcome) -> str:
