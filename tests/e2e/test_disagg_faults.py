@@ -12,8 +12,8 @@ heartbeats through the scheduler's status, return to their level before the requ
   its reservation at the transfer's deadline; the client gets a 502 once the scheduler misses the
   prefill executor's heartbeats (or the answer, when the last ack beat the kill and the decode
   executor had adopted the request).
-- decode killed: the prefill side's probe finds nobody subscribed on the decode executor's
-  subjects (shared/wire/kv_transport.py), within its interval however long the transfer's
+- decode killed: the prefill side's next chunk, or its probe while the offer or a chunk awaits
+  its answer (shared/wire/kv_transport.py), finds nobody subscribed, however long the transfer's
   timeout, and it decodes the request itself: the whole answer (or, when the transfer had
   completed, a 502 as above).
 - decode stopped (SIGSTOP): no ack comes; the prefill side gives up at its transfer timeout (or
