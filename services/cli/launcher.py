@@ -380,12 +380,14 @@ class Stack:
                 )
 
     def wait_ready(self, progress: Callable[[str], None] | None = None) -> None:
-        """Until GET /health answers 200 with every served model ready (``_ready``)."""
+        """Until the stack is ready (``_not_ready`` says nothing is missing); at
+        ``ready_timeout_s``, ``StackStartError`` naming what is not ready, with every log tail."""
         deadline = time.monotonic() + self.config.ready_timeout_s
         last_note = 0.0
         while True:
             self.check_alive()
-            if self._ready():
+            missing = self._not_ready()
+            if not missing:
                 return
             now = time.monotonic()
             if now > deadline:
@@ -393,33 +395,37 @@ class Stack:
                     f"--- {s.name}:\n{s.log_tail(1500)}" for s in self.services.values()
                 )
                 raise StackStartError(
-                    f"the stack was not ready within {self.config.ready_timeout_s}s\n{tails}"
+                    f"the stack was not ready within {self.config.ready_timeout_s}s: "
+                    f"{'; '.join(missing)}\n{tails}"
                 )
             if progress and now - last_note > 5.0:
                 last_note = now
                 progress("waiting for the executors to load the model and report in...")
             time.sleep(0.2)
 
-    def _ready(self) -> bool:
-        """Every gateway is healthy (a tokenizer answers, an executor is live) and its health
-        names each served model with a live executor and a tokenizer that knows it: /health alone
-        is 200 once any executor is live, while another model's executors may still be
-        loading."""
-        return all(self._gateway_ready(url) for url in self.base_urls)
-
-    def _gateway_ready(self, base_url: str) -> bool:
-        try:
-            with urllib.request.urlopen(f"{base_url}/health", timeout=2) as r:
-                if int(r.status) != 200:
-                    return False
-                models = json.loads(r.read()).get("models", {})
-        except (urllib.error.URLError, OSError, ValueError):
-            return False
-        return all(
-            models.get(m.name, {}).get("num_executors", 0) > 0
-            and models[m.name].get("max_model_len") is not None
-            for m in served_models(self.config)
-        )
+    def _not_ready(self) -> list[str]:
+        """What keeps the stack from being ready, empty once it is: every gateway is healthy (a
+        tokenizer answers, an executor is live), its scheduler has heard every executor started
+        here (prefill ones included: one not yet heard would get no request) and a tokenizer knows
+        each served model (/health alone is 200 once any executor is live)."""
+        executor_ids = [name for name in self.services if name.startswith("executor-")]
+        missing: list[str] = []
+        for url in self.base_urls:
+            health = _health(url)
+            if health is None:
+                missing.append(f"{url}/health does not answer 200")
+                continue
+            live = set(health.get("executor_ids", []))
+            not_live = [e for e in executor_ids if e not in live]
+            if not_live:
+                missing.append(
+                    f"{', '.join(not_live)} not live (no heartbeat heard by the scheduler of {url})"
+                )
+            models = health.get("models", {})
+            for m in served_models(self.config):
+                if models.get(m.name, {}).get("max_model_len") is None:
+                    missing.append(f"no tokenizer serves {m.name} at {url}")
+        return missing
 
     def stop(self, grace_s: float | None = None) -> None:
         """Drain and stop everything, gateway first and servers last; idempotent. After it returns,
@@ -468,6 +474,18 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _health(base_url: str) -> dict[str, Any] | None:
+    """A gateway's /health body when it answers 200, else None."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/health", timeout=2) as r:
+            if int(r.status) != 200:
+                return None
+            body = json.loads(r.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    return body if isinstance(body, dict) else None
 
 
 def _covers(config: StackConfig, server: str) -> bool:

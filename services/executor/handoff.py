@@ -14,9 +14,10 @@ Who owns the request: the prefill executor until the last chunk is acknowledged,
 executor from then on (its 'adopted' progress tells the scheduler).
 
 Failures, each bounded, none leaking a block:
-- offer refused, or nobody answers it (decode executor gone), or a chunk finds nobody (it died
-  before installing): the prefill executor decodes the request itself on the blocks it held
-  (``readopt``), so the client gets the same tokens.
+- offer refused, or the decode executor gone before installing (no responders to the offer or a
+  chunk, or to a probe while one of them waits for its answer: within half a second, see
+  shared/wire/kv_transport.py): the prefill executor decodes the request itself on the blocks it
+  held (``readopt``), so the client gets the same tokens.
 - no ack in time: the prefill side cancels the transfer and decodes itself. Safe: the decode side
   commits only before ``timeout_s`` from the offer it received, and the prefill side waits that
   long from the offer's reply plus ``ACK_GRACE_S``.

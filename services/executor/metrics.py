@@ -71,6 +71,12 @@ class ExecutorMetrics:
         self.kv_transfer_bytes = Counter(
             "llmserve:kv_transfer_bytes", "KV page bytes sent.", LABELS, registry=r
         ).labels(*self._labels)
+        self.kv_transfer_chunks = Counter(
+            "llmserve:kv_transfer_chunks",
+            "KV page messages sent (a transfer is split into chunks that fit max_payload).",
+            LABELS,
+            registry=r,
+        ).labels(*self._labels)
         self.kv_transfer_seconds = histogram(
             "llmserve:kv_transfer_seconds",
             "Wall time of one KV page transfer (first chunk to last ack).",
@@ -91,6 +97,7 @@ class ExecutorMetrics:
         self._kv_transfers.labels(*self._labels, outcome).inc()
         if stats is not None:
             self.kv_transfer_bytes.inc(stats.num_bytes)
+            self.kv_transfer_chunks.inc(stats.num_chunks)
             self.kv_transfer_seconds.observe(stats.seconds)
 
     def on_first_scheduled(self, queue_time_s: float) -> None:

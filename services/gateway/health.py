@@ -11,7 +11,9 @@ A stack may serve several models; /health is 200 once any executor is live (a lo
 question: can this gateway serve at all?), so it also says, for each model, whether requests for it
 can be served now: how many live executors serve it (from the scheduler) and the context length
 the tokenizer checks its prompts against (from the tokenizer; null when no tokenizer serves it, so
-its requests would end with 404). ``llmserve up`` is ready once every model it serves has both.
+its requests would end with 404). It also names every live executor, prefill ones included
+(``executor_ids``): ``llmserve up`` is ready once each executor it started is among them and
+every model it serves has a context length.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ def health_report(
         "status": "ok",
         "num_executors": len(_serving(scheduler)),
         "num_prefill_executors": len(scheduler.executors) - len(_serving(scheduler)),
+        "executor_ids": sorted(e.executor_id for e in scheduler.executors),
         "num_queued": scheduler.num_queued,
         "dependencies": deps,
         "models": model_health(configured, scheduler, tokenizer),

@@ -170,9 +170,11 @@ def release(engine: Engine, detached: Detached) -> None:
 
 
 def readopt(engine: Engine, detached: Detached) -> None:
-    """The transfer failed: decode here, on the held blocks, exactly as if never detached."""
+    """The transfer failed: decode here, on the held blocks, exactly as if never detached (the
+    prompt's pages are computed: nothing is prefilled again)."""
     request, seq = _rebuild(engine, detached.handoff)
     engine.block_manager.rename(detached.hold_id, seq.seq_id)
+    seq.num_computed_tokens = seq.num_prompt_tokens
     _resume(engine, request, seq)
 
 

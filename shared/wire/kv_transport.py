@@ -10,14 +10,25 @@ would implement the same four calls.
 
 Over NATS a chunk is the pages' raw bytes (no encoding, no copy beyond the client's write) with
 its place in headers, sized to fit the server's ``max_payload``; each chunk waits for its ack, so
-the decode side paces the transfer (flow control) and a dead receiver is noticed at the next
-chunk (no responders) rather than after the whole transfer.
+the decode side paces the transfer (flow control).
+
+A dead receiver is noticed within ``PROBE_INTERVAL_S`` and a round trip, not at the deadline: a
+request finds no responders at once when the server holds no subscription on its subject, but one
+already delivered (an offer or a chunk in flight when the decode executor died) is simply never
+answered. So while an answer is late, a probe goes each ``PROBE_INTERVAL_S`` to the decode
+executor's pages subject: no responders means its process is gone (the server dropped its
+connection; a connection lost while the process lives makes it abort every request it holds, see
+services/executor/service.py), and the transfer ends as ``KVPeerGone``. A probe that reaches the
+subscriber is never answered (it times out): a stuck decode side (SIGSTOP, a slow write) still
+has until the deadline.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -47,6 +58,11 @@ __all__ = [
 HEADER_ROOM_BYTES = 4096
 _FIRST, _COUNT = "Llmserve-Kv-First", "Llmserve-Kv-Count"
 _LAST, _CANCEL = "Llmserve-Kv-Last", "Llmserve-Kv-Cancel"
+_PROBE = "Llmserve-Kv-Probe"
+# While an offer's reply or a chunk's ack is awaited, how often the decode executor's subscription
+# is checked: the first probe goes once an answer is this late (a transfer whose answers come in
+# time sends none), then one each interval.
+PROBE_INTERVAL_S = 0.5
 
 
 class KVTransferError(Exception):
@@ -103,10 +119,11 @@ class NatsKVTransport:
         self.bus = bus
 
     async def offer(self, decode_id: str, offer: KVOffer, timeout_s: float) -> KVOfferReply:
+        request = self.bus.request(
+            subjects.executor_kv_offer(decode_id), KV_OFFER.encode(offer), timeout_s
+        )
         try:
-            data = await self.bus.request(
-                subjects.executor_kv_offer(decode_id), KV_OFFER.encode(offer), timeout_s
-            )
+            data = await self._answer_while_subscribed(decode_id, offer.request_id, request)
         except BusNoResponders as e:
             raise KVPeerGone(str(e)) from None
         except BusTimeout as e:
@@ -135,7 +152,8 @@ class NatsKVTransport:
             if timeout_s <= 0:
                 raise KVTransferTimeout(f"the transfer of {request_id} ran past its deadline")
             try:
-                reply = await self.bus.request(subject, body, timeout_s, headers=headers)  # type: ignore[arg-type]
+                request = self.bus.request(subject, body, timeout_s, headers=headers)  # type: ignore[arg-type]
+                reply = await self._answer_while_subscribed(decode_id, request_id, request)
             except BusNoResponders as e:
                 raise KVPeerGone(str(e)) from None
             except BusTimeout as e:
@@ -146,6 +164,48 @@ class NatsKVTransport:
             if not ack.ok:
                 raise KVTransferError(f"decode executor {decode_id} refused a chunk: {ack.reason}")
         return TransferStats(num_pages, len(pages), len(chunks), time.perf_counter() - t0)
+
+    async def _answer_while_subscribed(
+        self, decode_id: str, request_id: str, request: Awaitable[bytes]
+    ) -> bytes:
+        """``request``'s answer (or its error); ``KVPeerGone`` as soon as a probe finds no
+        subscriber of the decode executor's pages."""
+        answer = asyncio.ensure_future(request)
+        probe: asyncio.Future[bool] | None = None
+        try:
+            await asyncio.wait((answer,), timeout=PROBE_INTERVAL_S)
+            while not answer.done():
+                probe = asyncio.ensure_future(self._subscribed(decode_id, request_id))
+                await asyncio.wait((answer, probe), return_when=asyncio.FIRST_COMPLETED)
+                if not answer.done() and not probe.result():
+                    raise KVPeerGone(
+                        f"decode executor {decode_id} is gone (nobody subscribes to its pages) "
+                        f"while the transfer of {request_id} waited for an answer"
+                    )
+            return answer.result()
+        finally:
+            for task in (answer, probe):
+                if task is not None and not task.done():
+                    task.cancel()
+
+    async def _subscribed(self, decode_id: str, request_id: str) -> bool:
+        """False when the server holds no subscription on the decode executor's pages subject (no
+        responders, at once); True once ``PROBE_INTERVAL_S`` has passed otherwise (the probe went
+        unanswered, or our own connection cannot tell now: the deadline decides)."""
+        started = time.monotonic()
+        try:
+            await self.bus.request(
+                subjects.kv_pages(decode_id, request_id),
+                b"",
+                PROBE_INTERVAL_S,
+                headers={_PROBE: "1"},
+            )
+        except BusNoResponders:
+            return False
+        except BusError:
+            pass
+        await asyncio.sleep(max(0.0, PROBE_INTERVAL_S - (time.monotonic() - started)))
+        return True
 
     async def cancel(self, decode_id: str, request_id: str) -> None:
         # Best effort: the decode side's deadline frees the reservation anyway.
@@ -163,6 +223,8 @@ class NatsKVTransport:
         async def on_pages(msg: Msg) -> None:
             request_id = msg.subject.rsplit(".", 1)[1]
             headers = msg.headers or {}
+            if headers.get(_PROBE):
+                return  # it asks the server whether we subscribe, not us: never answered
             if headers.get(_CANCEL):
                 await receiver.on_cancel(request_id)
                 return

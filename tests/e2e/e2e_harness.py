@@ -10,16 +10,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.cli.launcher import Stack
 from services.tokenizer.prompts import prompt_token_ids
 from shared.wire import subjects
-from shared.wire.bus import Bus
+from shared.wire.bus import Bus, BusError
 from shared.wire.messages import (
+    PREFIX_MATCH_REPLY,
+    PREFIX_MATCH_REQUEST,
     SCHEDULER_STATUS,
     SCHEDULER_STATUS_REQUEST,
     ChatMessage,
     GenerateRequest,
+    PrefixMatchRequest,
     SchedulerStatus,
     SchedulerStatusRequest,
 )
@@ -131,6 +135,42 @@ def scheduler_status(stack: Stack) -> SchedulerStatus:
             return SCHEDULER_STATUS.decode(data)
 
     return asyncio.run(ask())
+
+
+def free_blocks(stack: Stack) -> dict[str, int]:
+    """Each live executor's free KV blocks, from its last heartbeat (every 0.5 s), as the scheduler
+    has it."""
+    return {e.executor_id: e.num_free_blocks for e in scheduler_status(stack).executors}
+
+
+def index_match(stack: Stack, model: str, block_hashes: list[int]) -> dict[str, int] | None:
+    """The prefix index's answer (executor id -> leading blocks it holds), or None when it does
+    not answer or cannot (Redis down)."""
+
+    async def ask() -> dict[str, int] | None:
+        async with await Bus.connect(stack.nats_url, "e2e-test", auth=stack.admin_auth) as bus:
+            query = PrefixMatchRequest(model=model, block_hashes=block_hashes)
+            try:
+                data = await bus.request(
+                    subjects.PREFIX_INDEX_MATCH, PREFIX_MATCH_REQUEST.encode(query), timeout=2
+                )
+            except BusError:
+                return None
+            reply = PREFIX_MATCH_REPLY.decode(data)
+            return None if reply.error else reply.num_blocks
+
+    return asyncio.run(ask())
+
+
+def metric_total(metrics_text: str, sample: str, **labels: str) -> float:
+    """The sum of the samples named ``sample`` (a counter's with its ``_total``) whose labels
+    include ``labels``, in a /metrics body; 0 when there is none."""
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(metrics_text)
+        for s in family.samples
+        if s.name == sample and labels.items() <= s.labels.items()
+    )
 
 
 def served_model(base_url: str, headers: dict[str, str]) -> str:

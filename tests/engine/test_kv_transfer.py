@@ -148,6 +148,10 @@ def test_readopt_decodes_on_the_prefill_side_unchanged(tiny_dir):
     detached = kv_transfer.detach(a, "r")
     assert a.stats().num_free_blocks == free_a - len(detached.block_ids)  # held, not freed
     kv_transfer.readopt(a, detached)
+    # It decodes from the held pages: its next step runs the first token alone (a prompt computed
+    # again would run 24 tokens there).
+    got += [t for out in a.step() if out.request_id == "r" for t in out.deltas[0].token_ids]
+    assert a.stats().last_step_num_tokens == 1
     assert _tokens_until_done(a, "r", got) == expected
     assert_free(a, free_a)
 

@@ -94,4 +94,5 @@ def test_a_prefill_executor_alone_serves_nothing():
         None,
     )
     assert code == 200 and (body["num_executors"], body["num_prefill_executors"]) == (1, 1)
+    assert body["executor_ids"] == ["executor-0", "executor-1"]  # prefill ones too
     assert body["models"]["m"]["num_executors"] == 1
