@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -115,11 +116,16 @@ def test_shared_prefix_computes_only_uncached_tokens(llm):
     engine.block_manager.reset_prefix_cache()
     llm.generate(first, params)
     before = engine.stats()
+    started_s = time.perf_counter()
     out_cached = _tokens(llm.generate(second, params))[0]
+    wall_s = time.perf_counter() - started_s
     after = engine.stats()
     assert after.prefix_cache_hits_tokens - before.prefix_cache_hits_tokens == 512
     # The uncached prompt tail, then one token per generated token except the last (never fed back).
     assert after.num_computed_tokens - before.num_computed_tokens == (len(second) - 512) + (12 - 1)
+    # 12 steps (one per token), each timed: the step seconds grow, never by more than the wall.
+    assert after.num_steps - before.num_steps == 12
+    assert 0 < after.step_seconds_total - before.step_seconds_total < wall_s
     assert engine.block_manager.reset_prefix_cache()
     out_uncached = _tokens(llm.generate(second, params))[0]
     assert out_cached == out_uncached
