@@ -561,15 +561,16 @@ def run_trace(
 ) -> dict[str, Any]:
     """Run the trace; static_batch=None submits everything at once (continuous batching), else B at
     a time, each batch stepped to completion. padded: every member of a static batch decodes as
-    many tokens as its longest and only its own max_tokens are counted. Records a KVSample before
-    every forward pass."""
+    many tokens as its longest and only its own max_tokens are counted. Records a KVSample as
+    every forward pass starts (a layered long prefill's forward runs over several steps: one
+    sample)."""
     engine = llm.engine
     bs = engine.block_manager.block_size
     samples: list[KVSample] = []
     index_of: dict[str, int] = {}
-    original_execute = engine.runner.execute
+    original_start = engine.runner.start
 
-    def execute(chunks):
+    def start(chunks):
         running = engine.scheduler.running
         live = sum(s.num_computed_tokens for s in running) + sum(len(c.token_ids) for c in chunks)
         contiguous = {
@@ -577,7 +578,7 @@ def run_trace(
             for name, limit in contiguous_limits.items()
         }
         samples.append(KVSample(live, engine.block_manager.num_used_blocks * bs, contiguous))
-        return original_execute(chunks)
+        return original_start(chunks)
 
     hits0, steps0, pre0 = (
         prefix_hits(llm),
@@ -594,7 +595,7 @@ def run_trace(
     finish_s = [0.0] * n
     expected = [_fixed_max_tokens(p) for p in params]
     # an instance attribute shadows the method until the run is over
-    with mock.patch.object(engine.runner, "execute", execute):
+    with mock.patch.object(engine.runner, "start", start):
         t0, c0 = time.perf_counter(), time.process_time()
         for group in groups:
             longest = max(expected[i] for i in group)
@@ -744,7 +745,7 @@ def _breakdown_targets() -> dict[tuple[str, int, str], str]:
     from shared.engine.attention.metadata import build_attention_metadata
     from shared.engine.block_manager import BlockManager
     from shared.engine.engine import Engine
-    from shared.engine.model_runner import ModelRunner
+    from shared.engine.model_runner import Forward
     from shared.engine.models.llama import LlamaModel
     from shared.engine.scheduler import Scheduler
 
@@ -753,7 +754,7 @@ def _breakdown_targets() -> dict[tuple[str, int, str], str]:
     funcs: list[tuple[str, Callable[..., Any]]] = [
         ("schedule", Scheduler.schedule),
         ("attn_metadata", build_attention_metadata),
-        ("model_runner.execute", ModelRunner.execute),
+        ("forward", Forward.advance),
         ("attention(all)", TorchAttentionBackend.attend),
         ("attention_decode", TorchAttentionBackend._decode),
         ("lm_head", LlamaModel.compute_logits),
