@@ -48,11 +48,11 @@ class Plan:
     disagg_long_output: int = 16
 
 
-FULL = Plan(name="full", expected_minutes=48)
+FULL = Plan(name="full", expected_minutes=6)
 
 QUICK = Plan(
     name="quick",
-    expected_minutes=9,
+    expected_minutes=3,
     mix_requests=8,
     mix_batch=4,
     mix_prompt_len=(16, 64),

@@ -305,7 +305,8 @@ def test_serving_section_without_a_ceiling_says_why():
 
 
 def test_quick_plan_is_smaller_than_full():
-    assert QUICK.expected_minutes < 10 <= FULL.expected_minutes
+    assert QUICK.expected_minutes < FULL.expected_minutes
+    assert QUICK.expected_minutes < 10  # the bound for --quick on 2 cores
     assert QUICK.mix_requests < FULL.mix_requests
     assert max(QUICK.concurrency) < max(FULL.concurrency)
     assert QUICK.disagg_streams < FULL.disagg_streams
