@@ -11,7 +11,7 @@ import random
 import time
 
 import httpx
-from e2e_harness import scheduler_status, wait_for
+from e2e_harness import index_match, scheduler_status, wait_for
 
 from services.cli.launcher import Stack
 from services.cli.servers import start_redis
@@ -19,6 +19,7 @@ from shared.wire import messages, subjects
 from shared.wire.block_hash import hash_prompt_blocks
 from shared.wire.bus import Bus
 
+MODEL = "SmolLM2-135M-Instruct"
 BLOCK_SIZE = 16
 SYSTEM_LEN = 1000
 
@@ -33,7 +34,7 @@ def shared_prompt_requests(n: int, seed: int = 0) -> tuple[list[int], list[list[
 def complete(base_url: str, prompt: list[int], max_tokens: int = 4) -> dict:
     r = httpx.post(
         f"{base_url}/v1/completions",
-        json={"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": max_tokens},
+        json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens},
         timeout=120,
     )
     assert r.status_code == 200, r.text
@@ -106,35 +107,13 @@ def test_shared_system_prompt_goes_to_its_holder_and_survives_index_and_redis_ou
 
 
 def index_answers(s: Stack) -> bool:
-    return _match(s, [1]) is not None
+    return index_match(s, MODEL, [1]) is not None
 
 
 def index_knows(s: Stack, system: list[int]) -> bool:
     hashes = hash_prompt_blocks(system, BLOCK_SIZE)
-    num_blocks = _match(s, hashes)
+    num_blocks = index_match(s, MODEL, hashes)
     return num_blocks is not None and max(num_blocks.values(), default=0) == len(hashes)
-
-
-def _match(s: Stack, block_hashes: list[int]) -> dict[str, int] | None:
-    """The index's answer, or None when it does not answer or cannot (Redis down)."""
-
-    async def ask() -> dict[str, int] | None:
-        bus = await Bus.connect(s.nats_url, "test-match", auth=s.admin_auth)
-        try:
-            query = messages.PrefixMatchRequest(
-                model="SmolLM2-135M-Instruct", block_hashes=block_hashes
-            )
-            data = await bus.request(
-                subjects.PREFIX_INDEX_MATCH, messages.PREFIX_MATCH_REQUEST.encode(query), timeout=2
-            )
-            reply = messages.PREFIX_MATCH_REPLY.decode(data)
-            return None if reply.error else reply.num_blocks
-        except Exception:
-            return None
-        finally:
-            await bus.close()
-
-    return asyncio.run(ask())
 
 
 def test_three_schedulers_keep_each_executor_within_its_cap(stack):
@@ -166,7 +145,7 @@ def test_three_schedulers_keep_each_executor_within_its_cap(stack):
                 r = await client.post(
                     "/v1/completions",
                     json={
-                        "model": "SmolLM2-135M-Instruct",
+                        "model": MODEL,
                         "prompt": f"Request {i}: tell me a story.",
                         "max_tokens": 24,
                         "ignore_eos": True,
