@@ -980,7 +980,8 @@ def print_report(res: dict[str, Any]) -> None:
                 "less sensitive to neighbours)"
             )
             engine = res["config"]["dtype"] + (" int8" if res["config"].get("quantization") else "")
-            engine += ", int8 KV" if res["config"].get("kv_cache_dtype") == "int8" else ""
+            kv = res["config"].get("kv_cache_dtype", "auto")
+            engine += f", {kv} KV" if kv != "auto" else ""
             for hf in hf_runs:
                 print(f"    transformers {hf['dtype']} measured: {hf['measured']}")
                 print(

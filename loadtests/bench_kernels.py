@@ -2,10 +2,10 @@
 weights and cache, so the data comes from DRAM as in a real step, not from a warm L3).
 
   - decode attention: B sequences x ``--context`` tokens, blocks shuffled through a pool on huge
-    pages (as the engine's); ms and the K/V bytes read per second (``--kv-cache-dtype int8``: the
-    caches in the engine's int8 layout, rows with their scales); and "cached": the same calls with
-    every sequence reading one layer's first blocks, which stay in L2, so what is left is the
-    kernel's compute;
+    pages (as the engine's); ms and the K/V bytes read per second (``--kv-cache-dtype int8`` or
+    ``fp8``: the caches in the engine's int8 or e4m3 layout, rows with their scales); and "cached":
+    the same calls with every sequence reading one layer's first blocks, which stay in L2, so what
+    is left is the kernel's compute;
   - prefill attention: fresh prompts of 512, 300, 450, 200 and 586 tokens (2,048) in one call; ms
     and GFLOP/s over the causal half (what has to be computed);
   - linear: the four layer matmuls (QKV, O, gate-up, down) at M rows, ``linear_bf16`` on its packed
@@ -43,7 +43,7 @@ import torch
 from kernels.cpu import cpu_ops, isa
 from loadtests.results import write_json
 from shared.engine import huge_pages
-from shared.engine.kv_cache import quantize_kv
+from shared.engine.kv_cache import to_cache_rows
 from shared.engine.memory import decoder_linear_shapes
 from shared.engine.models.known_configs import KNOWN_CONFIGS
 from shared.engine.quantization import KV_CACHE_DTYPES
@@ -62,6 +62,8 @@ LAYERS, HEADS, KV_HEADS, HEAD_DIM = (
 )
 LINEARS = decoder_linear_shapes(SMOLLM2)  # (out, in): QKV, O, gate-up, down
 BLOCK = 16
+# The cache tensor per --kv-cache-dtype that is not the data's (the engine's layouts: kv_cache)
+_CACHE_TENSOR_DTYPES = {"int8": torch.int8, "fp8": torch.uint8}
 PROMPTS = [512, 300, 450, 200, 586]
 
 
@@ -80,7 +82,7 @@ def paged_caches(num_blocks: int, dtype: torch.dtype, g: torch.Generator, kv_cac
 
     def cache() -> torch.Tensor:
         x = torch.randn(shape, generator=g).to(dtype)
-        x = quantize_kv(x) if kv_cache_dtype == "int8" else x
+        x = to_cache_rows(x, _CACHE_TENSOR_DTYPES.get(kv_cache_dtype, dtype))
         return huge_pages.zeros(tuple(x.shape), x.dtype).copy_(x)
 
     return [(cache(), cache()) for _ in range(LAYERS)]
@@ -120,7 +122,7 @@ def bench_decode(ops, dtype, batch: int, context: int, repeats: int, kv_cache_dt
         ],
         repeats,
     )
-    row_bytes = caches[0][0].shape[-1] * caches[0][0].element_size()  # int8: values and scale
+    row_bytes = caches[0][0].shape[-1] * caches[0][0].element_size()  # int8/fp8: values and scale
     kv_bytes = LAYERS * batch * context * KV_HEADS * row_bytes * 2
     return dict(
         batch=batch,

@@ -1,7 +1,7 @@
 """What quantization costs in quality: SmolLM2 in bf16 and int8 (W8A8, per SmoothQuant alpha, and
-without smoothing), each also with an int8 KV cache, against fp32, teacher-forced over the same
-text (the engine's own docstrings, none of it in the int8 calibration text). With an int8 KV cache
-every position attends to the quantized keys and values, as in the engine.
+without smoothing), each also with an int8 and an fp8 (e4m3) KV cache, against fp32, teacher-forced
+over the same text (the engine's own docstrings, none of it in the int8 calibration text). With a
+quantized KV cache every position attends to the quantized keys and values, as in the engine.
 
 Per configuration: perplexity of the text, top-1 agreement with fp32 at every position, and the
 mean and max |logit - fp32 logit|; plus the bytes the model holds.
@@ -63,11 +63,13 @@ def measure(
         ("fp32", "float32", None, False, "auto"),
         ("bf16", "bfloat16", None, False, "auto"),
         ("bf16, int8 KV", "bfloat16", None, False, "int8"),
+        ("bf16, fp8 KV", "bfloat16", None, False, "fp8"),
     ]
     for a in alphas.split(","):
         configs += [
             (f"int8 alpha={a}", "bfloat16", float(a), True, "auto"),
             (f"int8 alpha={a}, int8 KV", "bfloat16", float(a), True, "int8"),
+            (f"int8 alpha={a}, fp8 KV", "bfloat16", float(a), True, "fp8"),
         ]
     if unsmoothed:
         configs.append(("int8 no smoothing", "bfloat16", None, True, "auto"))

@@ -97,7 +97,7 @@ class EngineConfig:
     seed: int = _setting(0, "seed of the engine's global random generator", type=int)
     # "int8": W8A8 decoder linears (CPU kernels); see int8_linear
     quantization: str | None = _setting(None, QUANTIZATION_HELP, choices=QUANTIZATIONS)
-    # "int8": K/V rows in int8 with a scale each; see kv_cache
+    # "int8" / "fp8": K/V rows in int8 / e4m3 with a scale each; see kv_cache
     kv_cache_dtype: str = _setting("auto", KV_CACHE_DTYPE_HELP, choices=KV_CACHE_DTYPES)
 
     def __post_init__(self) -> None:

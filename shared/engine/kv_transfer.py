@@ -22,14 +22,14 @@ Decode side:
 
 Exactness: after commit the decode engine holds what the prefill engine held after its first
 sample: token_ids = prompt + [first], num_computed_tokens = len(prompt), the prompt's K/V in the
-same bytes (the cache dtype; an int8 row carries its scale, see kv_cache), the generator's state
-after one draw, the detokenizer fed the first token and the characters already streamed. Its next
-step decodes the first token through the decode kernel, as the prefill engine's would have.
+same bytes (the cache dtype; an int8 or fp8 row carries its scale, see kv_cache), the generator's
+state after one draw, the detokenizer fed the first token and the characters already streamed. Its
+next step decodes the first token through the decode kernel, as the prefill engine's would have.
 
 A page is one block of every layer, K and V, in cache order; blocks travel back to back:
 
     page = storage[:, :, block_id]  ->  [num_layers, 2 (K, V), block_size, num_kv_heads, row]
-    pages: [page(b0) | page(b1) | ...]   (row = head_dim elements, or head_dim + 4 int8 bytes)
+    pages: [page(b0) | page(b1) | ...]   (row = head_dim elements, or head_dim + 4 bytes: int8, fp8)
 
 Invariant that lets the receiving service write pages while the engine steps in its own thread:
 a reserved block is in no block table and no pending copy until commit, so the engine neither
@@ -79,8 +79,9 @@ class PageLayout:
     num_layers: int
     block_size: int
     num_kv_heads: int
-    row: int  # elements per (token, head): head_dim, or head_dim + 4 bytes for int8
-    dtype: str  # the cache tensor's dtype: "bfloat16", "float32", "int8", ...
+    row: int  # elements per (token, head): head_dim, or head_dim + 4 bytes for int8 and fp8
+    # the cache tensor's dtype: "bfloat16", "float32", "int8", "uint8" (fp8 rows, see kv_cache)...
+    dtype: str
 
     @property
     def page_nbytes(self) -> int:

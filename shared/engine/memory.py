@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
 from shared.engine.models.config import ModelConfig
-from shared.engine.quantization import KV_SCALE_BYTES
+from shared.engine.quantization import KV_SCALE_BYTES, SCALED_KV_CACHE_DTYPES
 
 # Bytes per element. int8/fp8 exist for quantized KV caches; weights use the first three.
 DTYPE_BYTES: dict[str, int] = {
@@ -94,11 +94,11 @@ def format_bytes(num_bytes: int) -> str:
 
 def kv_bytes_per_token(config: ModelConfig, kv_dtype: str) -> int:
     """K and V, for every layer and KV head: 2 x num_layers x num_kv_heads x head_dim x bytes. An
-    int8 row also carries its fp32 scale: 2 x num_layers x num_kv_heads x (head_dim + 4), as the
-    engine's int8 cache holds it (``shared/engine/kv_cache.py``)."""
+    int8 or fp8 row also carries its fp32 scale: 2 x num_layers x num_kv_heads x (head_dim + 4),
+    as the engine's scaled caches hold it (``shared/engine/kv_cache.py``)."""
     row = (
         config.head_dim + KV_SCALE_BYTES
-        if kv_dtype == "int8"
+        if kv_dtype in SCALED_KV_CACHE_DTYPES
         else config.head_dim * dtype_bytes(kv_dtype)
     )
     return 2 * config.num_layers * config.num_kv_heads * row

@@ -1,6 +1,6 @@
 """Prefill in engine A, move the pages, decode in engine B: exactly the tokens of one engine, on
-the tiny random Llama and on SmolLM2 (bf16, and the int8 KV cache), and no block leaked on either
-side."""
+the tiny random Llama (fp32, int8 and fp8 KV caches) and on SmolLM2 (bf16, and the int8 KV cache),
+and no block leaked on either side."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
 @pytest.mark.parametrize("num_prompt", [5, 8, 70])
 def test_tiny_disaggregated_matches_one_engine(tiny_dir, num_prompt, kv_cache_dtype):
     """Chunked prefill (70 > the 32-token budget), a partly filled last block and a full one."""
@@ -197,6 +197,10 @@ def test_layout_and_page_bytes(tiny_dir):
     assert layout.page_nbytes == 2 * 2 * 4 * 2 * 16 * 4
     e8 = tiny_engine(tiny_dir, kv_cache_dtype="int8")
     assert kv_transfer.page_layout(e8.kv_cache).page_nbytes == 2 * 2 * 4 * 2 * (16 + 4)
+    fp8 = kv_transfer.page_layout(tiny_engine(tiny_dir, kv_cache_dtype="fp8").kv_cache)
+    # the same bytes as int8, but not the same layout: pages never cross between the two
+    assert fp8.page_nbytes == 2 * 2 * 4 * 2 * (16 + 4) and fp8.dtype == "uint8"
+    assert fp8 != kv_transfer.page_layout(e8.kv_cache)
 
 
 # ---- the real SmolLM2 ----------------------------------------------------------------------------

@@ -179,7 +179,9 @@ def test_kernels_refuse_malformed_int8_caches(ops):
     int8 = torch.zeros(4, 16, 1, 68, dtype=torch.int8)
     with pytest.raises(RuntimeError, match="caches must be alike"):
         ops.decode_attention(q, int8, torch.zeros(4, 16, 1, 68), table, lens, 1, 1.0)
-    with pytest.raises(RuntimeError, match="cache dtype must be int8 or the dtype of q"):
+    with pytest.raises(
+        RuntimeError, match=r"cache dtype must be int8, uint8 \(fp8\) or the dtype of q"
+    ):
         int16 = torch.zeros(4, 16, 1, 64, dtype=torch.int16)
         ops.prefill_attention(q, int16, int16, table, torch.tensor([0, 1]), lens, 1, 1.0)
 
@@ -340,7 +342,7 @@ def test_kv_cache_dtype_is_checked_and_reaches_the_executor(monkeypatch):
     from shared.engine.config import EngineConfig
 
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
-        EngineConfig(kv_cache_dtype="fp8")
+        EngineConfig(kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         KVCache(KNOWN_CONFIGS["smollm2-135m"], 4, 16, torch.bfloat16, kv_cache_dtype="int4")
     assert parse_config([]).engine.kv_cache_dtype == "auto"

@@ -43,7 +43,8 @@ def test_plan_json(capsys):
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["memory_budget_bytes"] == 24_000_000_000
-    assert data["kv_bytes_per_token"] == 65536 and data["kv_bytes_per_block"] == 32 * 65536
+    # the engine's fp8 rows: 2 x 32 layers x 8 KV heads x (128 e4m3 bytes + a 4-byte scale)
+    assert data["kv_bytes_per_token"] == 67584 and data["kv_bytes_per_block"] == 32 * 67584
     assert data["weight_bytes"] == 2 * 8030261248
     assert (data["weight_dtype"], data["kv_dtype"], data["block_size"]) == ("bfloat16", "fp8", 32)
     assert data["num_usable_kv_blocks"] == data["num_kv_blocks"] - 1

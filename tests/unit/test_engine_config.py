@@ -241,3 +241,26 @@ def test_prefix_caching_can_be_turned_off_on_every_command_line(monkeypatch):
     config = StackConfig.of(enable_prefix_caching=False)
     assert "--no-enable-prefix-caching" in executor_args(config, 0)
     assert parse_executor_config(executor_args(config, 0)).engine.enable_prefix_caching is False
+
+
+def test_generate_keeps_the_engine_seed_apart_from_the_sampling_seed(monkeypatch):
+    """generate's --seed is each request's (SamplingParams.seed); the engine's global seed keeps
+    its default, also when --seed is not given (None must not reach EngineConfig.seed)."""
+    import types
+
+    class Stop(Exception):
+        pass
+
+    seen: list[EngineConfig] = []
+
+    def fake_llm(config: EngineConfig):
+        seen.append(config)
+        raise Stop
+
+    monkeypatch.delenv("LLMSERVE_SEED", raising=False)
+    monkeypatch.setitem(sys.modules, "shared.engine.llm", types.SimpleNamespace(LLM=fake_llm))
+    for argv in (["hi"], ["hi", "--seed", "7", "--kv-cache-dtype", "fp8"]):
+        with pytest.raises(Stop):
+            generate.run(command_parser(generate).parse_args(argv))
+    assert [c.seed for c in seen] == [EngineConfig().seed] * 2
+    assert [c.kv_cache_dtype for c in seen] == ["auto", "fp8"]

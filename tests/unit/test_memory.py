@@ -93,11 +93,11 @@ def test_kv_bytes_per_token_published_models():
         kv_bytes_per_token(KNOWN_CONFIGS["llama-3-70b"], "bfloat16") == 327680
     )  # 2 * 80 * 8 * 128 * 2
     assert kv_bytes_per_token(KNOWN_CONFIGS["smollm2-135m"], "float32") == 2 * 30 * 3 * 64 * 4
-    assert kv_bytes_per_token(KNOWN_CONFIGS["llama-3-8b"], "fp8") == 65536
-    # The engine's int8 cache: each (token, KV head) row carries a 4-byte scale.
+    # The engine's int8 and fp8 caches: each (token, KV head) row carries a 4-byte scale.
     assert (
         kv_bytes_per_token(KNOWN_CONFIGS["llama-3-8b"], "int8") == 67584
     )  # 2 * 32 * 8 * (128 + 4)
+    assert kv_bytes_per_token(KNOWN_CONFIGS["llama-3-8b"], "fp8") == 67584
 
 
 def test_num_params_from_published_shapes():

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 #include <algorithm>
 #include <cmath>
@@ -51,7 +52,7 @@ inline void check_block_tables(const at::Tensor& block_tables, const at::Tensor&
   }
 }
 
-// ---- int8 KV-cache rows ------------------------------------------------------------------------------
+// ---- int8 and fp8 KV-cache rows ---------------------------------------------------------------------
 // An int8 cache (kv_cache_dtype="int8") holds each (token, KV head) row as head_dim int8 values followed
 // by their fp32 scale (4 bytes, unaligned): x ~= scale * q, scale = max|x| / 127 (0 for an all-zero row),
 // q = x * (127 / max|x|) rounded half to even (the int8 linear's rounding of its inputs). One scale per
@@ -60,14 +61,29 @@ inline void check_block_tables(const at::Tensor& block_tables, const at::Tensor&
 // rounding as shared/engine/kv_cache.quantize_kv, bit for bit.
 constexpr int64_t kScaleBytes = 4;
 
-inline float row_scale(const int8_t* row, int64_t head_dim) {
+// An fp8 cache (kv_cache_dtype="fp8") has the same rows with e4m3 bytes for values: x ~= scale * e4m3,
+// scale = max|x| / 448. Kernels read an e4m3 byte through F16C (load16_fp8_shifted: the byte's
+// exponent and mantissa moved into an fp16 whose value is the e4m3 one times 2^-8, subnormals
+// included), so a row's scale is taken times kFp8Unshift.
+struct Fp8 {
+  uint8_t bits;
+};
+constexpr float kFp8Unshift = 256.f;
+
+template <typename C>
+constexpr bool kScaledRows = std::is_same_v<C, int8_t> || std::is_same_v<C, Fp8>;
+
+template <typename B>
+inline float row_scale(const B* row, int64_t head_dim) {
+  static_assert(sizeof(B) == 1, "scaled rows are bytes");
   float s;
   std::memcpy(&s, row + head_dim, sizeof(s));
   return s;
 }
 
 // The scales of nt <= 16 rows (stride apart from `first`) in lanes; 0 past nt.
-LLMSERVE_INLINE vf row_scales16(const int8_t* first, int64_t stride, int64_t nt, int64_t head_dim) {
+template <typename B>
+LLMSERVE_INLINE vf row_scales16(const B* first, int64_t stride, int64_t nt, int64_t head_dim) {
   alignas(64) float scales[16] = {};
   for (int64_t u = 0; u < nt; ++u) scales[u] = row_scale(first + u * stride, head_dim);
   return load(scales);
@@ -90,20 +106,54 @@ void dequantize_row(T* dst, const int8_t* row, int64_t head_dim) {
   for (int64_t i = 0; i < head_dim; i += 16) store16(dst + i, mul(load16(row + i), scale));
 }
 
-// Elements per (token, KV head) row of a cache of C: the values, then for int8 the scale's bytes.
-template <typename C>
-constexpr int64_t cache_row_len(int64_t head_dim) { return head_dim + (std::is_same_v<C, int8_t> ? kScaleBytes : 0); }
+// fp8 rows: x * (448 / max|x|) clamped to +-448 (saturating), then to e4m3 by c10's conversion (round
+// to nearest even), the one torch's .to(torch.float8_e4m3fn) runs: the same bytes as
+// shared/engine/kv_cache.quantize_kv_fp8.
+constexpr float kFp8Max = 448.f;
 
-// A paged cache in q's dtype, or int8 rows with their scales; returns whether it is int8.
-inline bool check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, at::ScalarType dtype, int64_t kv_heads,
-                        int64_t head_dim, const char* op) {
-  const bool int8 = k_cache.scalar_type() == at::kChar;
+template <typename T>
+void quantize_row(Fp8* dst, const T* x, int64_t head_dim) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < head_dim; ++i) amax = std::max(amax, std::fabs(to_float(x[i])));
+  const float scale = amax / kFp8Max, inv = amax > 0.f ? kFp8Max / amax : 0.f;
+  for (int64_t i = 0; i < head_dim; ++i)
+    dst[i].bits = c10::Float8_e4m3fn(std::clamp(to_float(x[i]) * inv, -kFp8Max, kFp8Max)).x;
+  std::memcpy(dst + head_dim, &scale, sizeof(scale));
+}
+
+// An fp8 row back in the model dtype, (e4m3 * scale) rounded once (the powers of two of the shifted
+// load cancel exactly), as the torch reference dequantizes; head_dim a multiple of 16.
+template <typename T>
+void dequantize_row(T* dst, const Fp8* row, int64_t head_dim) {
+  const vf scale = set1(row_scale(row, head_dim) * kFp8Unshift);
+  for (int64_t i = 0; i < head_dim; i += 16) store16(dst + i, mul(load16_fp8_shifted(row + i), scale));
+}
+
+// Elements per (token, KV head) row of a cache of C: the values, then for int8 and fp8 the scale's bytes.
+template <typename C>
+constexpr int64_t cache_row_len(int64_t head_dim) { return head_dim + (kScaledRows<C> ? kScaleBytes : 0); }
+
+// What a cache tensor holds: rows in the model dtype, int8 rows (int8 tensor) or fp8 rows (uint8 tensor:
+// torch has no CPU index_copy_ for float8, so the engine keeps e4m3 bytes as uint8).
+enum class CacheKind { kModel, kInt8, kFp8 };
+inline CacheKind cache_kind(const at::Tensor& cache) {
+  return cache.scalar_type() == at::kChar ? CacheKind::kInt8 : cache.scalar_type() == at::kByte ? CacheKind::kFp8 : CacheKind::kModel;
+}
+inline int64_t cache_head_dim(const at::Tensor& cache) {
+  return cache.size(3) - (cache_kind(cache) == CacheKind::kModel ? 0 : kScaleBytes);
+}
+
+// A paged cache in q's dtype, or int8/fp8 rows with their scales.
+inline CacheKind check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, at::ScalarType dtype, int64_t kv_heads,
+                             int64_t head_dim, const char* op) {
+  const CacheKind kind = cache_kind(k_cache);
+  const bool scaled = kind != CacheKind::kModel;
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
-              op, ": caches must be alike, [blocks, block_size, kv_heads, head_dim (+ 4 for int8)]");
-  TORCH_CHECK(int8 || k_cache.scalar_type() == dtype, op, ": cache dtype must be int8 or the dtype of q/qkv");
-  TORCH_CHECK(k_cache.size(2) == kv_heads && k_cache.size(3) == head_dim + (int8 ? kScaleBytes : 0), op,
-              ": cache rows must be [kv_heads, head_dim", int8 ? " + 4]" : "]");
-  return int8;
+              op, ": caches must be alike, [blocks, block_size, kv_heads, head_dim (+ 4 for int8/fp8)]");
+  TORCH_CHECK(scaled || k_cache.scalar_type() == dtype, op, ": cache dtype must be int8, uint8 (fp8) or the dtype of q/qkv");
+  TORCH_CHECK(k_cache.size(2) == kv_heads && k_cache.size(3) == head_dim + (scaled ? kScaleBytes : 0), op,
+              ": cache rows must be [kv_heads, head_dim", scaled ? " + 4]" : "]");
+  return kind;
 }
 
 }  // namespace llmserve

@@ -4,7 +4,8 @@
 // value sums and the merge of a sequence's parts are written once against the 16-lane vec API. The
 // key scores have an AVX-512 form (16 x 16 register transposes) and an AVX2 one (8 x 8, keys in two
 // groups: 16 registers), the int8 value sums an AVX-512 and an AVX2 form (their integer shuffles
-// differ), and bf16 caches take AVX512-BF16 dot products where the build has them.
+// differ), and bf16 caches take AVX512-BF16 dot products where the build has them. fp8 (e4m3) rows are
+// widened to fp32 exactly (F16C: no CPU here converts fp8 natively) and take the fp32 forms.
 // The pieces: decode_blocks.h (block walk, softmax), decode_keys.h (scores), decode_values.h (value sums).
 #include "common.h"
 #include "decode_keys.h"
@@ -25,17 +26,18 @@ using namespace decode;
 // pass merges the parts in order. The split depends on the sequence's own length only, never on the
 // batch or the thread count, so a sequence's output is bit-identical whatever else is decoded with it
 // (seeded sampling must not depend on the batch).
-// C: the cache's element type, T or int8_t (rows with scales: the item's queries are quantized to int16
-// once, key scales multiply the scores, value scales the softmax weights).
+// C: the cache's element type, T, int8_t or Fp8 (rows with scales: key scales multiply the scores, value
+// scales the softmax weights; int8 keys take the item's queries quantized to int16 once, fp8 keys fp32
+// queries).
 template <typename T, typename C, int G, int NV>
 void decode_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
                            int64_t max_blocks, const int64_t* seq_lens, int64_t num_seqs, int64_t kv_heads,
                            const int64_t* first_item, int64_t block_size, float scale) {
-  constexpr bool kInt8 = std::is_same_v<C, int8_t>;
+  constexpr bool kInt8 = std::is_same_v<C, int8_t>, kFp8 = std::is_same_v<C, Fp8>;
 #if defined(__AVX512BF16__)
-  constexpr bool kWidenQuery = false;
+  constexpr bool kWidenQuery = kFp8;
 #else
-  constexpr bool kWidenQuery = std::is_same_v<C, c10::BFloat16>;  // bf16 keys take fp32 queries
+  constexpr bool kWidenQuery = kFp8 || std::is_same_v<C, c10::BFloat16>;  // bf16 and fp8 keys take fp32 queries
 #endif
   constexpr int64_t head_dim = NV * 16;
   constexpr int64_t head_row = cache_row_len<C>(head_dim);
@@ -74,12 +76,13 @@ void decode_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cach
             prefetch_share(ahead, t, ahead_rows, kh, kv_heads, kv_row);
             const C* k16 = kb + t * kv_row + kh * head_row;
             vf dot[G];
-            vf key_scales = set1(scale);  // per score: scale, times the key row's for int8
+            vf key_scales = set1(kFp8 ? scale * kFp8Unshift : scale);  // per score: scale, times the key row's for int8/fp8
             if constexpr (kInt8) {
               key_scores<G, NV>(dot, q_pairs.data() + kh * G * head_dim / 2, k16, kv_row, nt);
               key_scales = mul(key_scales, row_scales16(k16, kv_row, nt, head_dim));
             } else if constexpr (kWidenQuery) {
               key_scores<G, NV>(dot, q_f32.data() + kh * G * head_dim, k16, kv_row, nt);
+              if constexpr (kFp8) key_scales = mul(key_scales, row_scales16(k16, kv_row, nt, head_dim));
             } else {
               key_scores<G, NV>(dot, qs + kh * G * head_dim, k16, kv_row, nt);
             }
@@ -178,16 +181,16 @@ bool attention_supports(int64_t heads, int64_t kv_heads, int64_t head_dim) {
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t heads, double scale) {
   for (auto* t : {&q, &k_cache, &v_cache, &block_tables, &seq_lens}) check_cpu_contiguous(*t, "decode_attention input");
-  TORCH_CHECK(k_cache.dim() == 4, "caches must be [blocks, block_size, kv_heads, head_dim (+ 4 for int8)]");
+  TORCH_CHECK(k_cache.dim() == 4, "caches must be [blocks, block_size, kv_heads, head_dim (+ 4 for int8/fp8)]");
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  const int64_t head_dim = k_cache.size(3) - (k_cache.scalar_type() == at::kChar ? kScaleBytes : 0);
+  const int64_t head_dim = cache_head_dim(k_cache);
   const int64_t num_seqs = seq_lens.numel();
   TORCH_CHECK(attention_supports(heads, kv_heads, head_dim), "decode_attention: unsupported shape: ", heads,
               " heads, ", kv_heads, " KV heads, head_dim ", head_dim);
   TORCH_CHECK(q.dim() == 2 && q.size(0) == num_seqs && q.size(1) == heads * head_dim, "q must be [num_seqs, heads * head_dim]");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "block_tables and seq_lens must be int64");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs, "block_tables must be [num_seqs, max_blocks]");
-  const bool int8 = check_cache(k_cache, v_cache, q.scalar_type(), kv_heads, head_dim, "decode_attention");
+  const CacheKind kind = check_cache(k_cache, v_cache, q.scalar_type(), kv_heads, head_dim, "decode_attention");
   check_block_tables(block_tables, seq_lens, block_size, k_cache.size(0));
   at::Tensor out = at::empty_like(q);
   const float sc = static_cast<float>(scale);
@@ -206,7 +209,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                                 block_tables.data_ptr<int64_t>(), block_tables.size(1), seq_lens.data_ptr<int64_t>(),
                                 num_seqs, kv_heads, first_item.data(), block_size, sc);
     };
-    if (int8) run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
+    if (kind == CacheKind::kInt8) run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
+    else if (kind == CacheKind::kFp8)
+      run(reinterpret_cast<const Fp8*>(k_cache.data_ptr<uint8_t>()), reinterpret_cast<const Fp8*>(v_cache.data_ptr<uint8_t>()));
     else run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
   });
   return out;
@@ -227,6 +232,7 @@ std::vector<std::string> decode_attention_paths() {
 #else
       "decode_attention int8 cache: int16 pairs, vpmaddwd (" + vector_name + ")",
 #endif
+      "decode_attention fp8 cache: e4m3 widened through F16C, fp32 FMA (" + vector_name + ")",
   };
 }
 

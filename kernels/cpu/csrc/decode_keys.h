@@ -47,6 +47,20 @@ inline void key_scores(vf (&dot)[G], const float* q, const float* k, int64_t str
   }
 }
 
+// fp8 keys against fp32 queries: each row's 16 bytes widened exactly (times 2^-8, see common.h), then
+// transposed as fp32 rows are.
+template <int G, int NV>
+inline void key_scores(vf (&dot)[G], const float* q, const Fp8* k, int64_t stride, int64_t nt) {
+  for (int j = 0; j < G; ++j) dot[j] = zero();
+  for (int c = 0; c < NV; ++c) {  // 16 dims at a time
+    vf r[16];
+    for (int64_t u = 0; u < 16; ++u) r[u] = u < nt ? load16_fp8_shifted(k + u * stride + c * 16) : zero();
+    transpose16(r);  // r[i] lane u = k_u[16c + i] * 2^-8
+    for (int i = 0; i < 16; ++i)
+      for (int j = 0; j < G; ++j) dot[j] = fmadd(set1(q[j * NV * 16 + c * 16 + i]), r[i], dot[j]);
+  }
+}
+
 #if defined(__AVX512BF16__)
 // bf16 keys and queries multiply as they are: 32 exact products per instruction, summed in fp32.
 template <int G, int NV>
@@ -194,6 +208,27 @@ inline void key_scores(vf (&dot)[G], const int32_t* q, const int8_t* k, int64_t 
         }
       }
     }
+  });
+}
+
+// fp8 keys: 8 bytes of each of 8 rows widened exactly (times 2^-8, see common.h), then as fp32.
+template <int G, int NV>
+inline void key_scores(vf (&dot)[G], const float* q, const Fp8* k, int64_t stride, int64_t nt) {
+  key_groups8<G, __m256>(dot, reinterpret_cast<const char*>(k), stride, nt, [&](__m256 (&acc)[G], const char* rows, int64_t n) {
+    __m256 odd_acc[G] = {};
+    for (int c = 0; c < 2 * NV; ++c) {  // 8 dims at a time
+      __m256 r[8];
+      for (int64_t u = 0; u < 8; ++u)
+        r[u] = u < n ? fp8_shifted8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows + u * stride + c * 8))) : _mm256_setzero_ps();
+      transpose8(r);  // r[i] lane u = k_u[8c + i] * 2^-8
+      for (int i = 0; i < 8; i += 2)
+        for (int j = 0; j < G; ++j) {
+          const float* qj = q + j * NV * 16 + c * 8 + i;
+          acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(qj[0]), r[i], acc[j]);
+          odd_acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(qj[1]), r[i + 1], odd_acc[j]);
+        }
+    }
+    for (int j = 0; j < G; ++j) acc[j] = _mm256_add_ps(acc[j], odd_acc[j]);
   });
 }
 #endif

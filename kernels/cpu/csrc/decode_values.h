@@ -26,6 +26,7 @@ constexpr int kValuesPerPass = G <= 1 ? 4 : G <= 3 ? 2 : 1;
 // widened, on AVX2 as [8 even dims | 8 odd dims] (a shift and a mask of one load, no cross-lane
 // widening), put back in order by interleave_even_odd at the end.
 LLMSERVE_INLINE vf load_values(const float* p) { return loadu(p); }
+LLMSERVE_INLINE vf load_values(const Fp8* p) { return load16_fp8_shifted(p); }  // times 2^-8
 #if LLMSERVE_VEC_AVX512
 LLMSERVE_INLINE vf load_values(const c10::BFloat16* p) { return load16(p); }
 #else
@@ -49,8 +50,9 @@ inline void interleave_even_odd(float* sums, int64_t count) {
 // accs [kv_heads * G heads][head_dim] += the part's softmax weights (sc: [head][span], the part's
 // keys from block b_lo on) times its value rows, in fp32 products, kValueRows rows at a time and
 // every head for them before the next ones; a head's accumulators stay in registers for those rows,
-// in the buffer between them. fp32 values, and bf16 ones without AVX512-BF16; the overloads below
-// take bf16 (with AVX512-BF16) and int8 values. Each dim's sum takes the rows in order.
+// in the buffer between them. fp32 values, bf16 ones without AVX512-BF16, and fp8 ones (each weight
+// times its row's scale); the overloads below take bf16 (with AVX512-BF16) and int8 values. Each dim's
+// sum takes the rows in order.
 template <int G, int NV, typename C>
 void weighted_values(float* accs, const float* sc, int64_t span, const C* v_cache, const int64_t* table,
                      int64_t b_lo, int64_t b_hi, int64_t len, int64_t block_size, int64_t kv_heads) {
@@ -77,9 +79,15 @@ void weighted_values(float* accs, const float* sc, int64_t span, const C* v_cach
             for (int v = 0; v < VP; ++v) acc[j][v] = loadu(ak + j * head_dim + (v0 + v) * 16);
           for (int64_t u = 0; u < nt; ++u) {
             const C* vr = vb + (t + u) * kv_row + kh * head_row;
+            float row_scale_unshifted = 1.f;
+            if constexpr (std::is_same_v<C, Fp8>) row_scale_unshifted = row_scale(vr, head_dim) * kFp8Unshift;
             for (int v = 0; v < VP; ++v) {
               const vf val = load_values(vr + (v0 + v) * 16);
-              for (int j = 0; j < G; ++j) acc[j][v] = fmadd(set1(sk[j * span + u]), val, acc[j][v]);
+              for (int j = 0; j < G; ++j) {
+                float w = sk[j * span + u];
+                if constexpr (std::is_same_v<C, Fp8>) w *= row_scale_unshifted;
+                acc[j][v] = fmadd(set1(w), val, acc[j][v]);
+              }
             }
           }
           for (int j = 0; j < G; ++j)

@@ -176,7 +176,7 @@ struct KeyBlock<c10::BFloat16, NV> {
 };
 #endif
 
-// C: the cache's element type, T or int8_t (each block's rows are dequantized to T as they are loaded:
+// C: the cache's element type, T, int8_t or Fp8 (each block's rows are dequantized to T as they are loaded:
 // the attention is then the one over the dequantized cache that the torch reference computes).
 template <typename T, typename C, int NV>
 void prefill_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
@@ -215,7 +215,7 @@ void prefill_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cac
     float* acc = acc_buf.data_ptr<float>();
     std::vector<float> row_max(passes_max * kLanes), row_sum(passes_max * kLanes);
     std::vector<int32_t> row_pos(passes_max * kLanes);
-    std::vector<T> dequantized(std::is_same_v<C, int8_t> ? 2 * kKeys * D : 0);  // K rows, then V rows
+    std::vector<T> dequantized(kScaledRows<C> ? 2 * kKeys * D : 0);  // K rows, then V rows
     const T* k_rows[kKeys];
     const T* v_rows[kKeys];
     Block block;
@@ -247,7 +247,7 @@ void prefill_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cac
         const int64_t nk = std::min(kKeys, last_pos + 1 - k0);
         for (int64_t t = 0; t < nk; ++t) {
           const int64_t row_at = slot_of(table, k0 + t, block_size) * kv_row + kh * head_row;
-          if constexpr (std::is_same_v<C, int8_t>) {
+          if constexpr (kScaledRows<C>) {
             T* kd = dequantized.data() + t * D;
             T* vd = kd + kKeys * D;
             dequantize_row(kd, k_cache + row_at, D);
@@ -309,9 +309,9 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
                              const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& seq_lens,
                              int64_t heads, double scale) {
   for (auto* t : {&q, &k_cache, &v_cache, &block_tables, &query_start, &seq_lens}) check_cpu_contiguous(*t, "prefill_attention input");
-  TORCH_CHECK(k_cache.dim() == 4, "caches must be [blocks, block_size, kv_heads, head_dim (+ 4 for int8)]");
+  TORCH_CHECK(k_cache.dim() == 4, "caches must be [blocks, block_size, kv_heads, head_dim (+ 4 for int8/fp8)]");
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  const int64_t head_dim = k_cache.size(3) - (k_cache.scalar_type() == at::kChar ? kScaleBytes : 0);
+  const int64_t head_dim = cache_head_dim(k_cache);
   const int64_t num_seqs = seq_lens.numel();
   TORCH_CHECK(attention_supports(heads, kv_heads, head_dim), "prefill_attention: unsupported shape: ", heads,
               " heads, ", kv_heads, " KV heads, head_dim ", head_dim);
@@ -319,7 +319,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   TORCH_CHECK(query_start.numel() == num_seqs + 1 && block_tables.dim() == 2 && block_tables.size(0) == num_seqs,
               "query_start must be [num_seqs + 1] and block_tables [num_seqs, max_blocks]");
   TORCH_CHECK(q.dim() == 2 && q.size(1) == heads * head_dim, "q must be [tokens, heads * head_dim]");
-  const bool int8 = check_cache(k_cache, v_cache, q.scalar_type(), kv_heads, head_dim, "prefill_attention");
+  const CacheKind kind = check_cache(k_cache, v_cache, q.scalar_type(), kv_heads, head_dim, "prefill_attention");
   const int64_t* qs = query_start.data_ptr<int64_t>();
   TORCH_CHECK(num_seqs == 0 || (qs[0] == 0 && qs[num_seqs] == q.size(0)), "query_start must run from 0 to the number of q rows");
   for (int64_t s = 0; s < num_seqs; ++s) {
@@ -336,7 +336,9 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
       fn(out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k, v, block_tables.data_ptr<int64_t>(), block_tables.size(1),
          qs, seq_lens.data_ptr<int64_t>(), num_seqs, heads, kv_heads, block_size, sc);
     };
-    if (int8) run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
+    if (kind == CacheKind::kInt8) run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
+    else if (kind == CacheKind::kFp8)
+      run(reinterpret_cast<Fp8*>(k_cache.data_ptr<uint8_t>()), reinterpret_cast<Fp8*>(v_cache.data_ptr<uint8_t>()));
     else run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
   });
   return out;
@@ -351,7 +353,8 @@ std::vector<std::string> prefill_attention_paths() {
       "prefill_attention bf16: widened to fp32, " + fma,
 #endif
       "prefill_attention fp32: " + fma,
-      "prefill_attention int8 cache: rows dequantized to the model dtype per block of 16 keys"};
+      "prefill_attention int8 cache: rows dequantized to the model dtype per block of 16 keys",
+      "prefill_attention fp8 cache: rows dequantized (e4m3 through F16C) to the model dtype per block of 16 keys"};
 }
 
 }  // namespace llmserve

@@ -1,8 +1,8 @@
 // RoPE on the fused QKV rows + K/V written to their cache slots. qkv: [tokens, (heads + 2 kv_heads) *
 // head_dim]. Q and K heads are rotated in place (half-split layout: element i pairs with i + head_dim/2);
 // K and V rows are then copied to slot_mapping[t] of the caches ([blocks, block_size, kv_heads, head_dim]
-// viewed as [slots, kv_heads * head_dim]), or quantized into them when the caches are int8 ([blocks,
-// block_size, kv_heads, head_dim + 4]).
+// viewed as [slots, kv_heads * head_dim]), or quantized into them when the caches are int8 or fp8
+// ([blocks, block_size, kv_heads, head_dim + 4]).
 #include "common.h"
 #include "ops.h"
 
@@ -30,7 +30,7 @@ void rope_and_cache_impl(T* qkv, const int64_t* positions, const float* cos, con
       }
       const T* k = r + heads * head_dim;
       const T* v = k + kv_row;
-      if constexpr (std::is_same_v<C, int8_t>) {
+      if constexpr (kScaledRows<C>) {
         for (int64_t h = 0; h < kv_heads; ++h) {
           const int64_t row_at = slots[t] * cache_row + h * cache_row_len<C>(head_dim);
           quantize_row(k_cache + row_at, k + h * head_dim, head_dim);
@@ -59,7 +59,7 @@ void rope_and_cache(at::Tensor qkv, const at::Tensor& positions, const at::Tenso
   TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong, "positions and slot_mapping must be int64");
   TORCH_CHECK(positions.numel() == qkv.size(0) && slot_mapping.numel() == qkv.size(0), "one position and one slot per token");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.size(1) == head_dim / 2, "cos/sin: fp32 [positions, head_dim/2]");
-  const bool int8 = check_cache(k_cache, v_cache, qkv.scalar_type(), kv_heads, head_dim, "rope_and_cache");
+  const CacheKind kind = check_cache(k_cache, v_cache, qkv.scalar_type(), kv_heads, head_dim, "rope_and_cache");
   // Bounds are checked on the raw values (a torch reduction per layer would cost more than the op).
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   for (int64_t t = 0; t < qkv.size(0); ++t) {
@@ -72,7 +72,9 @@ void rope_and_cache(at::Tensor qkv, const at::Tensor& positions, const at::Tenso
       rope_and_cache_impl(qkv.data_ptr<scalar_t>(), positions.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
                           k, v, slot_mapping.data_ptr<int64_t>(), qkv.size(0), heads, kv_heads, head_dim);
     };
-    if (int8) run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
+    if (kind == CacheKind::kInt8) run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
+    else if (kind == CacheKind::kFp8)
+      run(reinterpret_cast<Fp8*>(k_cache.data_ptr<uint8_t>()), reinterpret_cast<Fp8*>(v_cache.data_ptr<uint8_t>()));
     else run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
   });
 }

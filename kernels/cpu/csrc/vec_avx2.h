@@ -137,6 +137,15 @@ LLMSERVE_INLINE vf load16(const int8_t* p) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
 }
+// e4m3 bytes as fp32 times 2^-8, exactly (see vec_avx512.h): 8 from the low 8 bytes of b, and 16.
+LLMSERVE_INLINE __m256 fp8_shifted8(__m128i b) {
+  const __m128i h = _mm_cvtepi8_epi16(b);
+  return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(h, 7), _mm_set1_epi16(static_cast<int16_t>(0xBF80))));
+}
+LLMSERVE_INLINE vf load16_fp8_shifted(const void* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {fp8_shifted8(b), fp8_shifted8(_mm_srli_si128(b, 8))};
+}
 LLMSERVE_INLINE vf load16_or(const float* p, vm m, vf fill) { return where(m, load16(p, m), fill); }
 
 LLMSERVE_INLINE __m256i bf16_rounded_bits8(__m256 v) {  // rounded bits in each lane's low 16

@@ -87,6 +87,13 @@ LLMSERVE_INLINE vf load16(const c10::BFloat16* p) { return widen_bf16(_mm256_loa
 LLMSERVE_INLINE vf load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+// 16 e4m3 bytes as fp32 times 2^-8, exactly: each byte sign-extended to 16 bits and shifted so that
+// its sign, 4-bit exponent and 3-bit mantissa sit in an fp16's sign, low exponent bits and top mantissa
+// bits (the fp16 bias is 8 more than e4m3's), then F16C widens (subnormals too).
+LLMSERVE_INLINE vf load16_fp8_shifted(const void* p) {
+  const __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBF80))));
+}
 // Masked-off lanes read as `fill`.
 LLMSERVE_INLINE vf load16_or(const float* p, vm m, vf fill) { return _mm512_mask_loadu_ps(fill, m, p); }
 

@@ -61,7 +61,9 @@ def run(args: argparse.Namespace) -> int:
         n=args.n,
         stop=args.stop,
     )
-    engine_config = EngineConfig.from_args(args, EngineConfig.from_env(env_value))
+    engine_config = EngineConfig.from_args(
+        args, EngineConfig.from_env(env_value), exclude=ENGINE_EXCLUDED
+    )
     llm = LLM(engine_config)
     if args.chat:
         prompts = [

@@ -39,8 +39,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--kv-dtype",
         choices=KV_DTYPES,
         default="auto",
-        help="KV cache dtype (auto: --dtype; int8: the engine's int8 cache, a 4-byte scale "
-        "per token and KV head included)",
+        help="KV cache dtype (auto: --dtype; int8, fp8: the engine's int8 and e4m3 caches, a "
+        "4-byte scale per token and KV head included)",
     )
     parser.add_argument(
         "--quantization", choices=QUANTIZATIONS, default=None, help=QUANTIZATION_HELP

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.engine.attention.metadata import AttentionMetadata
-from shared.engine.kv_cache import dequantize_kv, quantize_kv
+from shared.engine.kv_cache import from_cache_rows, is_scaled_cache, to_cache_rows
 
 # Query rows per score matrix in prefill: bounds its memory at ~(heads × 256 × context × 4 bytes).
 _QUERY_SLICE = 256
@@ -24,7 +24,7 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,  # [num_tokens, num_heads * head_dim], RoPE applied
         k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim], RoPE applied
         v: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
-        # [num_blocks, block_size, num_kv_heads, head_dim (+ 4: int8, see kv_cache)]
+        # [num_blocks, block_size, num_kv_heads, head_dim (+ 4: int8 or fp8, see kv_cache)]
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
@@ -61,9 +61,7 @@ class TorchAttentionBackend:
         kvh, d = self.num_kv_heads, self.head_dim
         # Write first: a sequence's new tokens attend to themselves through the cache.
         for x, cache in ((k, k_cache), (v, v_cache)):
-            rows = x.view(-1, kvh, d)
-            if cache.dtype == torch.int8:
-                rows = quantize_kv(rows)
+            rows = to_cache_rows(x.view(-1, kvh, d), cache.dtype)
             cache.view(-1, kvh, cache.shape[-1]).index_copy_(0, meta.slot_mapping, rows)
         return self.attend(q, k, v, k_cache, v_cache, meta)
 
@@ -97,10 +95,10 @@ class TorchAttentionBackend:
         for i in range(nd, meta.num_seqs):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             seq_len = meta.seq_lens[i]
-            if seq_len == end - start and k_cache.dtype != torch.int8:
+            if seq_len == end - start and not is_scaled_cache(k_cache):
                 # Nothing cached before this chunk: its own fresh K/V are all it attends to. (An
-                # int8 cache is always read back, so a prompt attends to the same values whether its
-                # prefix was cached or computed in this chunk.)
+                # int8 or fp8 cache is always read back, so a prompt attends to the same values
+                # whether its prefix was cached or computed in this chunk.)
                 ki, vi = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
             else:
                 ki, vi = self._gather(k_cache, v_cache, meta.block_tables[i], seq_len, q.dtype)
@@ -135,17 +133,17 @@ class TorchAttentionBackend:
         return out
 
     def _gather(self, k_cache, v_cache, block_table, seq_len, dtype):
-        """The sequence's keys and values [kvh, seq_len, d] (an int8 cache dequantized to
+        """The sequence's keys and values [kvh, seq_len, d] (an int8 or fp8 cache dequantized to
         ``dtype``)."""
         num_blocks = -(-seq_len // k_cache.shape[1])
         ids = block_table[:num_blocks]
         kvh = self.num_kv_heads
-        ki = _readable(k_cache[ids].view(-1, kvh, k_cache.shape[-1])[:seq_len], dtype).transpose(
-            0, 1
-        )
-        vi = _readable(v_cache[ids].view(-1, kvh, v_cache.shape[-1])[:seq_len], dtype).transpose(
-            0, 1
-        )
+        ki = from_cache_rows(
+            k_cache[ids].view(-1, kvh, k_cache.shape[-1])[:seq_len], dtype
+        ).transpose(0, 1)
+        vi = from_cache_rows(
+            v_cache[ids].view(-1, kvh, v_cache.shape[-1])[:seq_len], dtype
+        ).transpose(0, 1)
         return ki, vi
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
@@ -164,20 +162,20 @@ class TorchAttentionBackend:
 
     def _decode_gathered(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """All single-token queries at once: gather each sequence's blocks (in the cache dtype, one
-        copy; an int8 cache then dequantized) padded to the longest, mask the padding, and attend
-        per KV head. At batch 32 the gather and any up-cast copy dominate a decode step, so a cache
-        in the model dtype is not converted."""
+        copy; an int8 or fp8 cache then dequantized) padded to the longest, mask the padding, and
+        attend per KV head. At batch 32 the gather and any up-cast copy dominate a decode step, so a
+        cache in the model dtype is not converted."""
         nd = q.shape[0]
         kvh, d = self.num_kv_heads, self.head_dim
         max_len = meta.decode_mask.shape[-1]
         ids = meta.block_tables[:nd, : max_len // meta.block_size].reshape(-1)
         keys = (
-            _readable(k_cache.index_select(0, ids), q.dtype)
+            from_cache_rows(k_cache.index_select(0, ids), q.dtype)
             .view(nd, max_len, kvh, d)
             .transpose(1, 2)
         )
         values = (
-            _readable(v_cache.index_select(0, ids), q.dtype)
+            from_cache_rows(v_cache.index_select(0, ids), q.dtype)
             .view(nd, max_len, kvh, d)
             .transpose(1, 2)
         )
@@ -191,9 +189,3 @@ class TorchAttentionBackend:
             scale=self.scale,
         )
         return out.reshape(nd, self.num_heads * d)
-
-
-def _readable(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Cache rows as attention reads them: an int8 cache's dequantized to ``dtype``, others as they
-    are."""
-    return dequantize_kv(rows, dtype) if rows.dtype == torch.int8 else rows

@@ -24,8 +24,8 @@ def prefill_hidden(
 ) -> torch.Tensor:
     """Final-normed hidden states [len(token_ids), hidden] of one prefill. ``block_table``: the KV
     blocks to write (default 1, 2, ...; block 0 is padding), in a cache of ``num_blocks`` (default:
-    just enough) holding ``kv_cache_dtype`` (an int8 cache is read back quantized, as the engine
-    reads it)."""
+    just enough) holding ``kv_cache_dtype`` (an int8 or fp8 cache is read back quantized, as the
+    engine reads it)."""
     if not token_ids:
         raise ValueError("token_ids must not be empty")
     needed = -(-len(token_ids) // block_size)
