@@ -1,12 +1,14 @@
-"""What quantization costs in quality: SmolLM2 in bf16 and int8 (W8A8, per SmoothQuant alpha, and
-without smoothing), each also with an int8 and an fp8 (e4m3) KV cache, against fp32, teacher-forced
-over the same text (the engine's own docstrings, none of it in the int8 calibration text). With a
-quantized KV cache every position attends to the quantized keys and values, as in the engine.
+"""What quantization costs in quality: SmolLM2 in bf16, int8 (W8A8, per SmoothQuant alpha, and
+without smoothing) and the file's own GGUF blocks run natively (``quantization="gguf"``: Q4_1 for
+the default file), each also with an int8 and an fp8 (e4m3) KV cache, against fp32 (the file
+dequantized), teacher-forced over the same text (the engine's own docstrings, none of it in the int8
+calibration text). With a quantized KV cache every position attends to the quantized keys and
+values, as in the engine.
 
 Per configuration: perplexity of the text, top-1 agreement with fp32 at every position, and the
 mean and max |logit - fp32 logit|; plus the bytes the model holds.
 
-    python -m loadtests.bench_quality [--tokens 1500] [--alphas 0.5] \\
+    python -m loadtests.bench_quality [--tokens 1500] [--alphas 0.5] [--skip-gguf] \\
         [--out loadtests/results/bench_quality.json]
 """
 
@@ -43,11 +45,13 @@ def measure(
     tokens: int = 1500,
     alphas: str = "0.5",
     unsmoothed: bool = True,
+    gguf: bool = False,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Score every configuration on the first ``tokens`` tokens of the corpus against fp32; one
     row per configuration (see the module docstring). ``unsmoothed``: also int8 without
-    SmoothQuant."""
+    SmoothQuant; ``gguf``: also the file's blocks run natively (its ``quantize_s`` is the whole
+    load, which replaces the dequantizing one)."""
     tokenizer = Tokenizer.from_gguf(path)
     ids = tokenizer.encode(corpus_text())[:tokens]
     calibration = tokenizer.encode(int8_linear.calibration_text())
@@ -58,38 +62,50 @@ def measure(
 
     reference = load_runtime(path, dtype="float32", progress=False)
     ref = all_position_logits(reference, ids)
-    # (name, dtype, SmoothQuant alpha, int8 linears, KV cache dtype)
-    configs: list[tuple[str, str, float | None, bool, str]] = [
-        ("fp32", "float32", None, False, "auto"),
-        ("bf16", "bfloat16", None, False, "auto"),
-        ("bf16, int8 KV", "bfloat16", None, False, "int8"),
-        ("bf16, fp8 KV", "bfloat16", None, False, "fp8"),
+    # (name, dtype, SmoothQuant alpha, quantization: None, "int8" or "gguf", KV cache dtype)
+    configs: list[tuple[str, str, float | None, str | None, str]] = [
+        ("fp32", "float32", None, None, "auto"),
+        ("bf16", "bfloat16", None, None, "auto"),
+        ("bf16, int8 KV", "bfloat16", None, None, "int8"),
+        ("bf16, fp8 KV", "bfloat16", None, None, "fp8"),
     ]
     for a in alphas.split(","):
         configs += [
-            (f"int8 alpha={a}", "bfloat16", float(a), True, "auto"),
-            (f"int8 alpha={a}, int8 KV", "bfloat16", float(a), True, "int8"),
-            (f"int8 alpha={a}, fp8 KV", "bfloat16", float(a), True, "fp8"),
+            (f"int8 alpha={a}", "bfloat16", float(a), "int8", "auto"),
+            (f"int8 alpha={a}, int8 KV", "bfloat16", float(a), "int8", "int8"),
+            (f"int8 alpha={a}, fp8 KV", "bfloat16", float(a), "int8", "fp8"),
         ]
     if unsmoothed:
-        configs.append(("int8 no smoothing", "bfloat16", None, True, "auto"))
+        configs.append(("int8 no smoothing", "bfloat16", None, "int8", "auto"))
+    if gguf:
+        configs += [
+            ("gguf blocks", "bfloat16", None, "gguf", "auto"),
+            ("gguf blocks, int8 KV", "bfloat16", None, "gguf", "int8"),
+        ]
     rows = []
     # Configurations that differ only in the KV cache dtype share one loaded (and quantized) model:
     # the KV dtype is an argument of the scoring pass, and loading is the slow part here.
-    loaded: tuple[tuple[str, float | None, bool], Any, float] | None = (
-        ("float32", None, False),
+    loaded: tuple[tuple[str, float | None, str | None], Any, float] | None = (
+        ("float32", None, None),
         reference,
         0.0,
     )
     del reference
-    for name, dtype, alpha, int8, kv_cache_dtype in configs:
-        if loaded is None or loaded[0] != (dtype, alpha, int8):
+    for name, dtype, alpha, quantization, kv_cache_dtype in configs:
+        if loaded is None or loaded[0] != (dtype, alpha, quantization):
             loaded = None  # free the previous model before loading the next
-            model = load_runtime(path, dtype=dtype, progress=False)
             t0 = time.perf_counter()
-            if int8:
+            model = load_runtime(
+                path,
+                dtype=dtype,
+                progress=False,
+                quantization="gguf" if quantization == "gguf" else None,
+            )
+            if quantization != "gguf":
+                t0 = time.perf_counter()
+            if quantization == "int8":
                 int8_linear.quantize_model_int8(model, calibration, model.backend, alpha)
-            loaded = ((dtype, alpha, int8), model, time.perf_counter() - t0)
+            loaded = ((dtype, alpha, quantization), model, time.perf_counter() - t0)
         _, model, quantize_s = loaded
         logits = all_position_logits(model, ids, kv_cache_dtype=kv_cache_dtype)
         diff = (logits - ref).abs()
@@ -97,7 +113,7 @@ def measure(
             config=name,
             dtype=dtype,
             alpha=alpha,
-            int8_linears=int8,
+            quantization=quantization,
             kv_cache_dtype=kv_cache_dtype,
             perplexity=perplexity(logits, ids),
             top1_agreement=(logits.argmax(-1) == ref.argmax(-1)).float().mean().item(),
@@ -130,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--tokens", type=int, default=1500, help="tokens of text scored")
     p.add_argument("--alphas", default="0.5", help="SmoothQuant alphas to try (comma-separated)")
+    p.add_argument(
+        "--skip-gguf", action="store_true", help="leave out the file's blocks run natively"
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=DEFAULT_OUT)
     args = p.parse_args(argv)
@@ -138,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model or default_model_path(),
         tokens=args.tokens,
         alphas=args.alphas,
+        gguf=not args.skip_gguf,
         log=lambda line: print(line, flush=True),
     )
     print(f"wrote {write_json(args.out, result)}")

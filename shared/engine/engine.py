@@ -87,13 +87,18 @@ class Engine:
         self.model_name = os.path.basename(os.path.normpath(path))
         self.tokenizer = Tokenizer.from_path(path)
         self.backend = backend or CpuBackend.pick(config.device, resolve_dtype(config.dtype))
-        if config.quantization == "int8" and not int8_supported(self.backend.ops):
+        if config.quantization in ("int8", "gguf") and not int8_supported(self.backend.ops):
             raise ValueError(
-                "quantization='int8' needs the CPU kernels (kernels/cpu), which are unavailable "
-                f"here: {self.backend.reason}"
+                f"quantization={config.quantization!r} needs the CPU kernels (kernels/cpu), which "
+                f"are unavailable here: {self.backend.reason}"
             )
         self.model = load_runtime(
-            path, dtype=config.dtype, device=config.device, backend=self.backend, progress=progress
+            path,
+            dtype=config.dtype,
+            device=config.device,
+            backend=self.backend,
+            progress=progress,
+            quantization="gguf" if config.quantization == "gguf" else None,
         )
         if config.quantization == "int8":
             quantize_model_int8(self.model, self.tokenizer.encode(calibration_text()), self.backend)

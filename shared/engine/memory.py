@@ -17,11 +17,18 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
 from shared.engine.models.config import ModelConfig
-from shared.engine.quantization import KV_SCALE_BYTES, SCALED_KV_CACHE_DTYPES
+from shared.engine.quantization import (
+    GGUF_BLOCK,
+    GGUF_BLOCK_BYTES,
+    GGUF_PANEL_ROWS,
+    KV_SCALE_BYTES,
+    SCALED_KV_CACHE_DTYPES,
+)
 
 # Bytes per element. int8/fp8 exist for quantized KV caches; weights use the first three.
 DTYPE_BYTES: dict[str, int] = {
@@ -111,23 +118,50 @@ def decoder_linear_shapes(config: ModelConfig) -> list[tuple[int, int]]:
     return [(config.q_size + 2 * config.kv_size, h), (h, config.q_size), (2 * i, h), (h, i)]
 
 
+def gguf_linear_bytes(out_features: int, in_features: int, fmt: str) -> int:
+    """Bytes of one linear held in GGUF blocks of ``fmt`` as the kernels' panels hold them (rows
+    padded to a multiple of 16)."""
+    if fmt not in GGUF_BLOCK_BYTES:
+        raise ValueError(f"unknown GGUF block format {fmt!r}; known: {', '.join(GGUF_BLOCK_BYTES)}")
+    rows = -(-out_features // GGUF_PANEL_ROWS) * GGUF_PANEL_ROWS
+    return rows * (in_features // GGUF_BLOCK) * GGUF_BLOCK_BYTES[fmt]
+
+
 def weight_bytes(
     config: ModelConfig,
     weight_dtype: str,
     num_params: int | None = None,
     quantization: str | None = None,
+    gguf_formats: Sequence[str | None] | None = None,
 ) -> int:
     """Parameters x bytes. ``num_params`` overrides the count from shapes when the real tensors of a
     model on disk were counted. ``quantization="int8"``: the decoder linears' weights take one byte
     each, plus, per linear, an fp32 scale and an int32 column sum per output feature and an fp32
     smoothing factor per input feature (``shared/engine/models/int8_linear.py``); the embedding,
-    norms, biases and output head stay in ``weight_dtype``."""
+    norms, biases and output head stay in ``weight_dtype``. ``quantization="gguf"``: each decoder
+    linear whose entry in ``gguf_formats`` (the file's block format per linear, layer by layer in
+    ``decoder_linear_shapes`` order; None where it is not native) names a format takes that
+    format's bytes (``gguf_linear_bytes``); the rest stay in ``weight_dtype``."""
     count = config.num_params() if num_params is None else num_params
     if quantization is None:
         return count * dtype_bytes(weight_dtype)
+    shapes = decoder_linear_shapes(config)
+    if quantization == "gguf":
+        if gguf_formats is None or len(gguf_formats) != len(shapes) * config.num_layers:
+            raise ValueError(
+                "quantization='gguf' needs the block format of each decoder linear "
+                "(a GGUF file's: plan a .gguf model)"
+            )
+        native = [
+            (shape, fmt)
+            for shape, fmt in zip(shapes * config.num_layers, gguf_formats, strict=True)
+            if fmt is not None
+        ]
+        native_params = sum(n * k for (n, k), _ in native)
+        blocks = sum(gguf_linear_bytes(n, k, fmt) for (n, k), fmt in native)
+        return (count - native_params) * dtype_bytes(weight_dtype) + blocks
     if quantization != "int8":
         raise ValueError(f"unknown quantization {quantization!r}")
-    shapes = decoder_linear_shapes(config)
     linear = config.num_layers * sum(n * k for n, k in shapes)
     extras = config.num_layers * sum(8 * n + 4 * k for n, k in shapes)
     return (count - linear) * dtype_bytes(weight_dtype) + linear + extras
@@ -152,6 +186,8 @@ def activation_bytes(
              + i) x b     SwiGLU product silu(gate) * up
         + R x V x 4 x 2   fp32 logits of the sampled rows, and the sampler's working copy
         + T x (i + 4)     int8 only: a linear's input quantized (at most i bytes) and its row scale
+        + T x 5i/4        gguf only: a linear's input quantized per 32-block (at most i bytes) and
+                          each block's fp32 scale and int32 sum
 
     Every buffer is counted as if alive at once (an upper bound: layers run one at a time, so only
     one layer's buffers exist). R <= T because every scheduled sequence puts at least one token in
@@ -165,8 +201,9 @@ def activation_bytes(
     h, i = config.hidden_size, config.intermediate_size
     per_token = 2 * h + (config.q_size + 2 * config.kv_size) + config.q_size + 2 * i + i
     rows = min(max_num_seqs, max_num_batched_tokens)
-    quantized = (
-        max(k for _, k in decoder_linear_shapes(config)) + 4 if quantization == "int8" else 0
+    widest = max(k for _, k in decoder_linear_shapes(config))
+    quantized = {"int8": widest + 4, "gguf": widest + widest // GGUF_BLOCK * 8}.get(
+        quantization or "", 0
     )
     return (
         max_num_batched_tokens * (per_token * dtype_bytes(dtype) + quantized)
@@ -228,6 +265,7 @@ def plan_memory(
     num_params: int | None = None,
     resident_weight_bytes: int | None = None,
     quantization: str | None = None,
+    gguf_formats: Sequence[str | None] | None = None,
 ) -> MemoryLedger:
     """Size the KV pool from the budget: floor((budget - weights - activations) / bytes per block).
     ``resident_weight_bytes``: what a loaded model really holds (packed weights, and the tied head's
@@ -241,7 +279,7 @@ def plan_memory(
         raise ValueError(f"context_len must be positive, got {context}")
     params = config.num_params() if num_params is None else num_params
     weights = (
-        weight_bytes(config, weight_dtype, params, quantization)
+        weight_bytes(config, weight_dtype, params, quantization, gguf_formats)
         if resident_weight_bytes is None
         else resident_weight_bytes
     )

@@ -52,6 +52,7 @@ def plan_report(
         context_len=context,
         num_params=resolved.num_params,
         quantization=quantization,
+        gguf_formats=resolved.gguf_formats,
     )
     config = resolved.config
     notes = []

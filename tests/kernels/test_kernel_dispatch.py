@@ -193,6 +193,7 @@ def test_diagnostics_name_each_ops_path_at_the_capped_level():
         "prefill_attention",
         "linear_bf16",
         "linear_int8",
+        "linear_gguf",
     ):
         assert f"\n  {op}" in out.stdout, op
     assert "AVX512" not in out.stdout.split("ops at the avx2 level")[1].split("oneDNN")[0]

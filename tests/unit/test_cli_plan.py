@@ -66,6 +66,25 @@ def test_plan_with_int8_decoder_linears(capsys):
     assert "float16, int8 decoder linears]" in capsys.readouterr().out
 
 
+def test_plan_with_gguf_decoder_linears(capsys):
+    """The default file's Q4_1 blocks: the ledger holds fewer weight bytes and more KV blocks; a
+    known name has no file to read formats from, and says so."""
+    argv = ["plan", "--memory", "1GiB", "--context", "2048"]
+    assert main([*argv, "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--quantization", "gguf", "--json"]) == 0
+    gguf = json.loads(capsys.readouterr().out)
+    assert gguf["quantization"] == "gguf"
+    assert gguf["weight_bytes"] < 0.5 * plain["weight_bytes"]
+    assert gguf["num_kv_blocks"] > plain["num_kv_blocks"]
+    assert main([*argv, "--quantization", "gguf"]) == 0
+    assert "gguf decoder linears]" in capsys.readouterr().out
+    assert (
+        main(["plan", "--model", "llama-2-7b", "--memory", "80GiB", "--quantization", "gguf"]) != 0
+    )
+    assert "needs the block format of each decoder linear" in capsys.readouterr().err
+
+
 def test_plan_with_the_int8_kv_cache(capsys):
     """int8 rows carry a 4-byte scale each: Llama-3-8B's 2 x 32 layers x 8 KV heads x (128 + 4)
     bytes."""

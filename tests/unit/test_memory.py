@@ -139,6 +139,48 @@ def test_int8_weight_and_activation_bytes_by_hand():
         weight_bytes(LLAMA2_7B, "float16", quantization="int4")
 
 
+def test_gguf_weight_and_activation_bytes_by_hand():
+    """Decoder linears held in GGUF blocks take their format's bytes per 32 weights (Q4_0 18, Q4_1
+    20, Q8_0 34), rows padded to a multiple of 16; a linear the file holds in another format (None)
+    stays in the weight dtype, as does everything else. Llama-2-7B's shapes are multiples of 16."""
+    per_layer = [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)]
+    linear = 32 * sum(n * k for n, k in per_layer)
+    q4_1 = 32 * sum(n * k // 32 * 20 for n, k in per_layer)
+    assert (
+        weight_bytes(LLAMA2_7B, "float16", quantization="gguf", gguf_formats=["q4_1"] * 4 * 32)
+        == 2 * (6738415616 - linear) + q4_1
+    )
+    # Layer 0's down projection in another format (Q6_K, say): back to fp16 for that one.
+    mixed = ["q4_0", "q4_0", "q8_0", None] + ["q4_1"] * 4 * 31
+    down = 4096 * 11008
+    expected = (
+        2 * (6738415616 - linear + down)
+        + (12288 + 4096) * 4096 // 32 * 18
+        + 22016 * 4096 // 32 * 34
+        + 31 * sum(n * k // 32 * 20 for n, k in per_layer)
+    )
+    assert weight_bytes(LLAMA2_7B, "float16", quantization="gguf", gguf_formats=mixed) == expected
+    with pytest.raises(ValueError, match="needs the block format of each decoder linear"):
+        weight_bytes(LLAMA2_7B, "float16", quantization="gguf")
+    # Activations: each token's input quantized per 32-block (at most 11,008 bytes) with an fp32
+    # scale and an int32 sum per block.
+    assert activation_bytes(LLAMA2_7B, 2048, 256, "float16", "gguf") == activation_bytes(
+        LLAMA2_7B, 2048, 256, "float16"
+    ) + 2048 * (11008 + 11008 // 32 * 8)
+
+
+def test_gguf_ledger_of_the_default_model_reads_its_formats():
+    """The default file holds every decoder linear in Q4_1: the ledger counts them at 20 bytes per
+    32 weights (SmolLM2-135M: 30 layers of 960x576, 576x576, 3072x576, 576x1536)."""
+    model = resolve_model(None)
+    assert model.gguf_formats == ("q4_1",) * 4 * 30 and model.num_params is not None
+    linear = 30 * (960 * 576 + 576 * 576 + 3072 * 576 + 576 * 1536)
+    assert (
+        weight_bytes(model.config, "bfloat16", model.num_params, "gguf", model.gguf_formats)
+        == 2 * (model.num_params - linear) + linear // 32 * 20
+    )
+
+
 def test_activation_bytes_by_hand():
     # Llama-2-7B, T = 2048 tokens, fp16: 2h + (q + 2kv) + q + 2i + i = 57600 elements per token
     per_token = 2 * 4096 + (4096 + 2 * 4096) + 4096 + 2 * 11008 + 11008

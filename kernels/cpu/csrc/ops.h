@@ -28,11 +28,15 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
 at::Tensor pack_linear_int8(const at::Tensor& q);
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& colsum,
                        const c10::optional<at::Tensor>& smooth, const c10::optional<at::Tensor>& bias);
+at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& mins, c10::string_view format, int64_t out_features,
+                       const c10::optional<at::Tensor>& bias);
 
 // "op: instructions" for each op whose instructions depend on the level (kernels/cpu/__main__ prints them).
 std::vector<std::string> decode_attention_paths();
 std::vector<std::string> prefill_attention_paths();
 std::string linear_bf16_path();
 std::string linear_int8_path();
+std::string linear_gguf_path();
 
 }  // namespace llmserve

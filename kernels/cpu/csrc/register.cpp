@@ -21,6 +21,7 @@ std::vector<std::string> paths() {
   for (const auto& p : llmserve::prefill_attention_paths()) out.push_back(p);
   out.push_back(llmserve::linear_bf16_path());
   out.push_back(llmserve::linear_int8_path());
+  out.push_back(llmserve::linear_gguf_path());
   return out;
 }
 
@@ -40,6 +41,7 @@ LLMSERVE_LIBRARY(LLMSERVE_NAMESPACE, m) {
   m.def("linear_bf16(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("pack_linear_int8(Tensor weight) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor packed, Tensor scale, Tensor colsum, Tensor? smooth, Tensor? bias) -> Tensor");
+  m.def("linear_gguf(Tensor x, Tensor qs, Tensor scales, Tensor? mins, str format, int out_features, Tensor? bias) -> Tensor");
   m.def("attention_supports(int heads, int kv_heads, int head_dim) -> bool", llmserve::attention_supports);
   m.def("prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start, Tensor seq_lens, int heads, float scale) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, int heads, float scale) -> Tensor");
@@ -55,6 +57,7 @@ LLMSERVE_LIBRARY_IMPL(LLMSERVE_NAMESPACE, CPU, m) {
   m.impl("linear_bf16", llmserve::linear_bf16);
   m.impl("pack_linear_int8", llmserve::pack_linear_int8);
   m.impl("linear_int8", llmserve::linear_int8);
+  m.impl("linear_gguf", llmserve::linear_gguf);
   m.impl("decode_attention", llmserve::decode_attention);
   m.impl("prefill_attention", llmserve::prefill_attention);
 }

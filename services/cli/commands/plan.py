@@ -86,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         context_len=args.context,
         num_params=model.num_params,
         quantization=args.quantization,
+        gguf_formats=model.gguf_formats,
     )
     print(format_ledger(ledger, model.config))
     return 0

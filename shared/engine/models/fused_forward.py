@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from shared.engine.attention import AttentionBackend, AttentionMetadata
+from shared.engine.models.gguf_linear import GGUFLinear
 from shared.engine.models.int8_linear import Int8Linear
 from shared.engine.models.llama import DecoderLayer, LlamaModel
 from shared.engine.models.packed_linear import PackedLinear
@@ -40,7 +41,11 @@ def _rows_linear(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     while it has forward hooks, so that they fire."""
     if module._forward_hooks or module._forward_pre_hooks:
         return module
-    return module.rows if isinstance(module, (PackedLinear, Int8Linear)) else module.forward
+    return (
+        module.rows
+        if isinstance(module, (PackedLinear, Int8Linear, GGUFLinear))
+        else module.forward
+    )
 
 
 def fused_layers(model: LlamaModel) -> list[FusedLayer]:

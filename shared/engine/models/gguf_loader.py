@@ -20,6 +20,12 @@ from gguf.quants import dequantize
 from shared.engine.models.config import ModelConfig, UnsupportedModelError
 
 _FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+# The block formats the kernels run in place (``models/gguf_linear.py``), by their names there.
+NATIVE_FORMATS = {
+    GGMLQuantizationType.Q4_0: "q4_0",
+    GGMLQuantizationType.Q4_1: "q4_1",
+    GGMLQuantizationType.Q8_0: "q8_0",
+}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "embed_tokens.weight",
@@ -110,13 +116,38 @@ def _to_numpy(tensor) -> np.ndarray:
     return np.array(data, dtype=np.float32).reshape(tuple(reversed([int(d) for d in tensor.shape])))
 
 
+def rope_permuted(config: ModelConfig) -> bool:
+    """Whether the file holds Q and K rows in llama.cpp's interleaved order (see the module doc)."""
+    return config.architecture in ("llama", "mistral")
+
+
+def native_format(tensor) -> str | None:
+    """The block format a tensor's data can run in as it is, or None."""
+    return NATIVE_FORMATS.get(GGMLQuantizationType(tensor.tensor_type))
+
+
+def tensor_rows(tensor) -> np.ndarray:
+    """A tensor's raw data as rows (uint8 [out, bytes per row] for a block format)."""
+    return np.asarray(tensor.data)
+
+
+def read_tensor(tensor) -> torch.Tensor:
+    """One tensor dequantized to fp32, in torch's [out, in] shape (no row permutation)."""
+    return torch.from_numpy(_to_numpy(tensor))
+
+
 def iter_gguf_weights(
-    reader: GGUFReader, config: ModelConfig, dtype: torch.dtype
+    reader: GGUFReader,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    skip: frozenset[str] = frozenset(),
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    unpermute = config.architecture in ("llama", "mistral")
+    """Every tensor by its Hugging Face name, in ``dtype``, but those named in ``skip`` (loaded
+    another way: ``models/gguf_linear.py``)."""
+    unpermute = rope_permuted(config)
     for t in reader.tensors:
         name = hf_name(t.name)
-        if name is None:
+        if name is None or name in skip:
             continue
         w = torch.from_numpy(_to_numpy(t))
         if unpermute and name.endswith(("q_proj.weight", "q_proj.bias")):

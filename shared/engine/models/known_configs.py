@@ -15,6 +15,7 @@ from pathlib import Path
 
 from shared.engine.default_model import default_model_path
 from shared.engine.models.config import ModelConfig, UnsupportedModelError
+from shared.engine.quantization import GGUF_BLOCK_BYTES, GGUF_LINEAR_PARTS
 
 
 def _llama(
@@ -150,6 +151,9 @@ class ResolvedModel:
     config: ModelConfig
     num_params: int | None  # counted from the tensors on disk; None for a known name
     path: Path | None
+    # A GGUF file's block format per decoder linear (``memory.weight_bytes``' gguf_formats), where
+    # the kernels run it on its blocks; None for a known name or a safetensors directory.
+    gguf_formats: tuple[str | None, ...] | None = None
 
 
 def known_config(name: str) -> ModelConfig | None:
@@ -210,6 +214,23 @@ def _count_safetensors(path: Path) -> int:
     )
 
 
+def _gguf_linear_formats(tensors: dict, num_layers: int) -> tuple[str | None, ...]:
+    """Per decoder linear, layer by layer: the block format all its GGUF parts share, where the
+    kernels run it on its blocks (``quantization="gguf"``), else None."""
+    formats: list[str | None] = []
+    for i in range(num_layers):
+        for _, parts in GGUF_LINEAR_PARTS:
+            found = {
+                tensors[f"blk.{i}.{p}.weight"].tensor_type.name.lower()
+                if f"blk.{i}.{p}.weight" in tensors
+                else None
+                for p in parts
+            }
+            fmt = found.pop() if len(found) == 1 else None
+            formats.append(fmt if fmt in GGUF_BLOCK_BYTES else None)
+    return tuple(formats)
+
+
 def _resolve_gguf(path: Path) -> ResolvedModel:
     import gguf  # numpy-backed; imported here so that known names need neither
     import numpy as np
@@ -237,4 +258,9 @@ def _resolve_gguf(path: Path) -> ResolvedModel:
     num_params = sum(
         int(t.n_elements) for name, t in tensors.items() if name != "rope_freqs.weight"
     )
-    return ResolvedModel(config=config, num_params=num_params, path=path)
+    return ResolvedModel(
+        config=config,
+        num_params=num_params,
+        path=path,
+        gguf_formats=_gguf_linear_formats(tensors, config.num_layers),
+    )

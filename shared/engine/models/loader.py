@@ -11,6 +11,7 @@ import torch
 from tqdm import tqdm
 
 from shared.engine.models.config import ModelConfig, UnsupportedModelError
+from shared.engine.models.gguf_linear import GGUFLinear, native_linears
 from shared.engine.models.gguf_loader import gguf_model_config, iter_gguf_weights, open_gguf
 from shared.engine.models.llama import LlamaModel
 
@@ -64,25 +65,40 @@ def load_model(
     dtype: str | torch.dtype = "bfloat16",
     device: str | torch.device = "cpu",
     progress: bool = True,
+    quantization: str | None = None,
 ) -> LlamaModel:
     """Build the model for ``path`` (default: SmolLM2-135M-Instruct) and load its weights in
     ``dtype``: the plain model (``models/runtime.py`` lays it out for the CPU kernels and runs it on
-    them)."""
+    them). ``quantization="gguf"`` (a GGUF file only): the decoder linears whose tensors are in a
+    block format the kernels run keep their blocks (``models/gguf_linear.py``) and are never
+    dequantized; every other quantization is applied after loading, by the engine."""
     path = resolve_model_path(path)
     dtype = resolve_dtype(dtype)
+    native: dict[str, GGUFLinear] = {}
     if os.path.isdir(path):
+        if quantization == "gguf":
+            raise ValueError(
+                f"quantization='gguf' runs a GGUF file's blocks; {path} is a safetensors directory"
+            )
         config = load_config(path)
         weights, total = _iter_safetensors(path, dtype), None
     else:
         reader = open_gguf(path)
         config = gguf_model_config(reader)
-        weights, total = iter_gguf_weights(reader, config, dtype), len(reader.tensors)
+        taken: frozenset[str] = frozenset()
+        if quantization == "gguf":
+            native, taken = native_linears(reader, config, dtype)
+        weights = iter_gguf_weights(reader, config, dtype, skip=taken)
+        total = len(reader.tensors) - len(taken)
     # Parameters are created without initialisation (meta), then filled from the checkpoint;
     # load_weights refuses a checkpoint that leaves any row unset.
     with torch.device("meta"):
         model = LlamaModel(config)
     model = model.to_empty(device=device).to(dtype)
     model.rotary.reset(device)
+    for name, layer in native.items():  # their tensors are no parameters: load_weights skips them
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, layer)
     bar = tqdm(
         weights,
         total=total,

@@ -18,12 +18,13 @@ from shared.engine import huge_pages
 from shared.engine.attention import AttentionMetadata, TorchAttentionBackend
 from shared.engine.cpu_backend import KERNEL_DTYPES, CpuBackend
 from shared.engine.models.fused_forward import FusedLayer, fused_forward_layers, fused_layers
+from shared.engine.models.gguf_linear import GGUFLinear
 from shared.engine.models.int8_linear import Int8Linear
 from shared.engine.models.llama import LlamaModel, run_to_end
 from shared.engine.models.loader import load_model, resolve_dtype
 from shared.engine.models.packed_linear import PackedLinear, can_prepack, prepack_linears
 
-_KERNEL_LINEARS = (PackedLinear, Int8Linear)
+_KERNEL_LINEARS = (PackedLinear, Int8Linear, GGUFLinear)
 
 
 class ModelRuntime(nn.Module):
@@ -43,6 +44,9 @@ class ModelRuntime(nn.Module):
         self.attention = self._attention(backend)
         ops = backend.ops
         prepack_linears(model.layers, ops)
+        for module in model.layers.modules():
+            if isinstance(module, GGUFLinear):  # loaded on its blocks (quantization="gguf")
+                module.use_cpu_kernels(ops)
         head = (
             model.embed_tokens.weight
             if model.config.tie_word_embeddings
@@ -152,6 +156,13 @@ class ModelRuntime(nn.Module):
         slots += [
             (m, "weight") for m in self.modules() if isinstance(m, Int8Linear) and m.ops is not None
         ]
+        slots += [
+            (m, attr)
+            for m in self.modules()
+            if isinstance(m, GGUFLinear) and m.ops is not None
+            for attr in ("qs", "scales", "mins")
+            if getattr(m, attr) is not None
+        ]
         for (module, attr), moved in zip(
             slots, huge_pages.relocate([getattr(m, a) for m, a in slots]), strict=True
         ):
@@ -182,7 +193,11 @@ def load_runtime(
     device: str | torch.device = "cpu",
     backend: CpuBackend | None = None,
     progress: bool = True,
+    quantization: str | None = None,
 ) -> ModelRuntime:
-    """``load_model`` on ``backend`` (default: ``CpuBackend.pick`` for this device and dtype)."""
-    model = load_model(path, dtype=dtype, device=device, progress=progress)
+    """``load_model`` on ``backend`` (default: ``CpuBackend.pick`` for this device and dtype);
+    ``quantization``: as ``load_model`` takes it ("gguf"; None for every other)."""
+    model = load_model(
+        path, dtype=dtype, device=device, progress=progress, quantization=quantization
+    )
     return ModelRuntime(model, backend or CpuBackend.pick(device, resolve_dtype(dtype))).eval()
