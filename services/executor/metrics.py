@@ -5,7 +5,9 @@ From the engine's latest stats, read at collection: ``num_requests_running`` /
 ``num_requests_waiting`` (sequences in the engine's batch / queue), ``kv_cache_usage_perc``
 (0..1, used / usable blocks, as vLLM), ``num_free_kv_blocks``, and the counters
 ``prefix_cache_queries`` / ``prefix_cache_hits`` (prompt tokens looked up / found) and
-``num_preemptions`` (the engine's cumulative values).
+``num_preemptions`` (the engine's cumulative values), and speculative decoding's
+``spec_decode_num_drafts`` / ``_num_draft_tokens`` / ``_num_accepted_tokens`` (sequence steps that
+carried proposals, proposals run, proposals accepted).
 
 Observed by the engine thread (prometheus-client histograms are thread-safe), per step that ran a
 batch: ``engine_step_seconds`` (wall time of one step: schedule, forward, sample, detokenize),
@@ -130,6 +132,21 @@ class ExecutorMetrics:
                 s.prefix_cache_hits_tokens,
             ),
             ("llmserve:num_preemptions", "Sequences preempted.", s.num_preemptions),
+            (
+                "llmserve:spec_decode_num_drafts",
+                "Steps of a sequence that verified speculative proposals.",
+                s.spec_num_drafts,
+            ),
+            (
+                "llmserve:spec_decode_num_draft_tokens",
+                "Speculative proposals verified.",
+                s.spec_num_draft_tokens,
+            ),
+            (
+                "llmserve:spec_decode_num_accepted_tokens",
+                "Speculative proposals accepted.",
+                s.spec_num_accepted_tokens,
+            ),
         ]
         for name, doc, value in counters:
             counter = CounterMetricFamily(name, doc, labels=LABELS)

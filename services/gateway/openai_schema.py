@@ -62,6 +62,8 @@ class _CommonRequest(_Model):
     ignore_eos: bool | None = False
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
+    # False: no speculative decoding for this request (same output, decoded a token a step).
+    speculative: bool | None = True
     priority: int | None = 0
 
 

@@ -111,6 +111,7 @@ def _common_fields(req: CompletionRequest | ChatCompletionRequest) -> dict[str, 
         "ignore_eos": req.ignore_eos,
         "skip_special_tokens": req.skip_special_tokens,
         "include_stop_str_in_output": req.include_stop_str_in_output,
+        "speculative": req.speculative,
     }
 
 

@@ -263,7 +263,14 @@ class BlockManager:
             self._prefix_cache_hits_tokens += num_cached_tokens
         return num_cached_tokens
 
-    def _grow(self, seq: _SeqState, num_new_tokens: int) -> bool:
+    def can_grow(self, seq_id: Hashable, num_new_tokens: int) -> bool:
+        """Whether ``allocate(seq_id, ..., num_new_tokens)`` would succeed now (the sequence holds
+        blocks already)."""
+        seq = self._seq(seq_id)
+        return sum(self._blocks_to_grow(seq, num_new_tokens)) <= len(self._free)
+
+    def _blocks_to_grow(self, seq: _SeqState, num_new_tokens: int) -> tuple[int, int]:
+        """(new blocks, copy-on-write copies: 0 or 1) that reserving num_new_tokens more takes."""
         num_tokens = seq.num_reserved_tokens + num_new_tokens
         num_new_blocks = self.num_blocks_needed(num_tokens) - len(seq.block_ids)
         # Copy-on-write: the next token lands in a partly filled block shared with a fork sibling.
@@ -272,6 +279,11 @@ class BlockManager:
             and seq.num_reserved_tokens % self.block_size != 0
             and self._blocks[seq.block_ids[-1]].ref_count > 1
         )
+        return max(0, num_new_blocks), int(cow)
+
+    def _grow(self, seq: _SeqState, num_new_tokens: int) -> bool:
+        num_tokens = seq.num_reserved_tokens + num_new_tokens
+        num_new_blocks, cow = self._blocks_to_grow(seq, num_new_tokens)
         if num_new_blocks + cow > len(self._free):
             return False
         new_blocks = self._pop_free_blocks(num_new_blocks + cow)
@@ -283,6 +295,28 @@ class BlockManager:
         seq.block_ids.extend(new_blocks)
         seq.num_reserved_tokens = num_tokens
         return True
+
+    def release_tail(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Shrink the sequence's reservation to its first ``num_tokens`` slots, freeing the blocks
+        past them (speculative slots whose proposals were rejected). Those blocks hold no cached
+        prefix: only blocks full of computed tokens are committed, and these were never full of
+        verified ones."""
+        seq = self._seq(seq_id)
+        if not 0 <= num_tokens <= seq.num_reserved_tokens:
+            raise ValueError(
+                f"cannot shrink sequence {seq_id!r} from {seq.num_reserved_tokens} reserved "
+                f"tokens to {num_tokens}"
+            )
+        keep = self.num_blocks_needed(num_tokens)
+        if keep < seq.num_hashed_blocks:
+            raise ValueError(f"sequence {seq_id!r} would release blocks it committed")
+        for block_id in reversed(seq.block_ids[keep:]):
+            block = self._blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free.append(block)
+        del seq.block_ids[keep:]
+        seq.num_reserved_tokens = num_tokens
 
     def fork(self, parent_seq_id: Hashable, child_seq_id: Hashable) -> None:
         """Child shares every block of the parent (ref++); a shared partial block is copied on

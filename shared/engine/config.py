@@ -47,6 +47,17 @@ ENV_PREFIX = "LLMSERVE_"
 LONG_PREFILL_TOKEN_THRESHOLD = 128
 PREFILL_SLICE_MS = 20
 
+SPECULATIVE_METHODS = ("ngram", "draft")
+SPECULATIVE_HELP = (
+    "speculative decoding: ngram proposes the tokens that followed the sequence's last few tokens "
+    "where they occurred before in it; draft runs the model's first layers as a draft. Proposals "
+    "are verified in one forward: the output is exactly what decoding without them gives"
+)
+# Sized on the 2-core CPU host (loadtests/bench_speculative.py, loadtests/RESULTS.md): beyond this
+# many decoding sequences a step is compute-bound, and verifying K proposals per sequence costs
+# about K more decodes' compute.
+SPECULATIVE_MAX_NUM_SEQS = 4
+
 
 def _setting(
     default: Any, help: str, *, type: type = str, choices: tuple[Any, ...] | None = None
@@ -99,6 +110,22 @@ class EngineConfig:
     quantization: str | None = _setting(None, QUANTIZATION_HELP, choices=QUANTIZATIONS)
     # "int8" / "fp8": K/V rows in int8 / e4m3 with a scale each; see kv_cache
     kv_cache_dtype: str = _setting("auto", KV_CACHE_DTYPE_HELP, choices=KV_CACHE_DTYPES)
+    # Speculative decoding (shared/engine/speculative): proposals verified in one forward.
+    speculative: str | None = _setting(None, SPECULATIVE_HELP, choices=SPECULATIVE_METHODS)
+    num_speculative_tokens: int = _setting(
+        4, "tokens proposed per sequence and step when --speculative is on", type=int
+    )
+    speculative_max_num_seqs: int = _setting(
+        SPECULATIVE_MAX_NUM_SEQS,
+        "speculate only while at most this many sequences decode: in a larger batch, verifying "
+        "proposals costs more than their accepted tokens save",
+        type=int,
+    )
+    speculative_draft_layers: int | None = _setting(
+        None,
+        "layers of the model that --speculative draft runs to propose (default: a third of them)",
+        type=int,
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in WEIGHT_DTYPES:
@@ -110,6 +137,8 @@ class EngineConfig:
             "max_num_batched_tokens",
             "max_num_seqs",
             "long_prefill_token_threshold",
+            "num_speculative_tokens",
+            "speculative_max_num_seqs",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -127,6 +156,16 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be None or one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
+        if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative must be None or one of {SPECULATIVE_METHODS}, "
+                f"got {self.speculative!r}"
+            )
+        if self.speculative_draft_layers is not None and self.speculative_draft_layers < 1:
+            raise ValueError(
+                "speculative_draft_layers must be positive (or unset), "
+                f"got {self.speculative_draft_layers}"
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(

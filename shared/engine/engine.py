@@ -37,6 +37,7 @@ from shared.engine.quantization import kv_dtype_name
 from shared.engine.sampler import SamplingBatch, make_generator, sample
 from shared.engine.scheduler import LongPrefill, Scheduler
 from shared.engine.sequence import Request, Sequence, SequenceStatus
+from shared.engine.speculative import make_speculator
 from shared.engine.step_record import PrefillChunk, StepRecord
 from shared.engine.tokenizer import Tokenizer
 from shared.wire.kv_events import KVEventBatch
@@ -60,8 +61,9 @@ class _LayeredPrefill:
 
 
 def _is_prefill(seq: Sequence, num_new: int) -> bool:
-    """A chunk of the prompt, or a preempted sequence's recompute (several tokens at once)."""
-    return num_new > 1 or seq.num_computed_tokens < seq.num_prompt_tokens
+    """A chunk of the prompt, or a preempted sequence's recompute (several tokens at once, not
+    counting speculative proposals)."""
+    return num_new - len(seq.draft_token_ids) > 1 or seq.num_computed_tokens < seq.num_prompt_tokens
 
 
 def _prefill_chunk(seq: Sequence, num_new: int) -> PrefillChunk:
@@ -140,6 +142,14 @@ class Engine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
             long_prefill=LongPrefill(config.long_prefill_token_threshold),
+        )
+        self.speculator = make_speculator(
+            config,
+            self.runner,
+            self.scheduler,
+            self.block_manager,
+            self.backend.argmax_rows,
+            self.max_model_len,
         )
         self._layered: _LayeredPrefill | None = None
         self._slice_due = False  # a batch ran while a long prefill is in flight: slice next
@@ -294,6 +304,15 @@ class Engine:
         self._counters["last_step_num_seqs"] = 0
         if self._layered_in_flight() and self._slice_due:
             return self._advance_layered()
+        if self.speculator is not None:
+            self.speculator.plan()
+        try:
+            return self._run_schedule(start_ns)
+        finally:
+            if self.speculator is not None:
+                self.speculator.end_step()
+
+    def _run_schedule(self, start_ns: int) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         # Copy-on-write copies of this schedule's allocations, before any forward writes.
         self.kv_cache.copy_blocks(self.block_manager.take_pending_copies())
@@ -306,6 +325,8 @@ class Engine:
                 seq, num_new, chunk, self.runner.start([chunk]), time.time_ns()
             )
         if sched.scheduled:
+            if self.speculator is not None:  # after the copies: a draft forward reads the cache
+                sched.scheduled = self.speculator.propose(sched.scheduled)
             for seq, _ in sched.scheduled:
                 self._note_scheduled(seq)
             self._slice_due = self._layered_in_flight()
@@ -368,13 +389,18 @@ class Engine:
         return outputs
 
     def _chunk(self, seq: Sequence, num_new: int) -> ScheduledChunk:
+        """``num_new`` tokens of ``seq`` from its first uncomputed one: its own tokens, then its
+        speculative proposals (each of those, and the token before them, gets a logits row)."""
         start = seq.num_computed_tokens
+        drafts = seq.draft_token_ids
+        num_own = num_new - len(drafts)
         return ScheduledChunk(
-            token_ids=seq.token_ids[start : start + num_new],
+            token_ids=seq.token_ids[start : start + num_own] + drafts,
             num_computed=start,
             block_table=self.block_manager.block_table(seq.seq_id),
-            need_logits=start + num_new == len(seq.token_ids),
+            need_logits=start + num_own == len(seq.token_ids),
             decode_from=seq.num_prompt_tokens,
+            num_logits=1 + len(drafts),
         )
 
     def _run_batch(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
@@ -382,7 +408,8 @@ class Engine:
         forward = self.runner.start(chunks)
         forward.advance()
         for seq, num_new in scheduled:
-            seq.num_computed_tokens += num_new
+            # Proposals count computed only once verified (Speculator.verify).
+            seq.num_computed_tokens += num_new - len(seq.draft_token_ids)
         return self._finish(scheduled, chunks, forward)
 
     def _finish(
@@ -396,9 +423,11 @@ class Engine:
             self.block_manager.commit(
                 seq.seq_id, seq.token_ids, seq.num_computed_tokens, self.scheduler.block_hashes(seq)
             )
-        # Rows of `logits` follow the chunks that need them, in order.
+        # Rows of `logits` follow the chunks that need them, in order: one each, and one more per
+        # speculative proposal.
         to_sample: list[Sequence] = []
         rows: list[int] = []
+        drafted: list[tuple[Sequence, int]] = []  # (sequence with proposals, its first row)
         row = 0
         for (seq, _), chunk in zip(scheduled, chunks, strict=True):
             if not chunk.need_logits:
@@ -416,12 +445,19 @@ class Engine:
                     self.scheduler.add_running(child)
                     to_sample.append(child)
                     rows.append(row)
-            row += 1
+            if seq.draft_token_ids:
+                drafted.append((seq, row))
+            row += chunk.num_logits
         self._sample(logits, to_sample, rows)
+        if drafted:
+            assert self.speculator is not None
+            self.speculator.verify(
+                logits, drafted, lambda seqs, rows: self._sample(logits, seqs, rows)
+            )
         return self._collect_outputs(to_sample)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
-        if rows != list(range(len(rows))):
+        if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
             logits = logits[torch.tensor(rows)]
         batch = SamplingBatch.build(
             [s.request.params for s in seqs],
@@ -475,7 +511,7 @@ class Engine:
         return self.kv_cache.num_blocks
 
     def stats(self) -> EngineStats:
-        bm = self.block_manager
+        bm, spec = self.block_manager, self.speculator
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -487,5 +523,8 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             num_cached_blocks=bm.num_cached_blocks,
             step_seconds_total=self._step_seconds_total,
+            spec_num_drafts=spec.num_drafts if spec else 0,
+            spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
+            spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
             **self._counters,
         )

@@ -36,6 +36,16 @@ class ScheduledChunk:
     block_table: list[int]
     need_logits: bool = True
     decode_from: int | None = None
+    # With need_logits: the chunk's last num_logits tokens each get a logits row, in order (a
+    # speculative step verifies the proposals that end the chunk).
+    num_logits: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_logits <= len(self.token_ids):
+            raise ValueError(
+                f"num_logits={self.num_logits} outside [1, {len(self.token_ids)}] (the chunk's "
+                "tokens)"
+            )
 
     def split(self) -> tuple[int, int]:
         """(prefill tokens, decode tokens): the chunk's first tokens go to the prefill kernel, the
@@ -104,14 +114,17 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = model.device
 
-    def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Logits [num chunks with need_logits, vocab] (fp32), in the order of ``chunks``."""
-        forward = self.start(chunks)
+    def execute(self, chunks: list[ScheduledChunk], num_layers: int | None = None) -> torch.Tensor:
+        """Logits [rows of the chunks with need_logits, vocab] (fp32), in the order of
+        ``chunks``."""
+        forward = self.start(chunks, num_layers)
         forward.advance()
         return forward.logits()
 
-    def start(self, chunks: list[ScheduledChunk]) -> Forward:
-        """The forward over ``chunks``, no layer run yet (``execute`` is this run to the end)."""
+    def start(self, chunks: list[ScheduledChunk], num_layers: int | None = None) -> Forward:
+        """The forward over ``chunks``, no layer run yet (``execute`` is this run to the end).
+        ``num_layers``: run only the model's first that many decoder layers, then its final norm
+        and head (a draft of the model that shares its KV cache); None: all of them."""
         if not chunks:
             raise ValueError("execute() needs at least one chunk")
         max_len = self.model.config.max_position_embeddings
@@ -129,16 +142,15 @@ class ModelRunner:
         # whichever item wrote them.
         decodes: list[tuple[list[int], int, list[int]]] = []  # (token ids, position, block table)
         prefills: list[tuple[list[int], int, list[int]]] = []
-        last_item: list[
-            tuple[bool, int]
-        ] = []  # per chunk: (is a decode, index) of its last token's item
+        # Per chunk: (index of its prefill item or -1, its prefill tokens, its first decode item).
+        placed: list[tuple[int, int, int]] = []
         for c in chunks:
             num_prefill, num_decode = c.split()
+            placed.append((len(prefills) if num_prefill else -1, num_prefill, len(decodes)))
             if num_prefill:
                 prefills.append((c.token_ids[:num_prefill], c.num_computed, c.block_table))
             for i in range(num_prefill, num_prefill + num_decode):
                 decodes.append(([c.token_ids[i]], c.num_computed + i, c.block_table))
-            last_item.append((True, len(decodes) - 1) if num_decode else (False, len(prefills) - 1))
         items = decodes + prefills
         meta = build_attention_metadata(
             query_lens=[len(ids) for ids, _, _ in items],
@@ -152,10 +164,17 @@ class ModelRunner:
         input_ids = torch.tensor(
             [t for ids, _, _ in items for t in ids], dtype=torch.int64, device=self.device
         )
-        rows = [
-            meta.query_start_loc[index + (0 if is_decode else len(decodes)) + 1] - 1
-            for (is_decode, index), c in zip(last_item, chunks, strict=True)
-            if c.need_logits
-        ]
-        layers = self.model.forward_layers(input_ids, self.kv_cache.layers, meta)
+        starts = meta.query_start_loc
+        rows: list[int] = []  # the flat token index of each logits row
+        for c, (prefill_item, num_prefill, first_decode) in zip(chunks, placed, strict=True):
+            if not c.need_logits:
+                continue
+            for t in range(len(c.token_ids) - c.num_logits, len(c.token_ids)):
+                if t < num_prefill:
+                    rows.append(starts[len(decodes) + prefill_item] + t)
+                else:
+                    rows.append(starts[first_decode + t - num_prefill])
+        layers = self.model.forward_layers(
+            input_ids, self.kv_cache.layers[:num_layers], meta, num_layers
+        )
         return Forward(self.model, layers, rows)

@@ -142,6 +142,8 @@ class Scheduler:
             if not is_long and budget == 0:
                 continue
             num_new = long.chunk(seq.num_uncomputed) if is_long else min(seq.num_uncomputed, budget)
+            if seq.num_lookahead:
+                num_new += self._grant_lookahead(seq, budget - num_new)
             while self.bm.allocate(seq.seq_id, seq.token_ids, num_new) is None:
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -185,6 +187,16 @@ class Scheduler:
                 budget -= num_new
         return out
 
+    def _grant_lookahead(self, seq: Sequence, budget: int) -> int:
+        """How many of the speculative slots a decoding sequence asked for it gets: as many as the
+        step's budget leaves, and only if free blocks hold them beside its next token's slot, so
+        speculation never preempts. ``seq.num_lookahead`` is cut to the grant."""
+        granted = min(seq.num_lookahead, budget)
+        if granted and not self.bm.can_grow(seq.seq_id, 1 + granted):
+            granted = 0
+        seq.num_lookahead = granted
+        return granted
+
     def block_hashes(self, seq: Sequence) -> list[int] | None:
         """The sequence's full-block hashes for the block manager; None while prefix caching is off
         (nothing reads them then, so nothing is hashed)."""
@@ -196,6 +208,7 @@ class Scheduler:
         self.running.remove(seq)
         self.bm.free(seq.seq_id)
         seq.num_computed_tokens = 0
+        seq.num_lookahead = 0
         if self.layered is seq:  # its forward is dropped; the chunk is recomputed with the rest
             self.layered, self.in_flight = None, False
             if out.layered is not None and out.layered[0] is seq:

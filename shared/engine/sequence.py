@@ -64,6 +64,13 @@ class Sequence:
     text: str = ""  # detokenized output so far (stop string removed once found)
     num_emitted_chars: int = 0
     finish_emitted: bool = False  # the delta carrying finish_reason went out; nothing follows it
+    # Speculative decoding (shared/engine/speculative), within one step only: between steps both
+    # are empty. num_lookahead: KV slots asked for beyond the next token (set before scheduling,
+    # cut to what the scheduler granted); draft_token_ids: the proposals run after the next token
+    # in this step's forward, none of them counted computed or in token_ids until verified.
+    num_lookahead: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)
+    proposer_state: Any = None  # the proposer's own bookkeeping for this sequence
 
     @property
     def seq_id(self) -> str:

@@ -76,3 +76,9 @@ class EngineStats(msgspec.Struct, kw_only=True, frozen=True):
     # Wall seconds spent inside steps, cumulative: against the wall clock, how busy the engine was
     # (the rest it waited for work); over num_steps, the mean step time.
     step_seconds_total: float = 0.0
+    # Speculative decoding, cumulative: steps of a sequence that carried proposals, the proposals
+    # run, and those accepted (acceptance rate: accepted / draft tokens; tokens a drafted step
+    # yields: 1 + accepted / drafts).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0

@@ -60,6 +60,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # False: the engine never speculates for this request (the output is the same either way).
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, lo=1, hi=MAX_N)

@@ -59,6 +59,7 @@ def test_completion_maps_every_parameter():
         ignore_eos=True,
         stop_token_ids=[2],
         priority=3,
+        speculative=False,
         some_unknown_field={"x": 1},
     )
     p = g.params
@@ -78,7 +79,7 @@ def test_completion_maps_every_parameter():
         -0.5,
         12,
     )
-    assert p.ignore_eos and p.stop_token_ids == [2]
+    assert p.ignore_eos and p.stop_token_ids == [2] and p.speculative is False
     assert (g.request_id, g.model, g.prompt, g.prompt_token_ids, g.messages) == (
         "cmpl-1",
         "m",
@@ -92,6 +93,7 @@ def test_completion_maps_every_parameter():
 def test_completion_defaults_and_prompt_forms():
     assert completion().params.max_tokens == protocol.COMPLETIONS_DEFAULT_MAX_TOKENS
     assert completion().params.logprobs is None and completion().params.temperature == 1.0
+    assert completion().params.speculative is True
     assert completion(prompt=[1, 2, 3]).prompt_token_ids == [1, 2, 3]
     assert completion(prompt=["one"]).prompt == "one"
     assert completion(prompt=[[4, 5]]).prompt_token_ids == [4, 5]

@@ -114,6 +114,9 @@ def test_executor_metrics_follow_the_engine_stats_and_observe_batches():
         prefix_cache_queries_tokens=64,
         prefix_cache_hits_tokens=32,
         num_preemptions=3,
+        spec_num_drafts=5,
+        spec_num_draft_tokens=20,
+        spec_num_accepted_tokens=12,
     )
     m = ExecutorMetrics("executor-0", "m", lambda: stats)
     m.on_step(0.02, engine_stats(last_step_num_tokens=40, last_step_num_seqs=3))
@@ -132,6 +135,9 @@ def test_executor_metrics_follow_the_engine_stats_and_observe_batches():
     assert value("llmserve:prefix_cache_queries_total") == 64
     assert value("llmserve:prefix_cache_hits_total") == 32
     assert value("llmserve:num_preemptions_total") == 3
+    assert value("llmserve:spec_decode_num_drafts_total") == 5
+    assert value("llmserve:spec_decode_num_draft_tokens_total") == 20
+    assert value("llmserve:spec_decode_num_accepted_tokens_total") == 12
     assert value("llmserve:engine_step_seconds_count") == 1
     assert value("llmserve:engine_step_seconds_sum") == pytest.approx(0.02)
     assert value("llmserve:engine_batch_size_sum") == 3

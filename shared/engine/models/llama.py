@@ -178,15 +178,18 @@ class LlamaModel(nn.Module):
         input_ids: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        num_layers: int | None = None,
     ) -> Generator[None, None, torch.Tensor]:
         """``forward`` one decoder layer at a time: yields between two layers and returns the
         final-normed hidden states after the last. Between two layers the forward holds only its
         own tensors, so other forwards may run on the same cache meanwhile (they write other
         slots); abandoned, it leaves K/V in its own slots only, which nothing reads before they
-        are written again."""
+        are written again. ``num_layers``: only the first that many layers run (``kv_caches``
+        holds theirs), then the final norm."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(meta.positions, x.dtype)
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+        layers = self.layers[:num_layers]
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches, strict=True)):
             if i:
                 yield
             x = layer(x, cos, sin, k_cache, v_cache, meta)

@@ -113,13 +113,15 @@ class ModelRuntime(nn.Module):
         input_ids: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        num_layers: int | None = None,
     ) -> Generator[None, None, torch.Tensor]:
-        """``forward`` one decoder layer at a time (``LlamaModel.forward_layers``); ``forward`` is
-        this run to the end, so the two compute the same thing by construction."""
+        """``forward`` one decoder layer at a time (``LlamaModel.forward_layers``, ``num_layers``
+        as there); ``forward`` is this run to the end, so the two compute the same thing by
+        construction."""
         ops = self.backend.ops
         if ops is None:
-            return (yield from self.model.forward_layers(input_ids, kv_caches, meta))
-        layers = self._layers or self._build_layers()
+            return (yield from self.model.forward_layers(input_ids, kv_caches, meta, num_layers))
+        layers = (self._layers or self._build_layers())[:num_layers]
         return (
             yield from fused_forward_layers(
                 self.model, layers, self.attention, ops, input_ids, kv_caches, meta
