@@ -10,7 +10,8 @@ so both sides share the process, the weights and the warm caches:
    the answer quotes most of the prompt), *quote* (a summary that quotes its source), and *random
    text* (a prompt of random words: nothing to look up but what the model repeats of itself).
 2. **draft, single stream**: the same against K (proposals per step), on *code edit* and *random
-   text*, with the draft of ``--speculative-draft-layers`` layers (default: a third).
+   text*, with the model's int8 twin as the draft (``--speculative-draft-layers``: only its first
+   layers; default all).
 3. **batch size**: output tokens/s with and without n-gram speculation at several batch sizes on the
    code-edit workload: where verification stops paying (``speculative_max_num_seqs``).
 
@@ -220,8 +221,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     draft = engine_for("draft", args)
     assert draft.speculator is not None
-    layers = draft.speculator.proposer.num_layers  # type: ignore[attr-defined]
-    print(f"2. draft of {layers} layers, single stream, against K")
+    layers = draft.speculator.proposer.num_layers or draft.model_config.num_layers  # type: ignore[attr-defined]
+    print(f"2. draft: the int8 twin, {layers} layers, single stream, against K")
     results["draft"] = {"layers": layers}
     for name in ("code edit", "random text"):
         results["draft"][name] = {}

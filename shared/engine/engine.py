@@ -31,7 +31,7 @@ from shared.engine.memory import parse_bytes, plan_memory
 from shared.engine.model_runner import Forward, ModelRunner, ScheduledChunk
 from shared.engine.models.int8_linear import calibration_text, int8_supported, quantize_model_int8
 from shared.engine.models.loader import resolve_dtype, resolve_model_path
-from shared.engine.models.runtime import load_runtime
+from shared.engine.models.runtime import ModelRuntime, load_runtime
 from shared.engine.output_processor import OutputProcessor
 from shared.engine.quantization import kv_dtype_name
 from shared.engine.sampler import SamplingBatch, make_generator, sample
@@ -104,6 +104,7 @@ class Engine:
         )
         if config.quantization == "int8":
             quantize_model_int8(self.model, self.tokenizer.encode(calibration_text()), self.backend)
+        self.draft_model = self._load_draft(path) if config.speculative == "draft" else None
         self.model_config = self.model.config
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_position_embeddings,
@@ -121,7 +122,7 @@ class Engine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_num_seqs=config.max_num_seqs,
                 context_len=self.max_model_len,
-                resident_weight_bytes=self.model.weight_bytes(),
+                resident_weight_bytes=self.resident_weight_bytes(),
                 quantization=config.quantization,
             )
             num_blocks = ledger.num_kv_blocks
@@ -145,7 +146,7 @@ class Engine:
         )
         self.speculator = make_speculator(
             config,
-            self.runner,
+            None if self.draft_model is None else ModelRunner(self.draft_model, self.kv_cache),
             self.scheduler,
             self.block_manager,
             self.backend.argmax_rows,
@@ -171,6 +172,27 @@ class Engine:
         self._step_seconds_total = 0.0
         # Requests whose first step ran since the last take_first_scheduled (queue-time metric).
         self._first_scheduled: list[str] = []
+
+    def _load_draft(self, path: str) -> ModelRuntime:
+        """The model's int8-weight twin, the draft of speculative decoding (speculative/draft.py):
+        the model itself when its linears are int8 already."""
+        if not int8_supported(self.backend.ops):
+            raise ValueError(
+                "speculative='draft' drafts with the model's int8 twin, which needs the CPU "
+                f"kernels (kernels/cpu), unavailable here: {self.backend.reason}; use "
+                "speculative='ngram'"
+            )
+        if self.config.quantization == "int8":
+            return self.model
+        draft = load_runtime(
+            path,
+            dtype=self.config.dtype,
+            device=self.config.device,
+            backend=self.backend,
+            progress=False,
+        )
+        quantize_model_int8(draft, self.tokenizer.encode(calibration_text()), self.backend)
+        return draft
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -501,7 +523,10 @@ class Engine:
     # ---- counters -------------------------------------------------------------------------------
 
     def resident_weight_bytes(self) -> int:
-        return self.model.weight_bytes()
+        """The model's weights, and its speculative draft's when that is a model of its own."""
+        draft = self.draft_model
+        extra = draft.weight_bytes() if draft is not None and draft is not self.model else 0
+        return self.model.weight_bytes() + extra
 
     def kv_cache_bytes(self) -> int:
         return self.kv_cache.num_bytes

@@ -278,8 +278,8 @@ def test_settings_from_the_command_line_and_bad_values(model_path):
         EngineConfig(speculative="medusa")
     with pytest.raises(ValueError, match="num_speculative_tokens must be positive"):
         EngineConfig(num_speculative_tokens=0)
-    with pytest.raises(ValueError, match="the model has 2, so choose 1 to 1"):
-        llm(model_path, speculative="draft", speculative_draft_layers=2)
+    with pytest.raises(ValueError, match="the model has 2, so choose 1 to 2"):
+        llm(model_path, speculative="draft", speculative_draft_layers=3)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
@@ -296,7 +296,7 @@ def test_default_model_greedy_output_is_unchanged(method):
         speculative=method,
         num_speculative_tokens=4,
         num_threads=2,
-        memory_budget="512MiB",
+        memory_budget="1GiB",
     )
 
     def tokens(speculative: bool) -> list[list[int]]:
@@ -309,5 +309,4 @@ def test_default_model_greedy_output_is_unchanged(method):
     assert model.engine.stats().spec_num_drafts == 0
     assert tokens(True) == reference
     assert model.engine.stats().spec_num_draft_tokens > 0
-    if method == "ngram":  # the layer-cut draft agrees with the model too rarely to count on
-        assert model.engine.stats().spec_num_accepted_tokens > 0
+    assert model.engine.stats().spec_num_accepted_tokens > 0

@@ -175,7 +175,9 @@ def calibration_text() -> str:
 
 def input_maxima(runtime: ModelRuntime, token_ids: list[int]) -> dict[str, torch.Tensor]:
     """max|x| per input feature of every linear under the model's ``layers`` (keyed by module name),
-    over one prefill of ``token_ids`` on the runtime's path."""
+    over one prefill of ``token_ids`` (as many as the model's context holds) on the runtime's
+    path."""
+    token_ids = token_ids[: runtime.config.max_position_embeddings]
     maxima: dict[str, torch.Tensor] = {}
     hooks = []
     for name, module in runtime.model.layers.named_modules():

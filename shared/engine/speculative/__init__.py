@@ -1,4 +1,4 @@
-"""Speculative decoding: proposers (n-gram lookup, a layer-cut draft of the model) and the
+"""Speculative decoding: proposers (n-gram lookup, the model's int8 twin as a draft) and the
 ``Speculator`` that reserves, runs and verifies their proposals inside the engine's steps."""
 
 from __future__ import annotations
@@ -11,30 +11,34 @@ from shared.engine.block_manager import BlockManager
 from shared.engine.config import EngineConfig
 from shared.engine.model_runner import ModelRunner
 from shared.engine.scheduler import Scheduler
-from shared.engine.speculative.layer_draft import LayerDraftProposer
+from shared.engine.speculative.draft import DraftProposer
 from shared.engine.speculative.ngram import NgramProposer
 from shared.engine.speculative.speculator import Proposer, Speculator
 
-__all__ = ["LayerDraftProposer", "NgramProposer", "Proposer", "Speculator", "make_speculator"]
+__all__ = ["DraftProposer", "NgramProposer", "Proposer", "Speculator", "make_speculator"]
 
 
 def make_speculator(
     config: EngineConfig,
-    runner: ModelRunner,
+    draft_runner: ModelRunner | None,
     scheduler: Scheduler,
     block_manager: BlockManager,
     argmax_rows: Callable[[torch.Tensor], torch.Tensor],
     max_model_len: int,
 ) -> Speculator | None:
-    """The speculator ``config.speculative`` asks for (None: off)."""
+    """The speculator ``config.speculative`` asks for (None: off). ``draft_runner``: the draft
+    model on the engine's KV cache (for "draft")."""
     if config.speculative is None:
         return None
     proposer: Proposer
     if config.speculative == "ngram":
         proposer = NgramProposer()
     else:
-        num_layers = config.speculative_draft_layers or max(1, runner.model.config.num_layers // 3)
-        proposer = LayerDraftProposer(runner, block_manager, num_layers, argmax_rows)
+        if draft_runner is None:
+            raise ValueError("speculative='draft' needs the draft model's runner")
+        proposer = DraftProposer(
+            draft_runner, block_manager, config.speculative_draft_layers, argmax_rows
+        )
     return Speculator(
         proposer,
         scheduler,

@@ -1,10 +1,11 @@
-"""A draft that is the model itself, cut short: its first layers, then its final norm and head.
+"""A draft that is the model itself run cheaper: its int8-weight twin (``--quantization int8``'s
+decoder linears, half the bytes a decode step reads), all its layers or only the first ones.
 
-The draft's layers are the model's own, so the K/V it computes for them at a position are exactly
-the model's there: it needs no cache, no prefill and no memory of its own. It reads the sequence's
-cached K/V of those layers and writes its proposals' K/V into the slots the step reserved for them,
-which the verifying forward then overwrites (with the same values wherever a proposal is accepted).
-Each proposal costs a forward of the first layers plus the head, one per token, greedy.
+The twin drafts on the model's own KV cache: it attends to the K/V the model computed for the
+sequence, and writes its proposals' K/V into the slots the step reserved for them, which the
+verifying forward then overwrites with the model's. So the draft needs no cache, no prefill and no
+KV memory of its own, and whatever it gets wrong costs only acceptance: verification is exact. Each
+proposal costs one forward of the twin (greedy, a token per sequence).
 """
 
 from __future__ import annotations
@@ -18,20 +19,22 @@ from shared.engine.model_runner import ModelRunner, ScheduledChunk
 from shared.engine.sequence import Sequence
 
 
-class LayerDraftProposer:
-    """``argmax_rows``: the engine's argmax over logits rows (its kernel where it has one)."""
+class DraftProposer:
+    """``runner``: the draft model on the engine's KV cache. ``num_layers``: run its first that
+    many layers, then its final norm and head (None: all). ``argmax_rows``: the engine's argmax
+    over logits rows (its kernel where it has one)."""
 
     def __init__(
         self,
         runner: ModelRunner,
         block_manager: BlockManager,
-        num_layers: int,
+        num_layers: int | None,
         argmax_rows: Callable[[torch.Tensor], torch.Tensor],
     ) -> None:
         total = runner.model.config.num_layers
-        if not 1 <= num_layers < total:
+        if num_layers is not None and not 1 <= num_layers <= total:
             raise ValueError(
-                f"a draft of {num_layers} layers: the model has {total}, so choose 1 to {total - 1}"
+                f"a draft of {num_layers} layers: the model has {total}, so choose 1 to {total}"
             )
         self.runner = runner
         self.bm = block_manager
@@ -44,7 +47,7 @@ class LayerDraftProposer:
     def propose(self, seqs: list[Sequence]) -> None:
         """``seq.num_lookahead`` proposals for each of ``seqs``, whose slots are reserved: draft
         forward ``j`` runs each sequence's token at position ``num_computed + j`` (its last token,
-        then its proposals) through the first layers."""
+        then its proposals)."""
         last = [seq.token_ids[-1] for seq in seqs]
         for seq in seqs:
             seq.draft_token_ids = []
