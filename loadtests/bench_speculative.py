@@ -35,6 +35,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 from loadtests.results import write_json
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
+from shared.engine.speculative import DraftProposer
 from shared.wire.sampling_params import SamplingParams
 
 DEFAULT_OUT = "loadtests/results/bench_speculative.json"
@@ -221,7 +222,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     draft = engine_for("draft", args)
     assert draft.speculator is not None
-    layers = draft.speculator.proposer.num_layers or draft.model_config.num_layers  # type: ignore[attr-defined]
+    proposer = draft.speculator.proposer
+    assert isinstance(proposer, DraftProposer)
+    layers = proposer.num_layers or draft.model_config.num_layers
     print(f"2. draft: the int8 twin, {layers} layers, single stream, against K")
     results["draft"] = {"layers": layers}
     for name in ("code edit", "random text"):
