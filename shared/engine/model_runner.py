@@ -41,6 +41,8 @@ class ScheduledChunk:
     num_logits: int = 1
 
     def __post_init__(self) -> None:
+        if not self.token_ids:
+            raise ValueError("a chunk has at least one new token")
         if not 1 <= self.num_logits <= len(self.token_ids):
             raise ValueError(
                 f"num_logits={self.num_logits} outside [1, {len(self.token_ids)}] (the chunk's "
@@ -129,8 +131,6 @@ class ModelRunner:
             raise ValueError("execute() needs at least one chunk")
         max_len = self.model.config.max_position_embeddings
         for c in chunks:
-            if not c.token_ids:
-                raise ValueError("a chunk has at least one new token")
             if c.num_computed + len(c.token_ids) > max_len:
                 raise ValueError(
                     f"prompt of {c.num_computed + len(c.token_ids)} tokens exceeds the "
