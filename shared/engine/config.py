@@ -54,10 +54,10 @@ SPECULATIVE_HELP = (
     "kernels; about half the bytes a step reads). Proposals are verified in one forward: the "
     "output is exactly what decoding without them gives"
 )
-# Sized on the 2-core CPU host (loadtests/bench_speculative.py, loadtests/RESULTS.md): beyond this
-# many decoding sequences a step is compute-bound, and verifying K proposals per sequence costs
-# about K more decodes' compute.
-SPECULATIVE_MAX_NUM_SEQS = 4
+# Sized on the 2-core CPU host (loadtests/bench_speculative.py, loadtests/RESULTS.md): the larger
+# the batch, the more a step is compute-bound and the more the K proposals each sequence verifies
+# cost; n-gram speculation still gained at 8 sequences, by less than at 4.
+SPECULATIVE_MAX_NUM_SEQS = 8
 
 
 def _setting(
