@@ -7,31 +7,13 @@ from typing import Any
 
 import pytest
 
+from helpers.prompts import PROMPTS
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine, PromptTooLongError
 from shared.engine.llm import LLM
 from shared.wire.sampling_params import SamplingParams
 
 GREEDY: dict[str, Any] = dict(temperature=0.0)
-
-PROMPTS = [
-    "The capital of France is",
-    "def quicksort(arr):",
-    "Write a haiku about the sea.",
-    "1, 1, 2, 3, 5, 8,",
-    "Le chat est",
-    "Q: What is the boiling point of water?\nA:",
-    "import numpy as np\n",
-    "In 1969, astronauts",
-    "The three primary colors are",
-    "Once upon a time, in a small village,",
-    "SELECT name FROM users WHERE",
-    "Photosynthesis is the process by which",
-    "My favourite fruit is",
-    "<html>\n  <body>\n",
-    "The quick brown fox",
-    "List three prime numbers:",
-]
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from gguf.quants import dequantize, quantize
 
 from helpers.greedy import all_position_logits
 from helpers.levels import best_ops, needs_kernels
+from helpers.prompts import PROMPTS
 from shared.engine.models.gguf_linear import (
     FORMATS,
     GGUFLinear,
@@ -191,27 +192,6 @@ def test_gguf_model_stays_close_to_fp32(runtime_fp32, runtime_bf16, runtime_gguf
     assert ppl <= 1.02 * ppl_fp32
 
 
-# test_engine's reference prompts.
-_PROMPTS = [
-    "The capital of France is",
-    "def quicksort(arr):",
-    "Write a haiku about the sea.",
-    "1, 1, 2, 3, 5, 8,",
-    "Le chat est",
-    "Q: What is the boiling point of water?\nA:",
-    "import numpy as np\n",
-    "In 1969, astronauts",
-    "The three primary colors are",
-    "Once upon a time, in a small village,",
-    "SELECT name FROM users WHERE",
-    "Photosynthesis is the process by which",
-    "My favourite fruit is",
-    "<html>\n  <body>\n",
-    "The quick brown fox",
-    "List three prime numbers:",
-]
-
-
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
@@ -241,14 +221,14 @@ def test_gguf_engine_greedy_agrees_with_bf16_and_holds_less_memory(smollm2_path)
         progress=False,
     )
     bf16 = LLM(EngineConfig(model=smollm2_path, memory_budget="512MiB"), progress=False)
-    ours = [r.outputs[0] for r in llm.generate(_PROMPTS, params)]
-    reference = [r.outputs[0].token_ids for r in bf16.generate(_PROMPTS, params)]
+    ours = [r.outputs[0] for r in llm.generate(PROMPTS, params)]
+    reference = [r.outputs[0].token_ids for r in bf16.generate(PROMPTS, params)]
     prefixes = [_common_prefix(o.token_ids, r) for o, r in zip(ours, reference, strict=True)]
     print(f"common prefix with bf16 per prompt: {prefixes}")
     assert sum(p > 0 for p in prefixes) >= 12
     assert sum(prefixes) / len(prefixes) >= 10
     assert "Paris" in ours[0].text.split(".")[0]
-    some = _PROMPTS[:4]
+    some = PROMPTS[:4]
     alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in some]
     assert alone == [o.token_ids for o in ours[:4]]
 
