@@ -1,9 +1,10 @@
 """What quantization costs in quality: SmolLM2 in bf16, int8 (W8A8, per SmoothQuant alpha, and
-without smoothing) and the file's own GGUF blocks run natively (``quantization="gguf"``: Q4_1 for
-the default file), each also with an int8 and an fp8 (e4m3) KV cache, against fp32 (the file
-dequantized), teacher-forced over the same text (the engine's own docstrings, none of it in the int8
-calibration text). With a quantized KV cache every position attends to the quantized keys and
-values, as in the engine.
+without smoothing), the file's own GGUF blocks run natively (``quantization="gguf"``: Q4_1 for
+the default file, its tied head Q8_0) and the same formats quantized at load from the dequantized
+weights (``quantization="int4"``), with int8 and fp8 (e4m3) KV caches beside some, against fp32
+(the file dequantized), teacher-forced over the same text (the engine's own docstrings, none of it
+in the int8 calibration text). With a quantized KV cache every position attends to the quantized
+keys and values, as in the engine.
 
 Per configuration: perplexity of the text, top-1 agreement with fp32 at every position, and the
 mean and max |logit - fp32 logit|; plus the bytes the model holds.
@@ -30,6 +31,7 @@ from loadtests.results import write_json
 from loadtests.workloads import corpus_text
 from shared.engine.default_model import default_model_path
 from shared.engine.models import int8_linear
+from shared.engine.models.gguf_linear import quantize_model_int4
 from shared.engine.models.runtime import load_runtime
 from shared.engine.models.teacher_forcing import all_position_logits, perplexity
 from shared.engine.tokenizer import Tokenizer
@@ -62,7 +64,7 @@ def measure(
 
     reference = load_runtime(path, dtype="float32", progress=False)
     ref = all_position_logits(reference, ids)
-    # (name, dtype, SmoothQuant alpha, quantization: None, "int8" or "gguf", KV cache dtype)
+    # (name, dtype, SmoothQuant alpha, quantization: None, "int8", "int4" or "gguf", KV cache dtype)
     configs: list[tuple[str, str, float | None, str | None, str]] = [
         ("fp32", "float32", None, None, "auto"),
         ("bf16", "bfloat16", None, None, "auto"),
@@ -81,6 +83,7 @@ def measure(
         configs += [
             ("gguf blocks", "bfloat16", None, "gguf", "auto"),
             ("gguf blocks, int8 KV", "bfloat16", None, "gguf", "int8"),
+            ("int4 (requantized at load)", "bfloat16", None, "int4", "auto"),
         ]
     rows = []
     # Configurations that differ only in the KV cache dtype share one loaded (and quantized) model:
@@ -105,6 +108,8 @@ def measure(
                 t0 = time.perf_counter()
             if quantization == "int8":
                 int8_linear.quantize_model_int8(model, calibration, model.backend, alpha)
+            elif quantization == "int4":
+                quantize_model_int4(model)
             loaded = ((dtype, alpha, quantization), model, time.perf_counter() - t0)
         _, model, quantize_s = loaded
         logits = all_position_logits(model, ids, kv_cache_dtype=kv_cache_dtype)

@@ -11,6 +11,7 @@ import msgspec
 from shared.engine.config import EngineConfig
 from shared.engine.memory import InsufficientMemoryError, MemoryLedger, parse_bytes, plan_memory
 from shared.engine.models.config import ModelConfig
+from shared.engine.models.known_configs import resolve_model
 from shared.engine.quantization import kv_dtype_name
 from shared.wire.messages import ExecutorMemory
 
@@ -34,6 +35,8 @@ def planned_ledger(
     was sized by a block count (no budget) or the budget cannot hold the plan."""
     if config.num_kv_blocks is not None:
         return None
+    # gguf's weight bytes depend on each linear's block format in the file: read from its header.
+    resolved = resolve_model(config.model) if config.quantization == "gguf" else None
     try:
         return plan_memory(
             model_config,
@@ -45,6 +48,8 @@ def planned_ledger(
             max_num_seqs=config.max_num_seqs,
             context_len=max_model_len,
             quantization=config.quantization,
+            gguf_formats=None if resolved is None else resolved.gguf_formats,
+            gguf_head_format=None if resolved is None else resolved.gguf_head_format,
         )
     except InsufficientMemoryError:
         return None

@@ -29,6 +29,7 @@ from shared.engine.cpu_backend import CpuBackend
 from shared.engine.kv_cache import KVCache
 from shared.engine.memory import parse_bytes, plan_memory
 from shared.engine.model_runner import Forward, ModelRunner, ScheduledChunk
+from shared.engine.models.gguf_linear import quantize_model_int4
 from shared.engine.models.int8_linear import calibration_text, int8_supported, quantize_model_int8
 from shared.engine.models.loader import resolve_dtype, resolve_model_path
 from shared.engine.models.runtime import ModelRuntime, load_runtime
@@ -89,7 +90,7 @@ class Engine:
         self.model_name = os.path.basename(os.path.normpath(path))
         self.tokenizer = Tokenizer.from_path(path)
         self.backend = backend or CpuBackend.pick(config.device, resolve_dtype(config.dtype))
-        if config.quantization in ("int8", "gguf") and not int8_supported(self.backend.ops):
+        if config.quantization is not None and not int8_supported(self.backend.ops):
             raise ValueError(
                 f"quantization={config.quantization!r} needs the CPU kernels (kernels/cpu), which "
                 f"are unavailable here: {self.backend.reason}"
@@ -104,6 +105,8 @@ class Engine:
         )
         if config.quantization == "int8":
             quantize_model_int8(self.model, self.tokenizer.encode(calibration_text()), self.backend)
+        elif config.quantization == "int4":
+            quantize_model_int4(self.model)
         self.draft_model = self._load_draft(path) if config.speculative == "draft" else None
         self.model_config = self.model.config
         self.max_model_len = min(

@@ -26,6 +26,8 @@ from shared.engine.quantization import (
     GGUF_BLOCK,
     GGUF_BLOCK_BYTES,
     GGUF_PANEL_ROWS,
+    INT4_HEAD_FORMAT,
+    INT4_LINEAR_FORMAT,
     KV_SCALE_BYTES,
     SCALED_KV_CACHE_DTYPES,
 )
@@ -133,6 +135,7 @@ def weight_bytes(
     num_params: int | None = None,
     quantization: str | None = None,
     gguf_formats: Sequence[str | None] | None = None,
+    gguf_head_format: str | None = None,
 ) -> int:
     """Parameters x bytes. ``num_params`` overrides the count from shapes when the real tensors of a
     model on disk were counted. ``quantization="int8"``: the decoder linears' weights take one byte
@@ -141,11 +144,18 @@ def weight_bytes(
     norms, biases and output head stay in ``weight_dtype``. ``quantization="gguf"``: each decoder
     linear whose entry in ``gguf_formats`` (the file's block format per linear, layer by layer in
     ``decoder_linear_shapes`` order; None where it is not native) names a format takes that
-    format's bytes (``gguf_linear_bytes``); the rest stay in ``weight_dtype``."""
+    format's bytes (``gguf_linear_bytes``), and so does the output head where ``gguf_head_format``
+    names one (a tied head's blocks come beside the embedding, which stays); the rest stay in
+    ``weight_dtype``. ``quantization="int4"``: every decoder linear in ``INT4_LINEAR_FORMAT``
+    and the head in ``INT4_HEAD_FORMAT``, whatever the checkpoint."""
     count = config.num_params() if num_params is None else num_params
     if quantization is None:
         return count * dtype_bytes(weight_dtype)
     shapes = decoder_linear_shapes(config)
+    if quantization == "int4":  # what models/gguf_linear.py's quantize_model_int4 makes
+        quantization = "gguf"
+        gguf_formats = [INT4_LINEAR_FORMAT] * len(shapes) * config.num_layers
+        gguf_head_format = INT4_HEAD_FORMAT
     if quantization == "gguf":
         if gguf_formats is None or len(gguf_formats) != len(shapes) * config.num_layers:
             raise ValueError(
@@ -157,7 +167,11 @@ def weight_bytes(
             for shape, fmt in zip(shapes * config.num_layers, gguf_formats, strict=True)
             if fmt is not None
         ]
+        if gguf_head_format is not None:
+            native.append(((config.vocab_size, config.hidden_size), gguf_head_format))
         native_params = sum(n * k for (n, k), _ in native)
+        if gguf_head_format is not None and config.tie_word_embeddings:
+            native_params -= config.vocab_size * config.hidden_size  # the embedding stays
         blocks = sum(gguf_linear_bytes(n, k, fmt) for (n, k), fmt in native)
         return (count - native_params) * dtype_bytes(weight_dtype) + blocks
     if quantization != "int8":
@@ -186,7 +200,7 @@ def activation_bytes(
              + i) x b     SwiGLU product silu(gate) * up
         + R x V x 4 x 2   fp32 logits of the sampled rows, and the sampler's working copy
         + T x (i + 4)     int8 only: a linear's input quantized (at most i bytes) and its row scale
-        + T x 5i/4        gguf only: a linear's input quantized per 32-block (at most i bytes) and
+        + T x 5i/4        gguf, int4: a linear's input quantized per 32-block (at most i bytes) and
                           each block's fp32 scale and int32 sum
 
     Every buffer is counted as if alive at once (an upper bound: layers run one at a time, so only
@@ -202,9 +216,8 @@ def activation_bytes(
     per_token = 2 * h + (config.q_size + 2 * config.kv_size) + config.q_size + 2 * i + i
     rows = min(max_num_seqs, max_num_batched_tokens)
     widest = max(k for _, k in decoder_linear_shapes(config))
-    quantized = {"int8": widest + 4, "gguf": widest + widest // GGUF_BLOCK * 8}.get(
-        quantization or "", 0
-    )
+    blocks = widest + widest // GGUF_BLOCK * 8
+    quantized = {"int8": widest + 4, "gguf": blocks, "int4": blocks}.get(quantization or "", 0)
     return (
         max_num_batched_tokens * (per_token * dtype_bytes(dtype) + quantized)
         + rows * config.vocab_size * 4 * 2
@@ -266,6 +279,7 @@ def plan_memory(
     resident_weight_bytes: int | None = None,
     quantization: str | None = None,
     gguf_formats: Sequence[str | None] | None = None,
+    gguf_head_format: str | None = None,
 ) -> MemoryLedger:
     """Size the KV pool from the budget: floor((budget - weights - activations) / bytes per block).
     ``resident_weight_bytes``: what a loaded model really holds (packed weights, and the tied head's
@@ -279,7 +293,7 @@ def plan_memory(
         raise ValueError(f"context_len must be positive, got {context}")
     params = config.num_params() if num_params is None else num_params
     weights = (
-        weight_bytes(config, weight_dtype, params, quantization, gguf_formats)
+        weight_bytes(config, weight_dtype, params, quantization, gguf_formats, gguf_head_format)
         if resident_weight_bytes is None
         else resident_weight_bytes
     )

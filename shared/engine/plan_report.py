@@ -53,6 +53,7 @@ def plan_report(
         num_params=resolved.num_params,
         quantization=quantization,
         gguf_formats=resolved.gguf_formats,
+        gguf_head_format=resolved.gguf_head_format,
     )
     config = resolved.config
     notes = []

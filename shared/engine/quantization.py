@@ -1,8 +1,9 @@
 """The quantization schemes the engine accepts, importable without torch (for the command lines).
 
 ``EngineConfig.quantization``: "int8": int8 weights and activations in every decoder linear, see
-``shared/engine/models/int8_linear.py``. "gguf": a GGUF file's Q4_0/Q4_1/Q8_0 decoder linears run on
-their blocks, see ``shared/engine/models/gguf_linear.py``. None (the default, a quantized GGUF file
+``shared/engine/models/int8_linear.py``. "gguf": a GGUF file's Q4_0/Q4_1/Q8_0 linears run on their
+blocks, see ``shared/engine/models/gguf_linear.py``; "int4": any checkpoint quantized at load into
+those blocks (``quantize_model_int4`` there). None (the default, a quantized GGUF file
 included) dequantizes every tensor to the model dtype at load: the numerics the exactness tests hold
 to the reference implementation; ``gguf`` changes them (8-bit inputs per 32-block, as llama.cpp
 computes), so it is asked for, never implied.
@@ -10,14 +11,19 @@ computes), so it is asked for, never implied.
 and an fp32 scale per (token, KV head) row; "fp8": the same with e4m3 elements; see
 ``shared/engine/kv_cache.py``."""
 
-QUANTIZATIONS = ("int8", "gguf")
+QUANTIZATIONS = ("int8", "int4", "gguf")
 QUANTIZATION_HELP = (
     "int8: int8 weights and activations in the decoder linears "
     "(the CPU kernels; faster, slightly less exact); "
-    "gguf: a GGUF file's Q4_0/Q4_1/Q8_0 decoder linears run on their blocks, not dequantized "
+    "int4: any checkpoint's decoder linears quantized at load to 4 bits in groups of 32 "
+    "(scale and min each, GGUF Q4_1 blocks) and its output head to 8 (Q8_0), run as gguf's; "
+    "gguf: a GGUF file's Q4_0/Q4_1/Q8_0 linears run on their blocks, not dequantized "
     "(the CPU kernels; fewer bytes per token, 8-bit inputs as llama.cpp; default: dequantized "
     "to --dtype)"
 )
+# ``quantization="int4"``: the decoder linears' block format, and the output head's (8 bits: the
+# head is the model's most sensitive matrix, and one of its largest).
+INT4_LINEAR_FORMAT, INT4_HEAD_FORMAT = "q4_1", "q8_0"
 
 # GGUF block formats the kernels run on their blocks: bytes per block of GGUF_BLOCK weights (int
 # quants, an fp16 scale, and for Q4_1 an fp16 min), the same in the file and in the packed layout,

@@ -4,6 +4,8 @@ model's native linears against its dequantized load, and the engine on the defau
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 import pytest
 import torch
@@ -164,6 +166,17 @@ def test_native_linears_hold_the_weights_the_dequantized_load_holds(runtime_gguf
             assert isinstance(layer, GGUFLinear) and layer.format == "q4_1", (i, path)
             assert layer.ops is runtime_gguf.backend.ops
             assert torch.equal(layer.row_major(), plain.get_submodule(path).weight), (i, path)
+    # The tied head runs on the embedding's Q8_0 blocks; the embedding itself still loads.
+    head = runtime_gguf.model.lm_head
+    assert isinstance(head, GGUFLinear) and head.format == "q8_0" and runtime_gguf.tied_head is None
+    assert head.ops is runtime_gguf.backend.ops
+    assert torch.equal(head.row_major(), runtime_fp32.model.embed_tokens.weight)
+    assert torch.equal(
+        runtime_gguf.model.embed_tokens.weight,
+        runtime_fp32.model.embed_tokens.weight.to(torch.bfloat16),
+    )
+    hidden = torch.randn(3, head.in_features, dtype=torch.bfloat16)
+    assert torch.equal(runtime_gguf.compute_logits(hidden), head(hidden).float())
 
 
 @pytest.fixture(scope="module")
@@ -206,10 +219,11 @@ def test_gguf_engine_greedy_agrees_with_bf16_and_holds_less_memory(smollm2_path)
     """Greedy, 32 tokens on each reference prompt, against bf16 (both approximate the fp32 load of
     the same file). The 8-bit input blocks move near-ties, and one moved token changes the rest, so
     exact equality is no contract: measured, the native blocks' first token is bf16's on 14 of 16
-    prompts and the common prefix averages 17 tokens (bf16 against fp32: 16 of 16, 24 tokens).
+    prompts and the common prefix averages 23 tokens (bf16 against fp32: 16 of 16, 24 tokens).
     Asserted with a margin: 12 first tokens, a mean prefix of 10, and Paris named first. Batch
     invariance holds exactly (each input row is quantized on its own and its integer sums are
-    exact), and the weights held shrink by the bf16 panels traded for the blocks."""
+    exact), and the weights held shrink by the bf16 panels (the tied head's copy among them) traded
+    for the blocks."""
     from shared.engine.config import EngineConfig
     from shared.engine.llm import LLM
     from shared.engine.models.packed_linear import PackedLinear
@@ -233,11 +247,14 @@ def test_gguf_engine_greedy_agrees_with_bf16_and_holds_less_memory(smollm2_path)
     assert alone == [o.token_ids for o in ours[:4]]
 
     native = [m for m in llm.engine.model.modules() if isinstance(m, GGUFLinear)]
-    assert len(native) == 4 * llm.engine.model_config.num_layers
-    packed = [m for m in bf16.engine.model.model.layers.modules() if isinstance(m, PackedLinear)]
+    assert len(native) == 4 * llm.engine.model_config.num_layers + 1  # and the head
+    packed = [m for m in bf16.engine.model.modules() if isinstance(m, PackedLinear)]
     bf16_panels = sum(m.packed.numel() * m.packed.element_size() for m in packed)
     blocks = sum(t.numel() * t.element_size() for m in native for t in m.tensors())
-    assert blocks == sum(-(-m.out_features // 16) * 16 * m.in_features // 32 * 20 for m in native)
+    block_bytes = {"q4_1": 20, "q8_0": 34}
+    assert blocks == sum(
+        -(-m.out_features // 16) * 16 * m.in_features // 32 * block_bytes[m.format] for m in native
+    )
     assert (
         llm.engine.model.weight_bytes() == bf16.engine.model.weight_bytes() - bf16_panels + blocks
     )
@@ -263,3 +280,76 @@ def test_gguf_without_the_kernels_is_a_clear_error(monkeypatch, smollm2_path):
             progress=False,
             backend=CpuBackend.off("switched off for the test"),
         )
+
+
+# ---- int4: any checkpoint quantized into the same blocks at load --------------------------------
+
+
+@needs_kernels
+def test_int4_of_the_dequantized_file_is_the_files_own_blocks(smollm2_path, runtime_gguf):
+    """``quantization="int4"`` quantizes with llama.cpp's rounding (the ``gguf`` package's): on the
+    default file's dequantized weights it finds the file's own Q4_1 blocks and the tied head's Q8_0
+    blocks again, bit for bit, so the model computes exactly what the native blocks compute."""
+    from shared.engine.models.gguf_linear import quantize_model_int4
+    from shared.engine.models.runtime import load_runtime
+
+    runtime = load_runtime(smollm2_path, dtype="bfloat16", progress=False)
+    assert quantize_model_int4(runtime) == 4 * runtime.config.num_layers + 1
+    ours = [m for m in runtime.modules() if isinstance(m, GGUFLinear)]
+    native = [m for m in runtime_gguf.modules() if isinstance(m, GGUFLinear)]
+    assert [m.format for m in ours] == [m.format for m in native]
+    for a, b in zip(ours, native, strict=True):
+        (qa, da, ma), (qb, db, mb) = a.blocks(), b.blocks()
+        assert torch.equal(qa, qb) and torch.equal(da, db)
+        assert (ma is None and mb is None) or (
+            ma is not None and mb is not None and torch.equal(ma, mb)
+        )
+        assert a.ops is runtime.backend.ops
+    assert runtime.tied_head is None and runtime.weight_bytes() == runtime_gguf.weight_bytes()
+    ids = list(range(100, 164))
+    assert torch.equal(all_position_logits(runtime, ids), all_position_logits(runtime_gguf, ids))
+
+
+@needs_kernels
+def test_int4_engine_on_a_safetensors_checkpoint(tmp_path):
+    """A safetensors model (the tiny random Llama, untied head) under ``quantization="int4"``: every
+    decoder linear in Q4_1 blocks within half a step of its weight, the head in Q8_0; the ledger's
+    weight bytes are what the engine holds; greedy output does not depend on the batch; and the
+    kernels compute what the torch reference of the same blocks computes."""
+    from helpers.tiny_llama import save_tiny_llama
+    from shared.engine.config import EngineConfig
+    from shared.engine.cpu_backend import CpuBackend
+    from shared.engine.llm import LLM
+    from shared.engine.memory import weight_bytes
+    from shared.engine.models.loader import load_model
+    from shared.wire.sampling_params import SamplingParams
+
+    path = save_tiny_llama(tmp_path, seed=5, hidden_size=128)
+    llm = LLM(EngineConfig(model=path, quantization="int4", num_kv_blocks=64), progress=False)
+    runtime = llm.engine.model
+    plain = load_model(path, dtype="float32", progress=False)
+    layers = {n: m for n, m in runtime.model.named_modules() if isinstance(m, GGUFLinear)}
+    assert len(layers) == 4 * runtime.config.num_layers + 1
+    assert layers["lm_head"].format == "q8_0"
+    for name, layer in layers.items():
+        assert layer.format == ("q8_0" if name == "lm_head" else "q4_1")
+        _, d, _ = layer.blocks()
+        dense = cast(torch.nn.Linear, plain.get_submodule(name))
+        w = dense.weight.to(torch.bfloat16).float()  # what the engine loaded
+        step = d.float().repeat_interleave(32, dim=1)
+        block_max = w.abs().reshape(w.shape[0], -1, 32).amax(-1).repeat_interleave(32, dim=1)
+        # Round to nearest: each weight within half a step, give or take the fp16 rounding of the
+        # block's scale and min.
+        assert ((layer.row_major() - w).abs() <= 0.55 * step + 2**-10 * block_max).all(), name
+    assert weight_bytes(runtime.config, "bfloat16", quantization="int4") == runtime.weight_bytes()
+
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = ["hello there", "a b c d e f", "the quick brown fox", "zz"]
+    together = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+    assert together == [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+
+    runtime.use(CpuBackend.off("the torch reference of the same blocks"))
+    hidden = torch.randn(5, runtime.config.hidden_size, dtype=torch.bfloat16)
+    reference = runtime.compute_logits(hidden)
+    runtime.use(llm.engine.backend)
+    torch.testing.assert_close(runtime.compute_logits(hidden), reference, rtol=1e-2, atol=1e-2)

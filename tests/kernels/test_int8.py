@@ -251,7 +251,7 @@ def test_unknown_quantization_is_refused():
     from shared.engine.config import EngineConfig
 
     with pytest.raises(ValueError, match="quantization must be None or one of"):
-        EngineConfig(quantization="int4")
+        EngineConfig(quantization="int3")
 
 
 def test_int8_without_the_kernels_is_a_clear_error(monkeypatch, smollm2_path):
@@ -276,4 +276,4 @@ def test_executor_takes_quantization_from_flag_or_environment(monkeypatch):
     monkeypatch.setenv("LLMSERVE_QUANTIZATION", "int8")
     assert parse_config([]).engine.quantization == "int8"
     with pytest.raises(SystemExit):
-        parse_config(["--quantization", "int4"])
+        parse_config(["--quantization", "int3"])

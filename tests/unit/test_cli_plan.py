@@ -67,15 +67,23 @@ def test_plan_with_int8_decoder_linears(capsys):
 
 
 def test_plan_with_gguf_decoder_linears(capsys):
-    """The default file's Q4_1 blocks: the ledger holds fewer weight bytes and more KV blocks; a
-    known name has no file to read formats from, and says so."""
+    """The default file's Q4_1 blocks and Q8_0 head: the ledger holds the bytes the file's formats
+    take (fewer than bf16's) and more KV blocks; a known name has no file to read formats from,
+    and says so."""
+    from shared.engine.memory import weight_bytes
+    from shared.engine.models.known_configs import resolve_model
+
     argv = ["plan", "--memory", "1GiB", "--context", "2048"]
     assert main([*argv, "--json"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert main([*argv, "--quantization", "gguf", "--json"]) == 0
     gguf = json.loads(capsys.readouterr().out)
     assert gguf["quantization"] == "gguf"
-    assert gguf["weight_bytes"] < 0.5 * plain["weight_bytes"]
+    model = resolve_model(None)
+    assert gguf["weight_bytes"] == weight_bytes(
+        model.config, "bfloat16", model.num_params, "gguf", model.gguf_formats, "q8_0"
+    )
+    assert gguf["weight_bytes"] < 0.6 * plain["weight_bytes"]
     assert gguf["num_kv_blocks"] > plain["num_kv_blocks"]
     assert main([*argv, "--quantization", "gguf"]) == 0
     assert "gguf decoder linears]" in capsys.readouterr().out

@@ -21,8 +21,8 @@ from services.gateway.errors import APIError
 from services.gateway.executor_board import ExecutorBoard
 from services.gateway.request_log import RequestLog, RequestRecord
 from shared.engine.config import EngineConfig
-from shared.engine.memory import plan_memory
-from shared.engine.models.known_configs import KNOWN_CONFIGS
+from shared.engine.memory import plan_memory, weight_bytes
+from shared.engine.models.known_configs import KNOWN_CONFIGS, resolve_model
 from shared.engine.plan_report import plan_report
 from shared.wire.messages import (
     EXECUTOR_HEARTBEAT,
@@ -303,7 +303,7 @@ def test_the_default_model_is_the_bundled_one():
         ({"memory": "1GiB", "max_num_seqs": "-1"}, "max_num_seqs"),
         ({"memory": "1GiB", "context": "1e9"}, "context"),
         ({"memory": "1GiB", "context": "9" * 13}, "context"),
-        ({"memory": "1GiB", "quantization": "int4"}, "quantization"),
+        ({"memory": "1GiB", "quantization": "int3"}, "quantization"),
     ],
 )
 def test_planner_arguments_are_bounded(query, param):
@@ -360,6 +360,18 @@ def test_the_executor_reports_the_plan_for_its_settings_and_what_it_holds():
     assert by_count.memory_budget_bytes == 0 and by_count.planned_kv_cache_bytes == 0
     too_small = replace(config, memory_budget="1MiB")
     assert planned_ledger(too_small, KNOWN_CONFIGS["smollm2-135m"], 2048) is None
+
+
+def test_a_gguf_executor_plans_with_its_files_block_formats():
+    """``quantization="gguf"`` weighs each linear by its format in the file: the executor reads
+    the formats from its model's header, as ``llmserve plan`` does."""
+    config = EngineConfig(memory_budget="1GiB", quantization="gguf")
+    model = resolve_model(None)
+    plan = planned_ledger(config, model.config, 2048)
+    assert plan is not None
+    assert plan.weight_bytes == weight_bytes(
+        model.config, "bfloat16", None, "gguf", model.gguf_formats, "q8_0"
+    )
 
 
 def test_every_console_file_is_package_data():

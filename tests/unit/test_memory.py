@@ -136,7 +136,7 @@ def test_int8_weight_and_activation_bytes_by_hand():
         LLAMA2_7B, 2048, 256, "float16"
     ) + 2048 * (11008 + 4)
     with pytest.raises(ValueError, match="unknown quantization"):
-        weight_bytes(LLAMA2_7B, "float16", quantization="int4")
+        weight_bytes(LLAMA2_7B, "float16", quantization="int3")
 
 
 def test_gguf_weight_and_activation_bytes_by_hand():
@@ -160,6 +160,19 @@ def test_gguf_weight_and_activation_bytes_by_hand():
         + 31 * sum(n * k // 32 * 20 for n, k in per_layer)
     )
     assert weight_bytes(LLAMA2_7B, "float16", quantization="gguf", gguf_formats=mixed) == expected
+    # An untied head (32,000 x 4,096) on Q8_0 blocks leaves the fp16 count for its blocks.
+    head = 32000 * 4096
+    assert (
+        weight_bytes(
+            LLAMA2_7B, "float16", quantization="gguf", gguf_formats=mixed, gguf_head_format="q8_0"
+        )
+        == expected - 2 * head + head // 32 * 34
+    )
+    # int4: any model, no file needed: every decoder linear Q4_1, the head Q8_0.
+    assert (
+        weight_bytes(LLAMA2_7B, "float16", quantization="int4")
+        == 2 * (6738415616 - linear - head) + q4_1 + head // 32 * 34
+    )
     with pytest.raises(ValueError, match="needs the block format of each decoder linear"):
         weight_bytes(LLAMA2_7B, "float16", quantization="gguf")
     # Activations: each token's input quantized per 32-block (at most 11,008 bytes) with an fp32
@@ -170,14 +183,16 @@ def test_gguf_weight_and_activation_bytes_by_hand():
 
 
 def test_gguf_ledger_of_the_default_model_reads_its_formats():
-    """The default file holds every decoder linear in Q4_1: the ledger counts them at 20 bytes per
-    32 weights (SmolLM2-135M: 30 layers of 960x576, 576x576, 3072x576, 576x1536)."""
+    """The default file holds every decoder linear in Q4_1 and its tied head (the embedding) in
+    Q8_0: the ledger counts the linears at 20 bytes per 32 weights (SmolLM2-135M: 30 layers of
+    960x576, 576x576, 3072x576, 576x1536) and the head's blocks at 34 beside the bf16 embedding."""
     model = resolve_model(None)
     assert model.gguf_formats == ("q4_1",) * 4 * 30 and model.num_params is not None
+    assert model.gguf_head_format == "q8_0" and model.config.tie_word_embeddings
     linear = 30 * (960 * 576 + 576 * 576 + 3072 * 576 + 576 * 1536)
     assert (
-        weight_bytes(model.config, "bfloat16", model.num_params, "gguf", model.gguf_formats)
-        == 2 * (model.num_params - linear) + linear // 32 * 20
+        weight_bytes(model.config, "bfloat16", model.num_params, "gguf", model.gguf_formats, "q8_0")
+        == 2 * (model.num_params - linear) + linear // 32 * 20 + 49152 * 576 // 32 * 34
     )
 
 

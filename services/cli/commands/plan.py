@@ -87,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         num_params=model.num_params,
         quantization=args.quantization,
         gguf_formats=model.gguf_formats,
+        gguf_head_format=model.gguf_head_format,
     )
     print(format_ledger(ledger, model.config))
     return 0

@@ -1,17 +1,20 @@
-"""GGUF block-quantized decoder linears run in their packed form: ``quantization="gguf"``.
+"""GGUF block-quantized linears run in their packed form: ``quantization="gguf"`` (and "int4").
 
 Why: decode streams every weight once per step. The default model ships as Q4_1 (5 bits a weight:
 32 4-bit values, an fp16 scale and an fp16 min per block); dequantized to bf16 at load it is 16
 bits a weight. Here the decoder linears whose GGUF tensors are Q4_0, Q4_1 or Q8_0 keep their blocks
-and run on the kernels' ``linear_gguf``; everything else (the embedding and a tied output head,
-norms, tensors in other formats such as Q6_K or F16) loads as before, dequantized to the model
-dtype.
+and run on the kernels' ``linear_gguf``, and so does the output head where its tensor is in one of
+these formats; everything else (the embedding, norms, tensors in other formats such as Q6_K or F16)
+loads as before, dequantized to the model dtype. SmolLM2 ties its head to the Q8_0 embedding: in
+bf16 that head is 57 MB a step, nearly the 66 MB of all its Q4_1 decoder linears; on its blocks,
+30 MB. A tied head's blocks come beside the embedding, which stays for the token lookups.
 
 The scheme is llama.cpp's: each call quantizes its input per row and 32-block to int8 (``dx =
 max|x| / 127``, round half to even), so a block's dot product is an exact integer sum scaled by the
 two block scales. ``kernels/cpu/csrc/linear_gguf.h`` draws the packed layout (panels of 16 output
 rows; the order of the bytes is the kernels' concern, the blocks' values are the file's, bit for
 bit: ``unpack_blocks`` recovers them and ``dequantize_blocks`` equals ``gguf.quants.dequantize``).
+``quantize_model_int4`` makes the same blocks from any checkpoint at load.
 
 ``gguf_linear_reference`` is the same maths in torch (exact integer sums in fp64): what the kernel
 is tested against, and what a layer runs with the kernels switched off (slow: the engine refuses
@@ -20,14 +23,19 @@ is tested against, and what a layer runs with the kernels switched off (slow: th
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import numpy as np
 import torch
 from torch import nn
 
 from shared.engine.quantization import GGUF_BLOCK as BLOCK
 from shared.engine.quantization import GGUF_BLOCK_BYTES as BLOCK_BYTES
-from shared.engine.quantization import GGUF_LINEAR_PARTS
+from shared.engine.quantization import GGUF_LINEAR_PARTS, INT4_HEAD_FORMAT, INT4_LINEAR_FORMAT
 from shared.engine.quantization import GGUF_PANEL_ROWS as PANEL_ROWS
+
+if TYPE_CHECKING:
+    from shared.engine.models.runtime import ModelRuntime
 
 FORMATS = tuple(BLOCK_BYTES)
 # The zero point subtracted from a block's unsigned quants: Q4_0 holds q - 8, Q8_0 is held offset
@@ -235,14 +243,17 @@ class GGUFLinear(nn.Module):
         return f"{self.in_features}, {self.out_features}, format={self.format}"
 
 
+HEAD = "lm_head"  # the output head's module path under the model
+
+
 def native_linears(
     reader, config, dtype: torch.dtype
 ) -> tuple[dict[str, GGUFLinear], frozenset[str]]:
-    """The decoder linears of a GGUF file that run on their blocks: {module path under the model
-    (``layers.3.mlp.down_proj``): layer}, and the Hugging Face names of the tensors they took (the
-    loader skips those). A fused linear is native when all its parts share one block format; Q and
-    K rows get the loader's RoPE row permutation, applied to the blocks. Biases load in
-    ``dtype``."""
+    """The linears of a GGUF file that run on their blocks: {module path under the model
+    (``layers.3.mlp.down_proj``, ``HEAD``): layer}, and the Hugging Face names of the tensors they
+    took (the loader skips those; a tied head takes nothing: the embedding still loads). A fused
+    linear is native when all its parts share one block format; Q and K rows get the loader's RoPE
+    row permutation, applied to the blocks. Biases load in ``dtype``."""
     from shared.engine.models.gguf_loader import (
         hf_name,
         native_format,
@@ -287,4 +298,55 @@ def native_linears(
             bias = None if biases[0] is None else torch.cat(biases).to(dtype)  # type: ignore[arg-type]
             mins = None if ms[0] is None else torch.cat(ms)  # type: ignore[arg-type]
             layers[f"layers.{i}.{path}"] = GGUFLinear(torch.cat(qs), torch.cat(ds), mins, fmt, bias)
+    head = tensors.get("token_embd.weight" if config.tie_word_embeddings else "output.weight")
+    if head is not None and (fmt := native_format(head)) is not None:
+        layers[HEAD] = GGUFLinear(*unpack_gguf_rows(tensor_rows(head), fmt), fmt)
+        if not config.tie_word_embeddings:
+            taken.add(hf_name(head.name) or "")
     return layers, frozenset(taken)
+
+
+def quantize_to_blocks(
+    weight: torch.Tensor, fmt: str, bias: torch.Tensor | None = None, ops=None
+) -> GGUFLinear:
+    """A dense weight [out, in] quantized round-to-nearest into ``fmt`` blocks by the ``gguf``
+    package's quantizer (llama.cpp's reference: Q4_1 d = (max - min) / 15 and m = min per 32
+    weights, Q8_0 d = max|w| / 127), as a ``GGUFLinear``. Blocks dequantized from a GGUF file come
+    back as the file's, bit for bit."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    if fmt not in BLOCK_BYTES:
+        raise ValueError(f"unknown GGUF block format {fmt!r}; known: {', '.join(FORMATS)}")
+    raw = quantize(weight.detach().float().numpy(), GGMLQuantizationType[fmt.upper()])
+    return GGUFLinear(*unpack_gguf_rows(raw, fmt), fmt, bias, ops)
+
+
+def quantize_model_int4(runtime: ModelRuntime) -> int:
+    """``quantization="int4"`` on any checkpoint: every decoder linear of the runtime's model
+    quantized group-wise to 4 bits (``INT4_LINEAR_FORMAT``: 32 weights a group with an fp16 scale
+    and min, the asymmetric scheme AWQ and GPTQ hold, in groups of 32), the output head to
+    ``INT4_HEAD_FORMAT`` (a tied head gets its own blocks; the embedding stays for lookups); all
+    run on ``linear_gguf``. Returns how many linears."""
+    from shared.engine.models.packed_linear import PackedLinear
+
+    def dense(module: nn.Module) -> torch.Tensor:
+        if isinstance(module, PackedLinear):
+            return module.row_major()
+        return cast(nn.Linear, module).weight
+
+    ops = runtime.backend.ops
+    model = runtime.model
+    count = 0
+    for parent in model.layers.modules():
+        for name, child in list(parent.named_children()):
+            if isinstance(child, (PackedLinear, nn.Linear)):
+                layer = quantize_to_blocks(dense(child), INT4_LINEAR_FORMAT, child.bias, ops)
+                setattr(parent, name, layer)
+                count += 1
+    head = model._modules.get("lm_head")
+    weight = model.embed_tokens.weight if head is None else dense(head)
+    model.lm_head = quantize_to_blocks(weight, INT4_HEAD_FORMAT, None, ops)
+    runtime.tied_head = None
+    runtime.relocate()
+    return count + 1

@@ -154,6 +154,8 @@ class ResolvedModel:
     # A GGUF file's block format per decoder linear (``memory.weight_bytes``' gguf_formats), where
     # the kernels run it on its blocks; None for a known name or a safetensors directory.
     gguf_formats: tuple[str | None, ...] | None = None
+    # The output head's block format likewise (``memory.weight_bytes``' gguf_head_format).
+    gguf_head_format: str | None = None
 
 
 def known_config(name: str) -> ModelConfig | None:
@@ -214,20 +216,20 @@ def _count_safetensors(path: Path) -> int:
     )
 
 
+def _gguf_format(tensor) -> str | None:
+    """A GGUF tensor's block format where the kernels run it on its blocks, else None."""
+    fmt = None if tensor is None else tensor.tensor_type.name.lower()
+    return fmt if fmt in GGUF_BLOCK_BYTES else None
+
+
 def _gguf_linear_formats(tensors: dict, num_layers: int) -> tuple[str | None, ...]:
     """Per decoder linear, layer by layer: the block format all its GGUF parts share, where the
     kernels run it on its blocks (``quantization="gguf"``), else None."""
     formats: list[str | None] = []
     for i in range(num_layers):
         for _, parts in GGUF_LINEAR_PARTS:
-            found = {
-                tensors[f"blk.{i}.{p}.weight"].tensor_type.name.lower()
-                if f"blk.{i}.{p}.weight" in tensors
-                else None
-                for p in parts
-            }
-            fmt = found.pop() if len(found) == 1 else None
-            formats.append(fmt if fmt in GGUF_BLOCK_BYTES else None)
+            found = {_gguf_format(tensors.get(f"blk.{i}.{p}.weight")) for p in parts}
+            formats.append(found.pop() if len(found) == 1 else None)
     return tuple(formats)
 
 
@@ -263,4 +265,7 @@ def _resolve_gguf(path: Path) -> ResolvedModel:
         num_params=num_params,
         path=path,
         gguf_formats=_gguf_linear_formats(tensors, config.num_layers),
+        gguf_head_format=_gguf_format(
+            tensors.get("token_embd.weight" if config.tie_word_embeddings else "output.weight")
+        ),
     )

@@ -199,11 +199,12 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 for the rows that need sampling (one per sequence, not every prompt token:
         the vocabulary projection is the largest matmul in a small model)."""
-        if self.config.tie_word_embeddings:
+        # ``lm_head``: the untied head, possibly replaced by a drop-in with another weight layout
+        # (packed_linear), or a tied head's own copy in one (a GGUF file's blocks, gguf_linear).
+        head = self._modules.get("lm_head")
+        if head is None:
             return F.linear(hidden, self.embed_tokens.weight).float()
-        # ``lm_head`` may have been replaced by a drop-in with another weight layout
-        # (packed_linear).
-        return self.lm_head(hidden).float()
+        return head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up. Every parameter row must be

@@ -37,26 +37,29 @@ class ModelRuntime(nn.Module):
         self.model = model
         self.config = model.config
         # A tied output head gets a packed copy here; the embedding keeps the original for lookups.
-        # An untied head is packed in place of the model's ``lm_head``.
+        # An untied head is packed in place of the model's ``lm_head``. A head on GGUF blocks (an
+        # ``lm_head`` the loader made, tied or not) runs on them as it is.
         self.tied_head: PackedLinear | None = None
         self._check(backend)
         self.backend = backend
         self.attention = self._attention(backend)
         ops = backend.ops
         prepack_linears(model.layers, ops)
-        for module in model.layers.modules():
+        for module in model.modules():
             if isinstance(module, GGUFLinear):  # loaded on its blocks (quantization="gguf")
                 module.use_cpu_kernels(ops)
-        head = (
-            model.embed_tokens.weight
-            if model.config.tie_word_embeddings
-            else cast(nn.Linear, model.lm_head).weight  # not packed yet
-        )
-        if can_prepack(head, ops):
-            if model.config.tie_word_embeddings:
-                self.tied_head = PackedLinear(head, None, ops)
-            else:
-                model.lm_head = PackedLinear(head, None, ops)
+        head_module = model._modules.get("lm_head")
+        if not isinstance(head_module, GGUFLinear):
+            head = (
+                model.embed_tokens.weight
+                if head_module is None
+                else cast(nn.Linear, head_module).weight  # not packed yet
+            )
+            if can_prepack(head, ops):
+                if head_module is None:
+                    self.tied_head = PackedLinear(head, None, ops)
+                else:
+                    model.lm_head = PackedLinear(head, None, ops)
         # The fused path's per-layer callables, built on first use; refresh() drops them.
         self._layers: list[FusedLayer] | None = None
         self.relocate()
