@@ -43,8 +43,11 @@ ENV_PREFIX = "LLMSERVE_"
 # arrives while a long prompt prefills waits for the slice in flight (or one layer of a chunk, if
 # longer) before its own step; both must stay under a 5-token request's idle time to first token
 # for its TTFT to stay within twice that (loadtests/bench_long_prefill.py, loadtests/RESULTS.md).
-# Smaller chunks make that wait shorter and the long prompt's own prefill slower.
-LONG_PREFILL_TOKEN_THRESHOLD = 128
+# Smaller chunks make that wait shorter and the long prompt's own prefill slower. Long prefills go
+# one at a time, so a prompt is long only past a threshold well above a chat turn's uncached part
+# (a few hundred tokens): those prefill in the shared steps, many at once, as chunked prefill does.
+LONG_PREFILL_TOKEN_THRESHOLD = 1024
+LONG_PREFILL_CHUNK_TOKENS = 128
 PREFILL_SLICE_MS = 20
 
 SPECULATIVE_METHODS = ("ngram", "draft")
@@ -88,9 +91,14 @@ class EngineConfig:
     # between the batches of everything else (scheduler.LongPrefill, engine.py).
     long_prefill_token_threshold: int = _setting(
         LONG_PREFILL_TOKEN_THRESHOLD,
-        "a prompt with more tokens than this left to prefill is long: it prefills in chunks of "
-        "this many tokens, each in a forward of its own run a slice at a time between the other "
-        "requests' steps, one long prompt at a time",
+        "a prompt with more tokens than this left to prefill is long: it prefills in chunks "
+        "(--long-prefill-chunk-tokens), each in a forward of its own run a slice at a time "
+        "between the other requests' steps, one long prompt at a time",
+        type=int,
+    )
+    long_prefill_chunk_tokens: int = _setting(
+        LONG_PREFILL_CHUNK_TOKENS,
+        "tokens of each chunk of a long prefill (at most the threshold)",
         type=int,
     )
     prefill_slice_ms: int = _setting(
@@ -138,6 +146,7 @@ class EngineConfig:
             "max_num_batched_tokens",
             "max_num_seqs",
             "long_prefill_token_threshold",
+            "long_prefill_chunk_tokens",
             "num_speculative_tokens",
             "speculative_max_num_seqs",
         ):

@@ -145,7 +145,9 @@ class Engine:
             self.block_manager,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
-            long_prefill=LongPrefill(config.long_prefill_token_threshold),
+            long_prefill=LongPrefill(
+                config.long_prefill_token_threshold, config.long_prefill_chunk_tokens
+            ),
         )
         self.speculator = make_speculator(
             config,

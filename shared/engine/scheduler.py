@@ -42,17 +42,21 @@ class SchedulerOutput:
 class LongPrefill:
     """Which prefills are *long*. A sequence with more than ``threshold`` tokens still to prefill
     is long (None: none is). A long prefill does not join the step's batch: the scheduler grants it
-    chunk by chunk (``threshold`` tokens each) as ``SchedulerOutput.layered``, which the engine
-    runs in a forward of its own, a slice of layers at a time between the batches of everything
-    else. So what a short request waits for is a slice of that forward, never a whole chunk deep in
-    a long context. Once a prefill has started long, every chunk of it runs so, its last (shorter)
-    one included: a tail deep in the context would cost a shared step as much as a full chunk."""
+    chunk by chunk (``chunk_tokens`` each, never more than ``threshold``, which is the default) as
+    ``SchedulerOutput.layered``, which the engine runs in a forward of its own, a slice of layers
+    at a time between the batches of everything else. So what a short request waits for is a slice
+    of that forward, never a whole chunk deep in a long context. Once a prefill has started long,
+    every chunk of it runs so, its last (shorter) one included: a tail deep in the context would
+    cost a shared step as much as a full chunk."""
 
     threshold: int | None = None
+    chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.threshold is not None and self.threshold < 1:
             raise ValueError(f"threshold must be positive (or None), got {self.threshold}")
+        if self.chunk_tokens is not None and self.chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be positive (or None), got {self.chunk_tokens}")
 
     def is_long(self, num_uncomputed: int) -> bool:
         return self.threshold is not None and num_uncomputed > self.threshold
@@ -60,7 +64,7 @@ class LongPrefill:
     def chunk(self, num_uncomputed: int) -> int:
         """Tokens of a long prefill's next chunk."""
         assert self.threshold is not None
-        return min(num_uncomputed, self.threshold)
+        return min(num_uncomputed, self.threshold, self.chunk_tokens or self.threshold)
 
 
 class Scheduler:

@@ -151,7 +151,12 @@ def test_a_long_prompt_preempted_mid_forward_recomputes_to_the_same_tokens(model
     takes 38 blocks by its third chunk, and in the middle of that chunk's forward the short one's
     17th token needs a second block: the long one, the youngest, is preempted mid-forward, and
     recomputes later."""
-    eng = engine(model_path, num_kv_blocks=40, long_prefill_token_threshold=200)
+    eng = engine(
+        model_path,
+        num_kv_blocks=40,
+        long_prefill_token_threshold=200,
+        long_prefill_chunk_tokens=200,
+    )
     short_ids, long_ids = prompt(11, 6), prompt(600, 7)
     solo_short, solo_long = alone(eng, short_ids, 20), alone(eng, long_ids, 20)
     d = Driver(eng)

@@ -186,6 +186,7 @@ def test_engine_config_is_validated_without_torch():
     "kwargs, message",
     [
         (dict(long_prefill_token_threshold=0), "long_prefill_token_threshold must be positive"),
+        (dict(long_prefill_chunk_tokens=0), "long_prefill_chunk_tokens must be positive"),
         (dict(prefill_slice_ms=-1), "prefill_slice_ms cannot be negative"),
     ],
 )
@@ -196,8 +197,11 @@ def test_long_prefill_settings_are_validated(kwargs, message):
 
 def test_long_prefill_settings_reach_the_executor_command_line(monkeypatch):
     monkeypatch.setenv("LLMSERVE_PREFILL_SLICE_MS", "40")
-    config = parse_executor_config(["--long-prefill-token-threshold", "96"]).engine
+    config = parse_executor_config(
+        ["--long-prefill-token-threshold", "96", "--long-prefill-chunk-tokens", "32"]
+    ).engine
     assert (config.long_prefill_token_threshold, config.prefill_slice_ms) == (96, 40)
+    assert config.long_prefill_chunk_tokens == 32
 
 
 def test_weight_dtypes_are_the_loaders():

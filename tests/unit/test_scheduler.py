@@ -182,6 +182,24 @@ def test_the_tail_of_a_long_prefill_stays_layered_and_then_it_decodes_in_the_bat
     assert step_with_layered(sched) == {"long": 1}
 
 
+def test_a_prompt_under_the_threshold_shares_the_batch_and_a_long_one_goes_in_smaller_chunks():
+    """The threshold says which prompts are long, ``chunk_tokens`` how much of one each layered
+    forward takes: two prompts of 10 (under 12) prefill together in the batch, one of 30 in
+    chunks of 4; a chunk never exceeds the threshold."""
+    sched = Scheduler(
+        BlockManager(128, 4, enable_prefix_caching=False),
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        long_prefill=LongPrefill(12, chunk_tokens=4),
+    )
+    for i, (rid, n) in enumerate([("long", 30), ("a", 10), ("b", 10)]):
+        sched.add(make_seq(rid, n, order=i, first_token=100 * i))
+    assert step_with_layered(sched) == {"layered:long": 4, "a": 10, "b": 10}
+    end_layered(sched, 4)
+    assert step_with_layered(sched) == {"a": 1, "b": 1, "layered:long": 4}
+    assert LongPrefill(12, chunk_tokens=40).chunk(100) == 12
+
+
 def test_one_long_prefill_at_a_time_and_shorter_prompts_pass_a_waiting_long_one():
     sched = long_scheduler()
     for i, (rid, n) in enumerate([("long-a", 10), ("long-b", 30), ("short", 5)]):
@@ -231,3 +249,5 @@ def test_removing_the_in_flight_sequence_clears_it():
 def test_long_prefill_threshold_must_be_positive():
     with pytest.raises(ValueError, match="must be positive"):
         LongPrefill(0)
+    with pytest.raises(ValueError, match="chunk_tokens must be positive"):
+        LongPrefill(8, chunk_tokens=0)
