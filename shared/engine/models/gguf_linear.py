@@ -243,17 +243,15 @@ class GGUFLinear(nn.Module):
         return f"{self.in_features}, {self.out_features}, format={self.format}"
 
 
-HEAD = "lm_head"  # the output head's module path under the model
-
-
 def native_linears(
     reader, config, dtype: torch.dtype
 ) -> tuple[dict[str, GGUFLinear], frozenset[str]]:
     """The linears of a GGUF file that run on their blocks: {module path under the model
-    (``layers.3.mlp.down_proj``, ``HEAD``): layer}, and the Hugging Face names of the tensors they
-    took (the loader skips those; a tied head takes nothing: the embedding still loads). A fused
-    linear is native when all its parts share one block format; Q and K rows get the loader's RoPE
-    row permutation, applied to the blocks. Biases load in ``dtype``."""
+    (``layers.3.mlp.down_proj``; ``lm_head`` for the output head): layer}, and the Hugging Face
+    names of the tensors they took (the loader skips those; a tied head takes nothing: the
+    embedding still loads). A fused linear is native when all its parts share one block format; Q
+    and K rows get the loader's RoPE row permutation, applied to the blocks. Biases load in
+    ``dtype``."""
     from shared.engine.models.gguf_loader import (
         hf_name,
         native_format,
@@ -300,7 +298,7 @@ def native_linears(
             layers[f"layers.{i}.{path}"] = GGUFLinear(torch.cat(qs), torch.cat(ds), mins, fmt, bias)
     head = tensors.get("token_embd.weight" if config.tie_word_embeddings else "output.weight")
     if head is not None and (fmt := native_format(head)) is not None:
-        layers[HEAD] = GGUFLinear(*unpack_gguf_rows(tensor_rows(head), fmt), fmt)
+        layers["lm_head"] = GGUFLinear(*unpack_gguf_rows(tensor_rows(head), fmt), fmt)
         if not config.tie_word_embeddings:
             taken.add(hf_name(head.name) or "")
     return layers, frozenset(taken)
