@@ -342,7 +342,7 @@ def quantize_model_int4(runtime: ModelRuntime) -> int:
                 layer = quantize_to_blocks(dense(child), INT4_LINEAR_FORMAT, child.bias, ops)
                 setattr(parent, name, layer)
                 count += 1
-    head = model._modules.get("lm_head")
+    head = model.output_head()
     weight = model.embed_tokens.weight if head is None else dense(head)
     model.lm_head = quantize_to_blocks(weight, INT4_HEAD_FORMAT, None, ops)
     runtime.tied_head = None

@@ -195,13 +195,17 @@ class LlamaModel(nn.Module):
             x = layer(x, cos, sin, k_cache, v_cache, meta)
         return self.norm(x)
 
+    def output_head(self) -> nn.Module | None:
+        """The head as a module: the untied ``lm_head``, possibly replaced by a drop-in with another
+        weight layout (packed_linear), or a tied head's own copy in one (a GGUF file's blocks,
+        gguf_linear); None where the head is the embedding itself."""
+        return self._modules.get("lm_head")
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 for the rows that need sampling (one per sequence, not every prompt token:
         the vocabulary projection is the largest matmul in a small model)."""
-        # ``lm_head``: the untied head, possibly replaced by a drop-in with another weight layout
-        # (packed_linear), or a tied head's own copy in one (a GGUF file's blocks, gguf_linear).
-        head = self._modules.get("lm_head")
+        head = self.output_head()
         if head is None:
             return F.linear(hidden, self.embed_tokens.weight).float()
         return head(hidden).float()

@@ -48,7 +48,7 @@ class ModelRuntime(nn.Module):
         for module in model.modules():
             if isinstance(module, GGUFLinear):  # loaded on its blocks (quantization="gguf")
                 module.use_cpu_kernels(ops)
-        head_module = model._modules.get("lm_head")
+        head_module = model.output_head()
         if not isinstance(head_module, GGUFLinear):
             head = (
                 model.embed_tokens.weight
