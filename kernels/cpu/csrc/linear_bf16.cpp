@@ -108,8 +108,8 @@ std::string linear_bf16_path() {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   return "linear_bf16: AVX512-BF16 dot products on bf16 pairs (vdpbf16ps)";
 #else
-  return "linear_bf16: bf16 widened to fp32 by shifts, FMA (AVX2); from 4 rows on, blocks widened once into "
-         "fp32 scratch for 6x16 micro-tiles";
+  return "linear_bf16: bf16 widened to fp32 by shifts, FMA (AVX2); 2-4 rows in register tiles, from 5 rows on "
+         "blocks widened once into fp32 scratch for 6x16 micro-tiles";
 #endif
 }
 

@@ -2,20 +2,24 @@
 // dot-product kernel. A pair unit widens to two fp32 weights by a shift (W[n][2i] = unit << 16) and a
 // mask (W[n][2i+1] = unit & 0xFFFF0000), and x is widened to fp32 once per call; the products are fp32
 // FMAs. Every output is bias, then one FMA per input feature in order k = 0, 1, ..., K-1 into a single
-// fp32 sum, in both forms below: a row's result does not depend on how many rows share the call.
+// fp32 sum, in all three forms below: a row's result does not depend on how many rows share the call.
 //
-// - Few rows (kBlockedMinRows > M, decode): bound by the weight stream from DRAM. One row x one panel
-//   (48 columns, 6 accumulators) widens each unit in registers as it streams, the next panel
-//   prefetched as in the dot-product kernel; further rows re-read the panel from L2.
+// - One row (single-stream decode): bound by the weight stream from DRAM. One row x one panel (48
+//   columns, 6 accumulators) widens each unit in registers as it streams, the next panel prefetched
+//   as in the dot-product kernel.
+// - Up to kSubTileRows rows (a small decode batch): still one pass over the weights. A tile of all
+//   the rows x one 16-column sub-panel widens each pair's two weight vectors in registers once for
+//   every row (4 shifts / masks per 4 x rows FMAs); the three sub-panels of a panel read their own
+//   cache line of each pair row, and each prefetches its lines of the next panel.
 // - More rows: widening costs as much as the FMAs it feeds, so it is done once per block of the
-//   panel for all the rows of a chunk (from 4 rows on this is the faster form): kBlockPairs pairs (2 x 128 input features) of a panel become an
-//   fp32 scratch [3][256][16] per thread (16 KB per 16-column sub-panel, L1-resident), and a 6-row x
-//   16-column micro-tile (12 accumulators, 2 weight registers, a broadcast input) runs over it: 12 FMAs
-//   per 2 loads and 6 broadcasts. Sums cross the K blocks through an fp32 buffer of the chunk's tile.
-//   Threads take (row chunk, panel) items chunk by chunk, and widen their chunk's x into a buffer of
-//   their own (kRowChunk x K fp32, L2-resident) when the chunk changes. The panel a thread takes next
-//   is prefetched into L2 during the current one's FMAs, so a batch of a few rows streams the weights
-//   from DRAM while it computes instead of in turns.
+//   panel for all the rows of a chunk: kBlockPairs pairs (2 x 128 input features) of a panel become
+//   an fp32 scratch [3][256][16] per thread (16 KB per 16-column sub-panel, L1-resident), and a 6-row
+//   x 16-column micro-tile (12 accumulators, 2 weight registers, a broadcast input) runs over it: 12
+//   FMAs per 2 loads and 6 broadcasts. Sums cross the K blocks through an fp32 buffer of the chunk's
+//   tile. Threads take (row chunk, panel) items chunk by chunk, and widen their chunk's x into a
+//   buffer of their own (kRowChunk x K fp32, L2-resident) when the chunk changes. The panel a thread
+//   takes next is prefetched into L2 during the current one's FMAs, so a batch of a few rows streams
+//   the weights from DRAM while it computes instead of in turns.
 #pragma once
 
 #include "linear_panels.h"
@@ -23,12 +27,18 @@
 namespace llmserve {
 namespace bf16_avx2 {
 
-constexpr int64_t kBlockedMinRows = 4, kRowChunk = 96, kBlockPairs = 128, kSub = 16, kSubs = kPanel / kSub;
+constexpr int64_t kRowChunk = 96, kBlockPairs = 128, kSub = 16, kSubs = kPanel / kSub;
 constexpr int kTileRows = 6;
 
 LLMSERVE_INLINE __m256 widen_even(__m256i u) { return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)); }
 LLMSERVE_INLINE __m256 widen_odd(__m256i u) {
   return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// Where the sums of the 16 columns from c0 (`cols` of them exist) start: the bias, or 0.
+LLMSERVE_INLINE void bias_start(__m256 (&start)[2], const c10::BFloat16* bias, int64_t c0, int64_t cols) {
+  for (int h = 0; h < 2; ++h)
+    start[h] = bias == nullptr || 8 * h >= cols ? _mm256_setzero_ps() : load8(bias + c0 + 8 * h, cols - 8 * h);
 }
 
 // rows x k bf16 (row-major, k apart) -> fp32 at dst (k apart).
@@ -37,7 +47,7 @@ inline void widen_rows(float* dst, const c10::BFloat16* x, int64_t rows, int64_t
     for (int64_t j = 0; j < k; j += 8) store8(dst + r * k + j, load8(x + r * k + j, k - j), k - j);
 }
 
-// ---- few rows ------------------------------------------------------------------------------------------
+// ---- one row ------------------------------------------------------------------------------------------
 // One row (x: fp32, 2 * pairs) x one panel -> y, columns n0..n0+47 (those < n).
 inline void row_tile(c10::BFloat16* y, int64_t n, int64_t n0, const float* x, int64_t pairs, const uint32_t* panel,
                      PanelPrefetch prefetch, const c10::BFloat16* bias) {
@@ -68,6 +78,62 @@ inline void linear_rows(c10::BFloat16* y, const c10::BFloat16* x, const uint32_t
   for_each_linear_tile(m, n, pairs, w, [&](auto mr, int64_t r0, int64_t n0, const uint32_t* panel, const PanelPrefetch& pf) {
     for (int i = 0; i < decltype(mr)::value; ++i)
       row_tile(y + (r0 + i) * n, n, n0, xf.data() + (r0 + i) * 2 * pairs, pairs, panel, i == 0 ? pf : PanelPrefetch{}, bias);
+  });
+}
+
+// ---- a few rows: register tiles ----------------------------------------------------------------------
+constexpr int kSubTileRows = 4;
+
+// MR rows (x: fp32, k apart) x one 16-column sub-panel (`sub`: pair rows kPanel units apart) -> y,
+// columns c0..c0+cols-1. Each pair's two weight vectors are widened in registers and serve all MR rows
+// (4 widening ops for 4 * MR FMAs), with no scratch; with `prefetch`, one line a pair from there on.
+template <int MR>
+LLMSERVE_INLINE void sub_tile(c10::BFloat16* y, int64_t n, int64_t cols, const float* x, int64_t k, const uint32_t* sub,
+                              int64_t pairs, const __m256 (&start)[2], const uint32_t* prefetch) {
+  __m256 acc[MR][2];
+#pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i) acc[i][0] = start[0], acc[i][1] = start[1];
+  for (int64_t kk = 0; kk < pairs; ++kk) {
+    if (prefetch != nullptr) _mm_prefetch(reinterpret_cast<const char*>(prefetch + kk * kPanel), _MM_HINT_T1);
+    const __m256i u0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(sub + kk * kPanel));
+    const __m256i u1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(sub + kk * kPanel + 8));
+    const __m256 e0 = widen_even(u0), e1 = widen_even(u1), o0 = widen_odd(u0), o1 = widen_odd(u1);
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xe = _mm256_broadcast_ss(x + i * k + 2 * kk), xo = _mm256_broadcast_ss(x + i * k + 2 * kk + 1);
+      acc[i][0] = _mm256_fmadd_ps(e0, xe, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(e1, xe, acc[i][1]);
+      acc[i][0] = _mm256_fmadd_ps(o0, xo, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(o1, xo, acc[i][1]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i)
+    for (int h = 0; h < 2; ++h)
+      if (8 * h < cols) store8(y + i * n + 8 * h, acc[i][h], cols - 8 * h);
+}
+
+// All m <= kSubTileRows rows in one pass over the weights: threads take panels in order, and each
+// sub-panel's tile prefetches its lines of the thread's next panel.
+inline void linear_subs(c10::BFloat16* y, const c10::BFloat16* x, const uint32_t* w, const c10::BFloat16* bias, int64_t m,
+                        int64_t n, int64_t pairs) {
+  const int64_t k = 2 * pairs, panels = (n + kPanel - 1) / kPanel;
+  std::vector<float> xf(m * k);
+  widen_rows(xf.data(), x, m, k);
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const uint32_t* panel = w + p * pairs * kPanel;
+      const uint32_t* next = p + 1 < end ? panel + pairs * kPanel : nullptr;
+      for (int64_t s = 0; s < kSubs && p * kPanel + s * kSub < n; ++s) {
+        const int64_t c0 = p * kPanel + s * kSub, cols = std::min(kSub, n - c0);
+        __m256 start[2];
+        bias_start(start, bias, c0, cols);
+        with_rows<kSubTileRows>(m, [&](auto mr) {
+          sub_tile<decltype(mr)::value>(y + c0, n, cols, xf.data(), k, panel + s * kSub, pairs, start,
+                                        next == nullptr ? nullptr : next + s * kSub);
+        });
+      }
+    }
   });
 }
 
@@ -160,8 +226,7 @@ inline void linear_blocked(c10::BFloat16* y, const c10::BFloat16* x, const uint3
         for (int64_t sub = 0; sub < kSubs && n0 + sub * kSub < n; ++sub) {
           const int64_t c0 = n0 + sub * kSub, cols = std::min(kSub, n - c0);
           __m256 start[2];
-          for (int h = 0; h < 2; ++h)
-            start[h] = bias == nullptr || 8 * h >= cols ? _mm256_setzero_ps() : load8(bias + c0 + 8 * h, cols - 8 * h);
+          bias_start(start, bias, c0, cols);
           const float* b = s.block + sub * (2 * kBlockPairs * kSub);
           for (int64_t pass = 0, r = 0; pass < passes; ++pass) {
             const int64_t mr = rows / passes + (pass < rows % passes ? 1 : 0);
@@ -180,7 +245,8 @@ inline void linear_blocked(c10::BFloat16* y, const c10::BFloat16* x, const uint3
 
 inline void linear(c10::BFloat16* y, const c10::BFloat16* x, const uint32_t* w, const c10::BFloat16* bias, int64_t m, int64_t n,
                    int64_t pairs) {
-  if (m < kBlockedMinRows) linear_rows(y, x, w, bias, m, n, pairs);
+  if (m == 1) linear_rows(y, x, w, bias, m, n, pairs);
+  else if (m <= kSubTileRows) linear_subs(y, x, w, bias, m, n, pairs);
   else linear_blocked(y, x, w, bias, m, n, pairs);
 }
 
