@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("executor")
     from services.executor.memory_status import memory_status
     from services.executor.service import ExecutorService, ExecutorServiceConfig
-    from services.executor.worker import EngineWorker
+    from services.executor.worker import EngineWorker, build_on_passing_thread
     from shared.engine.engine import Engine
     from shared.wire.bus import Bus
 
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         config.role,
         f" (pinned to cores {list(config.cpus)})" if config.cpus else "",
     )
-    engine = Engine(engine_config)
+    engine = build_on_passing_thread(lambda: Engine(engine_config))
     stats = engine.stats()
     log.info(
         "%s: %s loaded, %d KV blocks of %d tokens (%s), max_model_len %d",

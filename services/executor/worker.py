@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, runtime_checkable
 
 from shared.engine import kv_transfer
 from shared.engine.kv_transfer import Detached, Handoff, PageLayout, Reservation
@@ -41,6 +41,33 @@ if TYPE_CHECKING:
     from shared.engine.engine import Engine
 
 log = logging.getLogger("llmserve.executor.worker")
+
+T = TypeVar("T")
+
+
+def build_on_passing_thread(build: Callable[[], T]) -> T:
+    """``build()`` run on a thread of its own that ends with it; its result or its exception.
+
+    For the engine's load: its parallel regions (weight packing) would otherwise give the calling
+    thread, which lives on, a pool of OpenMP threads that outlives the load. The engine thread
+    later makes its own pool, and libgomp, counting more threads than cores, cuts every waiting
+    thread's spin (GOMP_SPINCOUNT) to a third: the threads then sleep and wake at most of a
+    step's parallel regions instead of spinning through them. A pool dies with its thread."""
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(build())
+        except BaseException as e:  # handed to the caller, raised there
+            error.append(e)
+
+    thread = threading.Thread(target=run, name="engine-load")
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
 
 
 class EngineLike(Protocol):
