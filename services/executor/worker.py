@@ -27,6 +27,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, runtime_checkable
 
@@ -53,21 +54,9 @@ def build_on_passing_thread(build: Callable[[], T]) -> T:
     later makes its own pool, and libgomp, counting more threads than cores, cuts every waiting
     thread's spin (GOMP_SPINCOUNT) to a third: the threads then sleep and wake at most of a
     step's parallel regions instead of spinning through them. A pool dies with its thread."""
-    result: list[T] = []
-    error: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            result.append(build())
-        except BaseException as e:  # handed to the caller, raised there
-            error.append(e)
-
-    thread = threading.Thread(target=run, name="engine-load")
-    thread.start()
-    thread.join()
-    if error:
-        raise error[0]
-    return result[0]
+    # Leaving the block joins the pool's one thread: it has ended when this returns.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-load") as pool:
+        return pool.submit(build).result()
 
 
 class EngineLike(Protocol):
