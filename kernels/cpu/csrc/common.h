@@ -9,6 +9,7 @@
 #include <c10/util/Float8_e4m3fn.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -30,6 +31,32 @@ inline float to_float(c10::BFloat16 x) {
   return f;
 }
 template <typename T> inline T from_float(float x) { return static_cast<T>(x); }  // BFloat16: round to nearest even
+
+// ---- work shared out item by item -------------------------------------------------------------
+// Items [0, total) claimed one at a time from a shared counter by each of torch's threads, rather than
+// split into a fixed range per thread: the threads end together even when items cost different amounts
+// or a core is taken for a while by another process (the rest of the stack on a small machine, or the
+// host), which a fixed split leaves every other thread waiting on. An item's arithmetic does not depend
+// on the thread that runs it, so results are the same bit for bit.
+class ItemCounter {
+ public:
+  explicit ItemCounter(int64_t total) : total_(total) {}
+  int64_t total() const { return total_; }
+  // The next unclaimed item, or total() once every item is claimed.
+  int64_t claim() { return std::min(next_.fetch_add(1, std::memory_order_relaxed), total_); }
+
+ private:
+  std::atomic<int64_t> next_{0};
+  const int64_t total_;
+};
+
+// per_thread(items) on up to at::get_num_threads() threads; each claims items until none is left.
+template <typename F>
+void parallel_claim(int64_t total, const F& per_thread) {
+  ItemCounter items(total);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), total);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { per_thread(items); });
+}
 
 inline void check_cpu_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");

@@ -25,7 +25,7 @@ using namespace decode;
 // every thread busy): each part writes its unnormalized sums with its max and normalizer, and a second
 // pass merges the parts in order. The split depends on the sequence's own length only, never on the
 // batch or the thread count, so a sequence's output is bit-identical whatever else is decoded with it
-// (seeded sampling must not depend on the batch).
+// (seeded sampling must not depend on the batch). Threads claim the items one at a time (parallel_claim).
 // C: the cache's element type, T, int8_t or Fp8 (rows with scales: key scales multiply the scores, value
 // scales the softmax weights; int8 keys take the item's queries quantized to int16 once, fp8 keys fp32
 // queries).
@@ -48,11 +48,11 @@ void decode_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cach
   for (int64_t s = 0; s < num_seqs; ++s)
     for (int64_t item = first_item[s]; item < first_item[s + 1]; ++item) item_seq[item] = s;
   std::vector<float> partials(num_items > num_seqs ? num_items * heads * partial_row : 0);
-  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+  parallel_claim(num_items, [&](ItemCounter& items) {
     std::vector<float> scores, accs(heads * head_dim), q_scales(kInt8 ? heads : 0), row_max(heads), row_sum(heads);
     std::vector<int32_t> q_pairs(kInt8 ? heads * head_dim / 2 : 0);
     std::vector<float> q_f32(kWidenQuery ? heads * head_dim : 0);
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item = items.claim(); item < num_items; item = items.claim()) {
       const int64_t s = item_seq[item], part = item - first_item[s], parts = first_item[s + 1] - first_item[s];
       const int64_t len = seq_lens[s];
       const int64_t* table = block_tables + s * max_blocks;

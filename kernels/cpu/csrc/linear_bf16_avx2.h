@@ -16,10 +16,11 @@
 //   an fp32 scratch [3][256][16] per thread (16 KB per 16-column sub-panel, L1-resident), and a 6-row
 //   x 16-column micro-tile (12 accumulators, 2 weight registers, a broadcast input) runs over it: 12
 //   FMAs per 2 loads and 6 broadcasts. Sums cross the K blocks through an fp32 buffer of the chunk's
-//   tile. Threads take (row chunk, panel) items chunk by chunk, and widen their chunk's x into a
-//   buffer of their own (kRowChunk x K fp32, L2-resident) when the chunk changes. The panel a thread
-//   takes next is prefetched into L2 during the current one's FMAs, so a batch of a few rows streams
-//   the weights from DRAM while it computes instead of in turns.
+//   tile. Threads claim (row chunk, panel) items chunk by chunk (parallel_claim), and widen their
+//   chunk's x into a buffer of their own (kRowChunk x K fp32, L2-resident) when the chunk changes. Each
+//   thread claims its next item before running the one it holds, and that item's panel is prefetched
+//   into L2 during the current one's FMAs, so a batch of a few rows streams the weights from DRAM
+//   while it computes instead of in turns.
 #pragma once
 
 #include "linear_panels.h"
@@ -113,17 +114,18 @@ LLMSERVE_INLINE void sub_tile(c10::BFloat16* y, int64_t n, int64_t cols, const f
       if (8 * h < cols) store8(y + i * n + 8 * h, acc[i][h], cols - 8 * h);
 }
 
-// All m <= kSubTileRows rows in one pass over the weights: threads take panels in order, and each
-// sub-panel's tile prefetches its lines of the thread's next panel.
+// All m <= kSubTileRows rows in one pass over the weights: threads claim panels in order, and each
+// sub-panel's tile prefetches its lines of the panel the thread has claimed next.
 inline void linear_subs(c10::BFloat16* y, const c10::BFloat16* x, const uint32_t* w, const c10::BFloat16* bias, int64_t m,
                         int64_t n, int64_t pairs) {
   const int64_t k = 2 * pairs, panels = (n + kPanel - 1) / kPanel;
   std::vector<float> xf(m * k);
   widen_rows(xf.data(), x, m, k);
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
+  parallel_claim(panels, [&](ItemCounter& items) {
+    for (int64_t p = items.claim(), following; p < panels; p = following) {
+      following = items.claim();
       const uint32_t* panel = w + p * pairs * kPanel;
-      const uint32_t* next = p + 1 < end ? panel + pairs * kPanel : nullptr;
+      const uint32_t* next = following < panels ? w + following * pairs * kPanel : nullptr;
       for (int64_t s = 0; s < kSubs && p * kPanel + s * kSub < n; ++s) {
         const int64_t c0 = p * kPanel + s * kSub, cols = std::min(kSub, n - c0);
         __m256 start[2];
@@ -201,12 +203,13 @@ inline void linear_blocked(c10::BFloat16* y, const c10::BFloat16* x, const uint3
   const int64_t k = 2 * pairs, panels = (n + kPanel - 1) / kPanel;
   const int64_t chunks = (m + kRowChunk - 1) / kRowChunk, chunk_rows = (m + chunks - 1) / chunks;
   const int64_t blocks = (pairs + kBlockPairs - 1) / kBlockPairs, block_pairs = (pairs + blocks - 1) / blocks;
-  at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
+  parallel_claim(chunks * panels, [&](ItemCounter& items) {
     static thread_local std::unique_ptr<Scratch> scratch;
     if (!scratch) scratch = std::make_unique<Scratch>();
     Scratch& s = *scratch;
     int64_t widened = -1;
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item = items.claim(), following; item < items.total(); item = following) {
+      following = items.claim();
       const int64_t chunk = item / panels, p = item % panels, n0 = p * kPanel;
       const int64_t m0 = chunk * chunk_rows, rows = std::min(chunk_rows, m - m0);
       if (chunk != widened) {
@@ -215,9 +218,10 @@ inline void linear_blocked(c10::BFloat16* y, const c10::BFloat16* x, const uint3
         widened = chunk;
       }
       const uint32_t* panel = w + p * pairs * kPanel;
-      // The panel this thread takes next streams into L2 meanwhile: each sub-panel's first pass fetches
+      // The panel this thread runs next streams into L2 meanwhile: each sub-panel's first pass fetches
       // its line of every pair row of the block.
-      const uint32_t* next = item + 1 < end && (item + 1) % panels != p ? w + (item + 1) % panels * pairs * kPanel : nullptr;
+      const uint32_t* next =
+          following < items.total() && following % panels != p ? w + following % panels * pairs * kPanel : nullptr;
       const int64_t passes = (rows + kTileRows - 1) / kTileRows;
       for (int64_t p0 = 0; p0 < pairs; p0 += block_pairs) {
         const int64_t bp = std::min(block_pairs, pairs - p0);

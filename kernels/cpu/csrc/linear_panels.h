@@ -70,19 +70,20 @@ LLMSERVE_INLINE void with_rows(int64_t mr, const F& f) {
 }
 
 // Runs tile(std::integral_constant<int, MR>, r0, n0, panel, prefetch) over y[m, n] = x[m, :] W^T for a
-// weight packed in panels of `units` 32-bit units: threads take (panel, chunk of kMChunk rows) items; a
-// chunk goes in passes of at most MaxMR rows, as even as possible (20 rows in passes of 8: 7 7 6, not
-// 8 8 4).
+// weight packed in panels of `units` 32-bit units: threads claim (panel, chunk of kMChunk rows) items
+// (parallel_claim), each the next one before running the one it holds; a chunk goes in passes of at
+// most MaxMR rows, as even as possible (20 rows in passes of 8: 7 7 6, not 8 8 4).
 template <int MaxMR = kMR, typename Tile>
 void for_each_linear_tile(int64_t m, int64_t n, int64_t units, const uint32_t* w, const Tile& tile) {
   const int64_t panels = (n + kPanel - 1) / kPanel, chunks = (m + kMChunk - 1) / kMChunk;
-  at::parallel_for(0, panels * chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
+  parallel_claim(panels * chunks, [&](ItemCounter& items) {
+    for (int64_t item = items.claim(), following; item < items.total(); item = following) {
+      following = items.claim();
       const int64_t p = item / chunks, n0 = p * kPanel, m_begin = item % chunks * kMChunk;
       const int64_t rows = std::min(kMChunk, m - m_begin);
       const uint32_t* panel = w + p * units * kPanel;
-      // Decode-sized calls (one chunk per panel) walk this thread's panels in order: fetch the next.
-      const uint32_t* next = chunks == 1 && item + 1 < end ? panel + units * kPanel : nullptr;
+      // Decode-sized calls (one chunk per panel): the panel this thread runs next streams in meanwhile.
+      const uint32_t* next = chunks == 1 && following < items.total() ? w + following * units * kPanel : nullptr;
       const int64_t passes = (rows + MaxMR - 1) / MaxMR;
       for (int64_t pass = 0, r0 = m_begin; pass < passes; ++pass) {
         const int64_t mr = rows / passes + (pass < rows % passes ? 1 : 0);

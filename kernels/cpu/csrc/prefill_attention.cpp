@@ -1,5 +1,4 @@
 // Causal attention of prefill chunks over the paged KV cache.
-#include <atomic>
 
 #include "common.h"
 #include "ops.h"
@@ -197,14 +196,12 @@ void prefill_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cac
       for (int64_t kh = 0; kh < kv_heads; ++kh) items.push_back({s, kh, t0, cost});
     }
   }
-  // Costliest first, each thread taking the next item when it is done with one (longest processing
-  // time first): the threads end together even when items differ a lot (a chunk deep in a long prompt
-  // beside a short prompt) or a core is shared with another process, which a fixed split of the items
-  // leaves waiting on the slowest thread. Each item's arithmetic is the same whichever thread runs it.
+  // Costliest first, each thread claiming the next item when it is done with one (parallel_claim;
+  // longest processing time first): the threads end together even when items differ a lot (a chunk
+  // deep in a long prompt beside a short prompt).
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
-  std::atomic<size_t> next_item{0};
-  at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  parallel_claim(num_items, [&](ItemCounter& claims) {
     // Per pass: queries in lanes, the accumulators [D][16], each lane's position, max and sum.
     // Scratch from torch's CPU allocator, which aligns to 64 bytes: aligned vector loads, and none
     // straddles a cache line. Q is 4 bytes (fp32 or a bf16 pair).
@@ -219,7 +216,7 @@ void prefill_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cac
     const T* k_rows[kKeys];
     const T* v_rows[kKeys];
     Block block;
-    for (size_t it = next_item.fetch_add(1); it < items.size(); it = next_item.fetch_add(1)) {
+    for (int64_t it = claims.claim(); it < num_items; it = claims.claim()) {
       const Item item = items[it];
       const int64_t s = item.seq, kh = item.kh, len = seq_lens[s];
       const int64_t q_len = query_start[s + 1] - query_start[s], first_pos = len - q_len;
