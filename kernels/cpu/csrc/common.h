@@ -33,29 +33,42 @@ inline float to_float(c10::BFloat16 x) {
 template <typename T> inline T from_float(float x) { return static_cast<T>(x); }  // BFloat16: round to nearest even
 
 // ---- work shared out item by item -------------------------------------------------------------
-// Items [0, total) claimed one at a time from a shared counter by each of torch's threads, rather than
-// split into a fixed range per thread: the threads end together even when items cost different amounts
-// or a core is taken for a while by another process (the rest of the stack on a small machine, or the
-// host), which a fixed split leaves every other thread waiting on. An item's arithmetic does not depend
-// on the thread that runs it, so results are the same bit for bit.
+// Items [0, total) claimed from a shared counter by each of torch's threads, a run of `grain`
+// consecutive items at a time, rather than split into a fixed range per thread: the threads end
+// together even when items cost different amounts or a core is taken for a while by another process
+// (the rest of the stack on a small machine, or the host), which a fixed split leaves every other
+// thread waiting on. An item's arithmetic does not depend on the thread that runs it, so results are
+// the same bit for bit.
 class ItemCounter {
  public:
-  explicit ItemCounter(int64_t total) : total_(total) {}
+  ItemCounter(int64_t total, int64_t grain) : total_(total), grain_(grain) {}
   int64_t total() const { return total_; }
-  // The next unclaimed item, or total() once every item is claimed.
-  int64_t claim() { return std::min(next_.fetch_add(1, std::memory_order_relaxed), total_); }
+  // The first item of the next unclaimed run, or total() once every item is claimed.
+  int64_t claim() { return std::min(next_.fetch_add(grain_, std::memory_order_relaxed), total_); }
+  // The item a thread runs after `item`: the next of its run, or the first of a newly claimed one.
+  int64_t after(int64_t item) { return (item + 1) % grain_ != 0 && item + 1 < total_ ? item + 1 : claim(); }
 
  private:
   std::atomic<int64_t> next_{0};
-  const int64_t total_;
+  const int64_t total_, grain_;
 };
 
-// per_thread(items) on up to at::get_num_threads() threads; each claims items until none is left.
+// per_thread(items) on up to at::get_num_threads() threads; each claims runs of `grain` items
+// until none is left.
 template <typename F>
-void parallel_claim(int64_t total, const F& per_thread) {
-  ItemCounter items(total);
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), total);
+void parallel_claim(int64_t total, const F& per_thread, int64_t grain = 1) {
+  ItemCounter items(total, grain);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (total + grain - 1) / grain);
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { per_thread(items); });
+}
+
+// The claim grain for a linear over `panels` weight panels and `rows` input rows: one row is a pure
+// stream of the weights from DRAM, read fastest as one contiguous run per thread (the threads' streams
+// interleaved panel by panel read slower); more rows compute enough per panel to take them one at a
+// time.
+inline int64_t panel_grain(int64_t panels, int64_t rows) {
+  const int64_t threads = std::max(1, at::get_num_threads());
+  return rows == 1 ? std::max<int64_t>(1, (panels + threads - 1) / threads) : 1;
 }
 
 inline void check_cpu_contiguous(const at::Tensor& t, const char* name) {

@@ -52,7 +52,7 @@ void decode_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cach
     std::vector<float> scores, accs(heads * head_dim), q_scales(kInt8 ? heads : 0), row_max(heads), row_sum(heads);
     std::vector<int32_t> q_pairs(kInt8 ? heads * head_dim / 2 : 0);
     std::vector<float> q_f32(kWidenQuery ? heads * head_dim : 0);
-    for (int64_t item = items.claim(); item < num_items; item = items.claim()) {
+    for (int64_t item = items.claim(); item < num_items; item = items.after(item)) {
       const int64_t s = item_seq[item], part = item - first_item[s], parts = first_item[s + 1] - first_item[s];
       const int64_t len = seq_lens[s];
       const int64_t* table = block_tables + s * max_blocks;

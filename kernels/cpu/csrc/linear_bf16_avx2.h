@@ -17,10 +17,9 @@
 //   x 16-column micro-tile (12 accumulators, 2 weight registers, a broadcast input) runs over it: 12
 //   FMAs per 2 loads and 6 broadcasts. Sums cross the K blocks through an fp32 buffer of the chunk's
 //   tile. Threads claim (row chunk, panel) items chunk by chunk (parallel_claim), and widen their
-//   chunk's x into a buffer of their own (kRowChunk x K fp32, L2-resident) when the chunk changes. Each
-//   thread claims its next item before running the one it holds, and that item's panel is prefetched
-//   into L2 during the current one's FMAs, so a batch of a few rows streams the weights from DRAM
-//   while it computes instead of in turns.
+//   chunk's x into a buffer of their own (kRowChunk x K fp32, L2-resident) when the chunk changes. The
+//   panel of the item a thread runs next is prefetched into L2 during the current one's FMAs, so a
+//   batch of a few rows streams the weights from DRAM while it computes instead of in turns.
 #pragma once
 
 #include "linear_panels.h"
@@ -123,7 +122,7 @@ inline void linear_subs(c10::BFloat16* y, const c10::BFloat16* x, const uint32_t
   widen_rows(xf.data(), x, m, k);
   parallel_claim(panels, [&](ItemCounter& items) {
     for (int64_t p = items.claim(), following; p < panels; p = following) {
-      following = items.claim();
+      following = items.after(p);
       const uint32_t* panel = w + p * pairs * kPanel;
       const uint32_t* next = following < panels ? w + following * pairs * kPanel : nullptr;
       for (int64_t s = 0; s < kSubs && p * kPanel + s * kSub < n; ++s) {
@@ -209,7 +208,7 @@ inline void linear_blocked(c10::BFloat16* y, const c10::BFloat16* x, const uint3
     Scratch& s = *scratch;
     int64_t widened = -1;
     for (int64_t item = items.claim(), following; item < items.total(); item = following) {
-      following = items.claim();
+      following = items.after(item);
       const int64_t chunk = item / panels, p = item % panels, n0 = p * kPanel;
       const int64_t m0 = chunk * chunk_rows, rows = std::min(chunk_rows, m - m0);
       if (chunk != widened) {

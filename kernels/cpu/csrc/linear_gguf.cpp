@@ -69,8 +69,9 @@ LLMSERVE_INLINE void tile_vnni(T* y, int64_t n, int64_t n0, const uint8_t* qs, c
 constexpr bool kVnni = false;
 #endif
 
-// Threads claim panels (16 output rows each, in order) one by one; a panel goes over the input rows in
-// passes of at most kTileRows, so its blocks are read from cache after the first pass.
+// Threads claim panels (16 output rows each, in order; one row: a run per thread, panel_grain); a
+// panel goes over the input rows in passes of at most kTileRows, so its blocks are read from cache
+// after the first pass.
 template <Format F, typename T>
 void linear_gguf_impl(T* y, const T* x, const uint8_t* qs, const uint16_t* scales, const uint16_t* mins,
                       const T* bias, int64_t m, int64_t n, int64_t k) {
@@ -81,7 +82,7 @@ void linear_gguf_impl(T* y, const T* x, const uint8_t* qs, const uint16_t* scale
   gguf::quantize_blocks(xq.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<int32_t>(), x, m, k);
   const int32_t* quads = reinterpret_cast<const int32_t*>(xq.data_ptr<int8_t>());
   parallel_claim(panels, [&](ItemCounter& items) {
-    for (int64_t p = items.claim(); p < panels; p = items.claim()) {
+    for (int64_t p = items.claim(); p < panels; p = items.after(p)) {
       const uint8_t* panel = qs + p * panel_bytes;
       const uint16_t* ps = scales + p * blocks * kRows;
       const uint16_t* pm = mins == nullptr ? nullptr : mins + p * blocks * kRows;
@@ -98,7 +99,7 @@ void linear_gguf_impl(T* y, const T* x, const uint8_t* qs, const uint16_t* scale
         });
       }
     }
-  });
+  }, panel_grain(panels, m));
 }
 
 Format parse_format(const std::string& name) {

@@ -71,14 +71,15 @@ LLMSERVE_INLINE void with_rows(int64_t mr, const F& f) {
 
 // Runs tile(std::integral_constant<int, MR>, r0, n0, panel, prefetch) over y[m, n] = x[m, :] W^T for a
 // weight packed in panels of `units` 32-bit units: threads claim (panel, chunk of kMChunk rows) items
-// (parallel_claim), each the next one before running the one it holds; a chunk goes in passes of at
-// most MaxMR rows, as even as possible (20 rows in passes of 8: 7 7 6, not 8 8 4).
+// (parallel_claim; a one-row call's panels in one run per thread, panel_grain), each knowing the one it
+// runs next; a chunk goes in passes of at most MaxMR rows, as even as possible (20 rows in passes of
+// 8: 7 7 6, not 8 8 4).
 template <int MaxMR = kMR, typename Tile>
 void for_each_linear_tile(int64_t m, int64_t n, int64_t units, const uint32_t* w, const Tile& tile) {
   const int64_t panels = (n + kPanel - 1) / kPanel, chunks = (m + kMChunk - 1) / kMChunk;
   parallel_claim(panels * chunks, [&](ItemCounter& items) {
     for (int64_t item = items.claim(), following; item < items.total(); item = following) {
-      following = items.claim();
+      following = items.after(item);
       const int64_t p = item / chunks, n0 = p * kPanel, m_begin = item % chunks * kMChunk;
       const int64_t rows = std::min(kMChunk, m - m_begin);
       const uint32_t* panel = w + p * units * kPanel;
@@ -92,7 +93,7 @@ void for_each_linear_tile(int64_t m, int64_t n, int64_t units, const uint32_t* w
         r0 += mr;
       }
     }
-  });
+  }, panel_grain(panels * chunks, m));
 }
 
 // ---- 8-lane helpers for the AVX2 forms of the linears ------------------------------------------------

@@ -216,7 +216,7 @@ void prefill_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cac
     const T* k_rows[kKeys];
     const T* v_rows[kKeys];
     Block block;
-    for (int64_t it = claims.claim(); it < num_items; it = claims.claim()) {
+    for (int64_t it = claims.claim(); it < num_items; it = claims.after(it)) {
       const Item item = items[it];
       const int64_t s = item.seq, kh = item.kh, len = seq_lens[s];
       const int64_t q_len = query_start[s + 1] - query_start[s], first_pos = len - q_len;
