@@ -15,8 +15,8 @@ namespace {
 // broadcast against a panel row adds 32 exact products into 16 columns' fp32 sums per instruction, so
 // the accumulators hold whole output columns (no horizontal sums) and a tile of up to kMR = 8 rows x
 // 48 columns stays in 24 registers (8 rows: a decode batch of 8 reads each panel once). Threads claim
-// (panel, chunk of kMChunk rows) items one by one; the first rows stream a panel from DRAM (54 KB at K = 576, the
-// next one prefetched into L2 meanwhile) and the rest re-read it from L2.
+// (panel, chunk of kMChunk rows) items (for_each_linear_tile); the first rows stream a panel from DRAM
+// (54 KB at K = 576, the next one prefetched into L2 meanwhile) and the rest re-read it from L2.
 //
 // One layout serves every batch size and every level, so a bf16 model holds one copy of each weight
 // (oneDNN would want its own pre-packed copy). Without AVX512-BF16 the same panels are widened to fp32
