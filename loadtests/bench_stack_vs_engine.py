@@ -243,19 +243,19 @@ def main(argv: list[str] | None = None) -> int:
     # The median round (the lower middle one for an even count) is the one reported in full.
     ranked = sorted(rounds, key=lambda rd: rd["throughput_ratio"])
     median = ranked[(len(ranked) - 1) // 2]
-    stack, engine = median["stack"], median["engine"]
-    for name, s in (("stack over HTTP", stack), ("in-process engine", engine)):
+    stack_run, engine_run = median["stack"], median["engine"]
+    for name, s in (("stack over HTTP", stack_run), ("in-process engine", engine_run)):
         print(f"\n### {name} (the median round)")
         print_report(s)
     print(
         "\nCPU seconds during the stack run "
-        f"({stack['duration_s']:.1f} s on {os.cpu_count()} cores): "
+        f"({stack_run['duration_s']:.1f} s on {os.cpu_count()} cores): "
         + ", ".join(
             f"{name} {sec:.1f}"
-            for name, sec in sorted(stack["cpu_s"].items(), key=lambda kv: -kv[1])
+            for name, sec in sorted(stack_run["cpu_s"].items(), key=lambda kv: -kv[1])
         )
     )
-    for name, s in (("stack", stack), ("in process", engine)):
+    for name, s in (("stack", stack_run), ("in process", engine_run)):
         st = s["steps"]
         print(
             f"engine steps, {name}: {st['num_steps']}, "
@@ -264,13 +264,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{st['step_ms']:.1f} ms per step, stepping {100 * st['busy_share']:.0f}% of the run"
         )
     ratios = [rd["throughput_ratio"] for rd in rounds]
+    median_ratio = statistics.median(ratios)
     print(
-        f"\nstack / in-process output throughput: median {statistics.median(ratios):.3f} "
+        f"\nstack / in-process output throughput: median {median_ratio:.3f} "
         f"(rounds: {', '.join(f'{x:.3f}' for x in ratios)}; target >= 0.90)"
     )
     result = {
         "rounds": rounds,
-        "throughput_ratio": statistics.median(ratios),
+        "throughput_ratio": median_ratio,
         "load_avg": os.getloadavg(),
     }
     print(f"wrote {write_json(args.out, result)}")
