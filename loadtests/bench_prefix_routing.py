@@ -1,17 +1,24 @@
 """Cache-aware routing against round robin, on the whole stack, in one run.
 
     python -m loadtests.bench_prefix_routing [--conversations 16 --turns 4 --system-len 1000 \
-        --user-len 150 --output-len 64 --num-kv-blocks 1024]
+        --user-len 150 --output-len 64 --think-time 4 --num-kv-blocks 512]
 
 Two executors serve a multi-turn chat workload: every conversation opens with the same system
 prompt (``--system-len`` tokens), and each turn's prompt is the previous turn's prompt plus the
 reply it got (its text encoded again, as a chat server re-encodes a returned message) and a new
 user message of ``--user-len`` tokens, so it extends the last one. Conversations start ``--stagger``
-seconds apart and run their turns one after another; every request streams ``--output-len`` greedy
-tokens. The same workload runs once per routing policy on a fresh stack (``--policies``); greedy
-decoding does not depend on the batch, so both see the same prompts. Reported per policy:
+seconds apart and run their turns one after another, a seeded think time apart (the user reading
+and typing; drawn per turn, so conversations fall out of step and round robin places a turn
+independently of where the last one went, as it does among many clients: in lock step, an even
+number of conversations would meet the same executor every turn). Every request streams
+``--output-len`` greedy tokens. The default cache (``--num-kv-blocks`` per executor) holds the
+conversations once across the two executors but not once on each: placement decides which
+histories stay cached. The same workload runs once per routing policy on a fresh stack
+(``--policies``); greedy decoding does not depend on the batch, so both see the same prompts.
+Reported per policy:
 
-- TTFT (mean, median, p99) as the client sees it;
+- TTFT (mean, median, p99) as the client sees it, and the median of the requests that hit their
+  ideal against those that missed part of it;
 - prefix hit rate: the cached prompt tokens the executors report (usage.prompt_tokens_details
   .cached_tokens) over the ideal, the leading full blocks of each prompt that the prompts and
   replies sent before it had (what one executor with an unbounded cache, prefilling instantly,
@@ -81,15 +88,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--user-len", type=int, default=150, help="tokens each user turn adds")
     p.add_argument("--output-len", type=int, default=64, help="tokens of each reply")
     p.add_argument("--stagger", type=float, default=0.5, help="seconds between conversations")
+    p.add_argument(
+        "--think-time",
+        type=float,
+        default=4.0,
+        help="mean seconds between a reply's end and the conversation's next turn (the user "
+        "reading and typing), each drawn uniformly from [0, 2 x mean]",
+    )
     p.add_argument("--executors", type=int, default=2)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument(
         "--num-kv-blocks",
         type=int,
-        default=1024,
-        help="KV blocks of 16 tokens per executor (0: from a 1GiB budget); a cache that holds one "
-        "copy of the conversations but not two, as here, shows what placement saves",
+        default=512,
+        help="KV blocks of 16 tokens per executor (0: from a 1GiB budget); a pool that holds one "
+        "copy of the conversations (the working set printed at the start) but not one on every "
+        "executor, as here, shows what placement saves",
     )
     p.add_argument("--policies", default="cache,round_robin")
     p.add_argument("--seed", type=int, default=0)
@@ -111,6 +126,22 @@ def build_messages(args: argparse.Namespace) -> tuple[list[int], list[list[list[
     system = ids(args.system_len)
     users = [[ids(args.user_len) for _ in range(args.turns)] for _ in range(args.conversations)]
     return system, users
+
+
+def think_times(args: argparse.Namespace) -> list[list[float]]:
+    """think[c][t]: the pause before conversation c's turn t + 1, the same under every policy."""
+    rng = random.Random(args.seed + 1)
+    return [
+        [rng.uniform(0, 2 * args.think_time) for _ in range(args.turns)]
+        for _ in range(args.conversations)
+    ]
+
+
+def working_set_blocks(args: argparse.Namespace) -> int:
+    """Blocks holding every conversation's full history once: the shared system prompt, then each
+    conversation's own user turns and replies (replies re-encoded may differ by a few tokens)."""
+    own_tokens = args.turns * (args.user_len + args.output_len)
+    return -(-args.system_len // BLOCK_SIZE) + args.conversations * -(-own_tokens // BLOCK_SIZE)
 
 
 def ideal_cached_tokens(turns: list[Turn], block_size: int) -> None:
@@ -165,6 +196,7 @@ async def send(client: httpx.AsyncClient, model: str, turn: Turn, output_len: in
 
 async def run_workload(base_url: str, args: argparse.Namespace) -> list[Turn]:
     system, users = build_messages(args)
+    think = think_times(args)
     tokenizer = Tokenizer.from_path(default_model_path())
     turns: list[Turn] = []
     async with httpx.AsyncClient(
@@ -185,6 +217,7 @@ async def run_workload(base_url: str, args: argparse.Namespace) -> list[Turn]:
                     return
                 turn.reply = tokenizer.encode(turn.text, add_special_tokens=False)
                 prompt = prompt + turn.reply + users[c][t + 1]
+                await asyncio.sleep(think[c][t])
 
         await asyncio.gather(*(conversation(c) for c in range(args.conversations)))
     return sorted(turns, key=lambda t: (t.conversation, t.turn))
@@ -228,6 +261,8 @@ async def scheduler_status(stack: Stack) -> messages.SchedulerStatus:
 def summarize(policy: str, turns: list[Turn], extra: dict[str, Any]) -> dict[str, Any]:
     ok = [t for t in turns if t.ok]
     ttft_ms = [t.ttft_s * 1e3 for t in ok]
+    missed = [t.ttft_s * 1e3 for t in ok if t.cached_tokens < t.ideal_cached_tokens]
+    hit = [t.ttft_s * 1e3 for t in ok if t.cached_tokens >= t.ideal_cached_tokens]
     cached = sum(t.cached_tokens for t in ok)
     ideal = sum(t.ideal_cached_tokens for t in ok)
     return {
@@ -239,7 +274,10 @@ def summarize(policy: str, turns: list[Turn], extra: dict[str, Any]) -> dict[str
             "mean": statistics.fmean(ttft_ms) if ttft_ms else 0.0,
             "median": percentile(ttft_ms, 50),
             "p99": percentile(ttft_ms, 99),
+            "hit_median": percentile(hit, 50) if hit else 0.0,
+            "missed_median": percentile(missed, 50) if missed else 0.0,
         },
+        "num_missed": len(missed),
         "cached_tokens": cached,
         "ideal_cached_tokens": ideal,
         "hit_rate_of_ideal": cached / ideal if ideal else 0.0,
@@ -286,13 +324,23 @@ def run_policy(policy: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.num_kv_blocks:
+        print(
+            f"working set {working_set_blocks(args)} KV blocks; "
+            f"{args.executors} x {args.num_kv_blocks} in the pool",
+            file=sys.stderr,
+        )
     results = {p: run_policy(p, args) for p in args.policies.split(",")}
-    print(f"\n{'policy':<12} {'ok':>4} {'TTFT med':>9} {'mean':>8} {'p99':>8} {'hit/ideal':>9}")
+    print(
+        f"\n{'policy':<12} {'ok':>4} {'TTFT med':>9} {'mean':>8} {'p99':>8} {'hit/ideal':>9} "
+        f"{'missed':>6} {'TTFT med hit / missed':>22}"
+    )
     for r in results.values():
         t = r["ttft_ms"]
         print(
             f"{r['policy']:<12} {r['num_requests'] - r['num_failed']:>4} {t['median']:>8.0f}m "
-            f"{t['mean']:>7.0f}m {t['p99']:>7.0f}m {r['hit_rate_of_ideal']:>9.1%}"
+            f"{t['mean']:>7.0f}m {t['p99']:>7.0f}m {r['hit_rate_of_ideal']:>9.1%} "
+            f"{r['num_missed']:>6} {t['hit_median']:>11.0f}m / {t['missed_median']:>6.0f}m"
         )
     ratios: dict[str, float] = {}
     if "cache" in results and "round_robin" in results:
