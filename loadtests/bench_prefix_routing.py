@@ -132,7 +132,7 @@ def think_times(args: argparse.Namespace) -> list[list[float]]:
     """think[c][t]: the pause before conversation c's turn t + 1, the same under every policy."""
     rng = random.Random(args.seed + 1)
     return [
-        [rng.uniform(0, 2 * args.think_time) for _ in range(args.turns)]
+        [rng.uniform(0, 2 * args.think_time) for _ in range(args.turns - 1)]
         for _ in range(args.conversations)
     ]
 

@@ -20,7 +20,7 @@ def test_think_times_are_seeded_per_turn_and_within_twice_the_mean():
     args = parse_args(["--conversations", "5", "--turns", "3", "--think-time", "2"])
     think = think_times(args)
     assert think == think_times(args)  # every policy sees the same pauses
-    assert [len(row) for row in think] == [3] * 5
+    assert [len(row) for row in think] == [2] * 5  # none after the last turn
     flat = [t for row in think for t in row]
     assert all(0 <= t <= 4 for t in flat)
     assert len(set(flat)) == len(flat)  # drawn per turn: conversations fall out of step
