@@ -175,31 +175,56 @@ class Subscription:
 
     async def next(self, timeout: float | None = None) -> Msg:
         """The next message; ``BusTimeout`` if none arrives within ``timeout`` seconds (None =
-        wait); ``BusInterrupted`` once ``interrupt()`` was called, even while waiting."""
+        wait); ``BusInterrupted`` once ``interrupt()`` was called, even while waiting.
+
+        It waits on nats-py's pending queue in the calling task, where ``next_msg`` would start a
+        task, draw a uuid4 and wrap the wait in ``wait_for`` for every message: the gateway waits
+        once per streamed token. The waiting task is registered where nats-py keeps its own
+        ``next_msg`` waiters, so a closing connection cancels it as it cancels those."""
         if self._interrupted:
             raise BusInterrupted(f"stopped waiting on {self.subject}")
-        try:
-            # nats-py treats timeout=None as "wait forever" (asyncio.wait_for semantics).
-            return await self._sub.next_msg(timeout=timeout)
-        except nats.errors.TimeoutError:
-            raise BusTimeout(f"no message on {self.subject} within {timeout}s") from None
-        except nats.errors.ConnectionClosedError:
-            raise BusError(f"connection closed while waiting on {self.subject}") from None
-        except asyncio.CancelledError:
-            # interrupt() cancelled nats-py's inner wait, not our task: ours goes on, with the
-            # error. A cancellation of our own task (cancelling() > 0) is passed on as such.
+        sub = self._sub
+        if sub._conn.is_closed:
+            raise BusError(f"connection closed while waiting on {self.subject}")
+        queue = sub._pending_queue
+        if queue.empty():
             task = asyncio.current_task()
-            if self._interrupted and (task is None or not task.cancelling()):
-                raise BusInterrupted(f"stopped waiting on {self.subject}") from None
-            raise
+            assert task is not None, "next() runs in a task"
+            waiters = sub._pending_next_msgs_calls
+            key = str(id(task))
+            waiters[key] = task
+            try:
+                async with asyncio.timeout(timeout):
+                    msg = await queue.get()
+            except TimeoutError:
+                if sub._conn.is_closed:
+                    raise BusError(f"connection closed while waiting on {self.subject}") from None
+                raise BusTimeout(f"no message on {self.subject} within {timeout}s") from None
+            except asyncio.CancelledError:
+                # interrupt() and a closing connection take the waiter out of ``waiters`` as they
+                # cancel it: then this task goes on, with the error. A cancellation of the task
+                # itself (alone, or still pending once that one is taken back) is passed on.
+                if key not in waiters and task.uncancel() == 0:
+                    if self._interrupted:
+                        raise BusInterrupted(f"stopped waiting on {self.subject}") from None
+                    raise BusError(f"connection closed while waiting on {self.subject}") from None
+                raise
+            finally:
+                waiters.pop(key, None)
+        else:
+            msg = queue.get_nowait()
+        # As next_msg does: a message handed out no longer counts against the pending limits.
+        sub._pending_size -= len(msg.data)
+        queue.task_done()
+        return msg
 
     def interrupt(self) -> None:
         """Make a pending ``next()``, and every later one, raise ``BusInterrupted``. Messages
         already buffered are not delivered."""
         self._interrupted = True
-        # nats-py waits for each next_msg in a task of its own, kept in this dict.
-        for waiter in list(self._sub._pending_next_msgs_calls.values()):
-            waiter.cancel()
+        waiters = self._sub._pending_next_msgs_calls
+        for key in list(waiters):
+            waiters.pop(key).cancel()
 
     def __aiter__(self) -> AsyncIterator[Msg]:
         return self._iterate()

@@ -4,6 +4,7 @@ its timeout, handler errors not killing a subscription, iterator subscriptions, 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -171,6 +172,41 @@ def test_subscribe_iter(nats_url):
                 with pytest.raises(BusTimeout):
                     await sub.next(timeout=0.1)
             await sub.unsubscribe()  # idempotent
+
+    asyncio.run(main())
+
+
+def test_iterator_subscription_counts_what_it_hands_out_and_wakes_when_the_connection_closes(
+    nats_url,
+):
+    """Messages taken by next() leave the subscription's pending count (its slow-consumer limit),
+    whether they were waiting already or arrived during the wait; a next() waiting when its
+    connection closes ends with BusError at once, not at its timeout."""
+
+    async def main() -> None:
+        bus = await Bus.connect(nats_url, "pending")
+        sub = await bus.subscribe_iter(SUBJECT + ".pending")
+        for i in range(3):
+            await bus.publish(SUBJECT + ".pending", bytes(10 + i))
+        await bus.flush()
+        await asyncio.sleep(0.05)
+        assert sub._sub.pending_bytes == 33
+        assert [len((await sub.next(1)).data) for _ in range(3)] == [10, 11, 12]
+        assert sub._sub.pending_bytes == 0
+        late = asyncio.ensure_future(sub.next(timeout=30))
+        await asyncio.sleep(0.05)
+        await bus.publish(SUBJECT + ".pending", b"late")
+        assert (await asyncio.wait_for(late, 2)).data == b"late"
+        assert sub._sub.pending_bytes == 0
+        waiting = asyncio.ensure_future(sub.next(timeout=30))
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        await bus.close()
+        with pytest.raises(BusError, match="connection closed"):
+            await asyncio.wait_for(waiting, 5)
+        assert time.monotonic() - started < 5
+        with pytest.raises(BusError, match="connection closed"):
+            await sub.next(timeout=1)
 
     asyncio.run(main())
 
