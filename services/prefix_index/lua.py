@@ -34,8 +34,10 @@ Script contracts (ARGV after the prefix; every reply is a status word or a flat 
 - observe(executor, epoch, model) → 'ok' | 'restarted' | 'dead' | 'stale' | 'unknown'
   A heartbeat: a newer epoch purges a live record's entries and is adopted ('restarted'; 'ok' if
   the old record was a tombstone); 'dead': this very epoch was purged as dead, yet it beats.
-- match(model, hashes...) → [executor, num_blocks, ...] for every executor holding a leading run
-  (hashes[1] first); the scan stops at the first block no remaining executor holds.
+- match(model, hashes) → [executor, num_blocks, ...] for every executor holding a leading run
+  (the first hash first); the scan stops at the first block no remaining executor holds. The
+  hashes come in one argument, separated by spaces: redis-py packs a prompt's hundred-odd
+  arguments in ~20x the time it packs one.
 - stats() → [executors holding at least one block, (block, executor) entries]
 - executors() → [executor, epoch, ...] of the live records.
 """
@@ -206,13 +208,15 @@ return 'ok'
 local p, model = ARGV[1], ARGV[2]
 local run = nil
 local depth = {}
-for i = 3, #ARGV do
-  local holders = redis.call('SMEMBERS', key_block(p, model, ARGV[i]))
+local i = 0
+for h in string.gmatch(ARGV[3], '%d+') do
+  i = i + 1
+  local holders = redis.call('SMEMBERS', key_block(p, model, h))
   local next_run, any = {}, false
   for _, e in ipairs(holders) do
     if run == nil or run[e] then
       next_run[e] = true
-      depth[e] = i - 2
+      depth[e] = i
       any = true
     end
   end

@@ -169,7 +169,7 @@ class PrefixStore:
         """How many leading blocks of ``block_hashes`` each executor holds (absent: none)."""
         if not block_hashes:
             return {}
-        flat = await self._call("match", [model, *map(str, block_hashes)])
+        flat = await self._call("match", [model, " ".join(map(str, block_hashes))])
         return {str(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
     async def stats(self) -> tuple[int, int]:
