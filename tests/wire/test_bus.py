@@ -4,7 +4,6 @@ its timeout, handler errors not killing a subscription, iterator subscriptions, 
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -200,11 +199,9 @@ def test_iterator_subscription_counts_what_it_hands_out_and_wakes_when_the_conne
         assert sub._sub.pending_bytes == 0
         waiting = asyncio.ensure_future(sub.next(timeout=30))
         await asyncio.sleep(0.05)
-        started = time.monotonic()
         await bus.close()
         with pytest.raises(BusError, match="connection closed"):
-            await asyncio.wait_for(waiting, 5)
-        assert time.monotonic() - started < 5
+            await asyncio.wait_for(waiting, 5)  # not its 30 s timeout
         with pytest.raises(BusError, match="connection closed"):
             await sub.next(timeout=1)
 
