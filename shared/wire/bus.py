@@ -185,7 +185,7 @@ class Subscription:
             raise BusInterrupted(f"stopped waiting on {self.subject}")
         sub = self._sub
         if sub._conn.is_closed:
-            raise BusError(f"connection closed while waiting on {self.subject}")
+            raise self._closed()
         queue = sub._pending_queue
         if queue.empty():
             task = asyncio.current_task()
@@ -198,7 +198,7 @@ class Subscription:
                     msg = await queue.get()
             except TimeoutError:
                 if sub._conn.is_closed:
-                    raise BusError(f"connection closed while waiting on {self.subject}") from None
+                    raise self._closed() from None
                 raise BusTimeout(f"no message on {self.subject} within {timeout}s") from None
             except asyncio.CancelledError:
                 # interrupt() and a closing connection take the waiter out of ``waiters`` as they
@@ -207,7 +207,7 @@ class Subscription:
                 if key not in waiters and task.uncancel() == 0:
                     if self._interrupted:
                         raise BusInterrupted(f"stopped waiting on {self.subject}") from None
-                    raise BusError(f"connection closed while waiting on {self.subject}") from None
+                    raise self._closed() from None
                 raise
             finally:
                 waiters.pop(key, None)
@@ -217,6 +217,9 @@ class Subscription:
         sub._pending_size -= len(msg.data)
         queue.task_done()
         return msg
+
+    def _closed(self) -> BusError:
+        return BusError(f"connection closed while waiting on {self.subject}")
 
     def interrupt(self) -> None:
         """Make a pending ``next()``, and every later one, raise ``BusInterrupted``. Messages
