@@ -1,7 +1,7 @@
 """The scheduler's pure logic: executor table, in-flight accounting, cache- and load-aware
-placement (``placement``), the bounded waiting queue, fail-over. No NATS, no asyncio: every method
-takes ``now`` and returns ``Action``s that the service turns into messages, so it is unit-tested
-synchronously.
+placement (``placement``), the bounded waiting queues (``waiting``), fail-over. No NATS, no
+asyncio: every method takes ``now`` and returns ``Action``s that the service turns into messages,
+so it is unit-tested synchronously.
 
 Invariants:
 - A request goes only to an executor whose heartbeat names the request's model. A request for a
@@ -33,7 +33,6 @@ Invariants:
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from dataclasses import dataclass, field
 
@@ -43,6 +42,7 @@ from services.scheduler.disagg import DisaggConfig, decide
 from services.scheduler.drain import DrainRate
 from services.scheduler.executors import ExecutorState, InFlight
 from services.scheduler.placement import ROUTING_POLICIES, CostWeights, choose, uncached_tokens
+from services.scheduler.waiting import WaitingQueues
 from shared.wire.messages import (
     ExecuteReply,
     ExecuteRequest,
@@ -107,13 +107,6 @@ class Fail:
 Action = Dispatch | Fail
 
 
-@dataclass(order=True)
-class _Queued:
-    sort_key: tuple[int, int, int]  # (-attempt: retries first, priority, arrival order)
-    entry: InFlight = field(compare=False)
-    cancelled: bool = field(compare=False, default=False)
-
-
 def _weight(request: ExecuteRequest) -> int:
     return max(1, request.params.n)
 
@@ -122,10 +115,7 @@ class Router:
     def __init__(self, config: RouterConfig, now: float) -> None:
         self.config = config
         self.executors: dict[str, ExecutorState] = {}
-        # One heap per model (FIFO within a model: a busy model does not hold up another one's
-        # requests); cancelled entries are skipped lazily, an empty heap is removed.
-        self._queues: dict[str, list[_Queued]] = {}
-        self._queued: dict[str, _Queued] = {}  # live entries by request id
+        self._waiting = WaitingQueues()
         self._order = itertools.count()
         self._turns: dict[str, int] = {}  # round-robin picks per model
         self._started = now  # grace period from start: executors may be loading
@@ -167,7 +157,7 @@ class Router:
         """``cached_blocks``: the prefix index's answer for the prompt (executor id → leading
         blocks held); None routes by load alone."""
         self._advance(now)
-        if req.request_id in self._queued or self._owner(req.request_id) is not None:
+        if req.request_id in self._waiting or self._owner(req.request_id) is not None:
             return []  # a redelivered submit: the request is already being served
         if req.deadline is not None and wall_time >= req.deadline:
             return [
@@ -277,9 +267,7 @@ class Router:
 
     def abort(self, request_id: str, now: float) -> list[Action]:
         self._advance(now)
-        queued = self._queued.pop(request_id, None)
-        if queued is not None:
-            queued.cancelled = True
+        self._waiting.remove(request_id)
         owner = self._owner(request_id)
         if owner is not None:
             # The executor aborts it too and reports 'finished'; until then the slot stays taken,
@@ -297,22 +285,22 @@ class Router:
                 actions += self._lose_executor(state, now, "stopped sending heartbeats")
         for s in self._alive(now):
             self._model_seen[s.heartbeat.model] = now
-        for queued in list(self._queued.values()):
-            if queued.entry.deadline is not None and wall_time >= queued.entry.deadline:
+        for entry in self._waiting.entries():
+            if entry.deadline is not None and wall_time >= entry.deadline:
                 actions.append(
                     self._drop_queued(
-                        queued,
+                        entry,
                         504,
                         "timeout_error",
                         "the request timed out while waiting in the queue",
                     )
                 )
-        for queued in list(self._queued.values()):
-            model = queued.entry.request.model
+        for entry in self._waiting.entries():
+            model = entry.request.model
             if self._no_executor_for(model, now):
                 actions.append(
                     self._drop_queued(
-                        queued, 503, "server_error", self._no_executor_message(model, now)
+                        entry, 503, "server_error", self._no_executor_message(model, now)
                     )
                 )
         return actions + self._drain_queue(now)
@@ -325,15 +313,15 @@ class Router:
         self._advance(now)
         actions: list[Action] = [
             self._drop_queued(
-                queued,
+                entry,
                 503,
                 "server_error",
                 "the scheduler lost its connection to the message bus while the request "
                 "waited; retry it",
             )
-            for queued in list(self._queued.values())
+            for entry in self._waiting.entries()
         ]
-        self._queues.clear()
+        self._waiting.clear()
         for state in self.executors.values():
             state.in_flight.clear()
         return actions
@@ -342,7 +330,7 @@ class Router:
 
     def queued_request_ids(self) -> list[str]:
         """Every request waiting in a queue (its stream gets the scheduler's keepalives)."""
-        return list(self._queued)
+        return self._waiting.request_ids()
 
     def retry_after_s(self) -> float:
         """What a 429 says now: the time the queue needs to drain at its measured rate."""
@@ -350,7 +338,7 @@ class Router:
 
     @property
     def num_queued(self) -> int:
-        return len(self._queued)
+        return len(self._waiting)
 
     def num_candidates(self, model: str, now: float) -> int:
         """Live executors serving ``model`` (with room or not; prefill executors too): with fewer
@@ -452,7 +440,7 @@ class Router:
     def _admit(self, entry: InFlight, now: float, is_retry: bool = False) -> list[Action]:
         request = entry.request
         # Strict FIFO within a model and priority: a new request may not overtake its model's queue.
-        if self._head(request.model) is None:
+        if self._waiting.head(request.model) is None:
             target = self._pick(entry, now)
             if target is not None:
                 return [self._dispatch(target, entry, now)]
@@ -467,22 +455,20 @@ class Router:
                     )
                 )
             ]
-        if not is_retry and len(self._queued) >= self.config.max_queue_len:
+        if not is_retry and self.num_queued >= self.config.max_queue_len:
             return [
                 Fail(
                     StreamError(
                         request_id=request.request_id,
                         status=429,
                         type="rate_limit_error",
-                        message=f"the server is overloaded: {len(self._queued)} requests are "
+                        message=f"the server is overloaded: {self.num_queued} requests are "
                         f"already waiting (max_queue_len={self.config.max_queue_len}); retry later",
                         retry_after_s=self.retry_after_s(),
                     )
                 )
             ]
-        queued = _Queued((-request.attempt, request.priority, entry.order), entry)
-        heapq.heappush(self._queues.setdefault(request.model, []), queued)
-        self._queued[request.request_id] = queued
+        self._waiting.push(entry)
         return self._drain_queue(now)
 
     def _prefill_candidates(self, entry: InFlight, now: float) -> list[ExecutorState]:
@@ -525,33 +511,21 @@ class Router:
         )
         return Dispatch(target.executor_id, request, decision)
 
-    def _head(self, model: str) -> _Queued | None:
-        """The first live entry of the model's queue; drops cancelled ones and an emptied queue."""
-        queue = self._queues.get(model)
-        while queue and queue[0].cancelled:
-            heapq.heappop(queue)
-        if not queue:
-            self._queues.pop(model, None)
-            return None
-        return queue[0]
-
     def _drain_queue(self, now: float) -> list[Action]:
         actions: list[Action] = []
-        for model in list(self._queues):
-            while (head := self._head(model)) is not None:
-                target = self._pick(head.entry, now)
+        for model in self._waiting.models():
+            while (head := self._waiting.head(model)) is not None:
+                target = self._pick(head, now)
                 if target is None:
                     break
-                heapq.heappop(self._queues[model])
-                del self._queued[head.entry.request.request_id]
+                self._waiting.pop(model)
                 self.drain.on_departures(1)
-                actions.append(self._dispatch(target, head.entry, now))
+                actions.append(self._dispatch(target, head, now))
         return actions
 
-    def _drop_queued(self, queued: _Queued, status: int, type_: str, message: str) -> Fail:
-        queued.cancelled = True
-        rid = queued.entry.request.request_id
-        del self._queued[rid]
+    def _drop_queued(self, entry: InFlight, status: int, type_: str, message: str) -> Fail:
+        rid = entry.request.request_id
+        self._waiting.remove(rid)
         retry_after_s = self.retry_after_s() if status in (429, 503) else None
         return Fail(
             StreamError(
