@@ -39,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
 
     from .app import create_app
-    from .server import UVICORN_GRACE_S, GatewayServer, IdleClosingH11Protocol
+    from .server import UVICORN_GRACE_S, GatewayServer, IdleClosingHttpProtocol
 
     app = create_app(config)
     uvicorn_config = uvicorn.Config(
@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Idle connections, and connections that never complete a request head, are closed
         # after this (an SSE stream sends its own bytes; this is for the gaps between requests).
         timeout_keep_alive=config.keep_alive_timeout_s,  # type: ignore[arg-type]
-        http=IdleClosingH11Protocol,
+        http=IdleClosingHttpProtocol,
         ws_max_size=config.max_body_bytes,  # a bigger WebSocket message: close 1009
     )
     try:

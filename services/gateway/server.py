@@ -25,9 +25,8 @@ import logging
 import socket
 from types import FrameType
 
-import h11
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .generation import Gateway
 
@@ -39,8 +38,10 @@ INTERRUPT_GRACE_S = 2.0
 UVICORN_GRACE_S = 3
 
 
-class IdleClosingH11Protocol(H11Protocol):
-    """uvicorn closes a keep-alive connection idle ``timeout_keep_alive`` after a response, but not
+class IdleClosingHttpProtocol(HttpToolsProtocol):
+    """uvicorn's HTTP/1.1 protocol on httptools (a C parser, cheaper per streamed token than h11).
+
+    uvicorn closes a keep-alive connection idle ``timeout_keep_alive`` after a response, but not
     one that never completes a request head: opened and left silent, or sending its head a byte at
     a time (uvicorn disarms its timer at every byte). Here, from the connection's start and from
     the end of each response, the next request's head must be complete within the same time."""
@@ -75,8 +76,6 @@ class IdleClosingH11Protocol(H11Protocol):
             and not self.transport.is_closing()
             and self.transport.get_protocol() is self
         ):
-            with contextlib.suppress(h11.LocalProtocolError):
-                self.conn.send(h11.ConnectionClosed())
             self.transport.close()
 
 
