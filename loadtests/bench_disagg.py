@@ -39,10 +39,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtests.bench_serving import RequestResult, percentile, send_one, sse_chunks
+from loadtests.bench_serving import (
+    RequestResult,
+    client_session,
+    percentile,
+    send_one,
+    sse_chunks,
+)
 from loadtests.results import write_json
 from services.cli.launcher import StackConfig, launch
 from services.executor.config import parse_cpu_list
@@ -84,14 +90,14 @@ class Stream:
 
 
 async def stream_until(
-    client: httpx.AsyncClient, body: dict[str, Any], stream: Stream, stop: asyncio.Event
+    client: aiohttp.ClientSession, body: dict[str, Any], stream: Stream, stop: asyncio.Event
 ) -> None:
     """Stream ``body`` recording each text chunk's arrival, until the server ends it or ``stop``."""
 
     async def read() -> None:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                stream.error = f"{r.status_code}: {(await r.aread())[:200]!r}"
+        async with client.post("/v1/completions", json=body) as r:
+            if r.status != 200:
+                stream.error = f"{r.status}: {(await r.read())[:200]!r}"
                 return
             async for chunk in sse_chunks(r):
                 if "error" in chunk:
@@ -127,10 +133,7 @@ async def run_workload(base_url: str, args: argparse.Namespace) -> dict[str, Any
     def ids(n: int) -> list[int]:
         return [rng.randrange(*TOKEN_RANGE) for _ in range(n)]
 
-    limits = httpx.Limits(max_connections=args.streams + args.num_long + 4)
-    async with httpx.AsyncClient(
-        base_url=base_url, limits=limits, timeout=httpx.Timeout(600, connect=30)
-    ) as client:
+    async with client_session(base_url, args.streams + args.num_long + 4, 600) as client:
         stop = asyncio.Event()
         streams = [Stream() for _ in range(args.streams)]
         tasks = [
@@ -199,9 +202,10 @@ async def run_workload(base_url: str, args: argparse.Namespace) -> dict[str, Any
 # ------------------------------------------------------------------------------------ metrics
 
 
-async def scrape(client: httpx.AsyncClient) -> dict[tuple[str, str], float]:
+async def scrape(client: aiohttp.ClientSession) -> dict[tuple[str, str], float]:
     """(sample name, executor) -> value of the executors' counters we difference."""
-    text = (await client.get("/metrics")).text
+    async with client.get("/metrics") as r:
+        text = await r.text()
     out: dict[tuple[str, str], float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:

@@ -43,9 +43,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 
-from loadtests.bench_serving import percentile, sse_chunks
+from loadtests.bench_serving import CLIENT_ERRORS, client_session, percentile, sse_chunks
 from loadtests.results import write_json
 from services.cli.launcher import Stack, StackConfig, launch
 from services.scheduler.placement import ROUTING_POLICIES
@@ -159,7 +159,7 @@ def ideal_cached_tokens(turns: list[Turn], block_size: int) -> None:
         known.update(hash_prompt_blocks(t.prompt + t.reply, block_size))
 
 
-async def send(client: httpx.AsyncClient, model: str, turn: Turn, output_len: int) -> None:
+async def send(client: aiohttp.ClientSession, model: str, turn: Turn, output_len: int) -> None:
     body = {
         "model": model,
         "prompt": turn.prompt,
@@ -171,9 +171,9 @@ async def send(client: httpx.AsyncClient, model: str, turn: Turn, output_len: in
     }
     turn.sent_at = time.perf_counter()
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                turn.error = f"{r.status_code}: {(await r.aread())[:200]!r}"
+        async with client.post("/v1/completions", json=body) as r:
+            if r.status != 200:
+                turn.error = f"{r.status}: {(await r.read())[:200]!r}"
                 return
             async for chunk in sse_chunks(r):
                 if "error" in chunk:
@@ -188,7 +188,7 @@ async def send(client: httpx.AsyncClient, model: str, turn: Turn, output_len: in
                     details = usage.get("prompt_tokens_details") or {}
                     turn.cached_tokens = details.get("cached_tokens") or 0
         turn.ok = turn.ttft_s > 0
-    except httpx.HTTPError as e:
+    except CLIENT_ERRORS as e:
         turn.error = f"{type(e).__name__}: {e}"[:200]
     finally:
         turn.finished_at = time.perf_counter()
@@ -199,12 +199,9 @@ async def run_workload(base_url: str, args: argparse.Namespace) -> list[Turn]:
     think = think_times(args)
     tokenizer = Tokenizer.from_path(default_model_path())
     turns: list[Turn] = []
-    async with httpx.AsyncClient(
-        base_url=base_url,
-        timeout=httpx.Timeout(600, connect=30),
-        limits=httpx.Limits(max_connections=args.conversations + 4),
-    ) as client:
-        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+    async with client_session(base_url, args.conversations + 4, 600) as client:
+        async with client.get("/v1/models") as r:
+            model = (await r.json())["data"][0]["id"]
 
         async def conversation(c: int) -> None:
             await asyncio.sleep(c * args.stagger)
