@@ -67,7 +67,7 @@ from helpers.levels import LEVELS, ops_at_level, unavailable  # noqa: E402
 
 @pytest.fixture(params=LEVELS or ["none"])
 def ops(request):
-    """The kernel ops of one ISA level (torch.ops.llmserve_cpu_<level>)."""
+    """The kernel ops of one ISA level (the module named llmserve_cpu_<level>)."""
     if request.param == "none":
         from kernels.cpu import isa
 

@@ -1,7 +1,7 @@
 """Fused CPU kernels (``csrc/``), built per ISA level and chosen at run time by what the CPU has.
 
-``cpu_ops()`` returns the op namespace of the highest level this CPU runs (``torch.ops.
-llmserve_cpu_<level>``, capped by ``LLMSERVE_CPU_ISA``), or None when the kernels are switched off
+``cpu_ops()`` returns the ops of the highest level this CPU runs (an extension module named
+``llmserve_cpu_<level>``, capped by ``LLMSERVE_CPU_ISA``), or None when the kernels are switched off
 (``LLMSERVE_CPU_KERNELS=0``), the CPU has no level (not x86-64, or no AVX2+FMA) or the build failed:
 callers then take the unfused torch path, which computes the same thing and is what the kernels are
 tested against. ``python -m kernels.cpu`` prints which path each op takes here, and why.

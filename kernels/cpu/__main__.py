@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         print("CPU kernels: none run here: every op takes the torch path")
     else:
         lv, ops = best
-        print(f"ops at the {lv.name} level (torch.ops.llmserve_cpu_{lv.name}):")
+        print(f"ops at the {lv.name} level ({ops.name}):")
         for path in ops.paths():
             print(f"  {path}")
     onednn = isa.onednn_usable(torch.bfloat16)

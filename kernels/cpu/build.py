@@ -1,4 +1,5 @@
-"""Compiles the kernels of one ISA level into a library (once per machine) and loads it.
+"""Compiles the kernels of one ISA level into a Python extension module (once per machine) and
+imports it.
 
 Each level's library is named by a digest of the sources, the level's flags, the compiler and
 torch, and kept under ``LLMSERVE_KERNEL_CACHE`` (default ``~/.cache/llmserve/kernels``): later
@@ -12,6 +13,7 @@ lock.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -19,6 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 from kernels.cpu.isa import Level
 
@@ -116,16 +119,25 @@ def _summary(output: str) -> str:
     return " | ".join(lines)[:1000]
 
 
-def load(level: Level):
-    """``torch.ops.llmserve_cpu_<level>``, compiling the library first if this machine has none.
-    Raises KernelBuildError if it cannot be built (now or by an earlier process)."""
-    import torch
+def _import(name: str, library: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, library)
+    assert spec is not None and spec.loader is not None, library
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    return module
+
+
+def load(level: Level) -> ModuleType:
+    """The level's ops, a module whose ``name`` is ``llmserve_cpu_<level>``, compiling it first if
+    this machine has none. Raises KernelBuildError if it cannot be built (now or by an earlier
+    process)."""
     from torch.utils import cpp_extension
 
-    ns = namespace(level)
-    if hasattr(torch.ops, ns) and hasattr(getattr(torch.ops, ns), "paths"):
-        return getattr(torch.ops, ns)  # loaded already by this process
     directory = build_dir(level)
+    name = directory.name
+    if name in sys.modules:
+        return sys.modules[name]  # loaded already by this process
     failed = directory / _FAILED
     if failed.exists():
         raise KernelBuildError(
@@ -133,25 +145,23 @@ def load(level: Level):
             f"(the compiler's output: {failed}; delete it to try again)"
         )
     directory.mkdir(parents=True, exist_ok=True)
-    name = directory.name
     built = _built_library(directory)
     if built is not None:
         # The name is a digest of everything the library depends on, so a library under it is
-        # current. Loaded directly: cpp_extension would rebuild it for sources at another path
+        # current. Imported directly: cpp_extension would rebuild it for sources at another path
         # (another checkout).
-        torch.ops.load_library(str(built))
-        return getattr(torch.ops, ns)
+        return _import(name, built)
     t0 = time.perf_counter()
     log.info("building the %s CPU kernels (once per machine, about a minute)", level.name)
     try:
-        cpp_extension.load(
+        module = cpp_extension.load(
             name=name,
             sources=[str(p) for p in sources()],
             extra_cflags=_flags(level),
             extra_include_paths=[str(CSRC)],
             extra_ldflags=["-fopenmp"],
             build_directory=str(directory),
-            is_python_module=False,
+            is_python_module=True,
             verbose=False,
         )
     except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
@@ -162,4 +172,5 @@ def load(level: Level):
             f"(the compiler's output: {failed})"
         ) from exc
     log.info("%s CPU kernels ready in %.1f s", level.name, time.perf_counter() - t0)
-    return getattr(torch.ops, ns)
+    sys.modules[name] = module
+    return module

@@ -23,7 +23,7 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 @dataclass(frozen=True)
 class CpuBackend:
-    """``ops``: the kernels' op namespace (``torch.ops.llmserve_cpu_<level>``), or None: every op
+    """``ops``: the kernels' ops (the module ``kernels.cpu`` loads for a level), or None: every op
     takes the torch path, for the reason in ``reason``. ``level``: the ISA level of ``ops`` (None
     without)."""
 

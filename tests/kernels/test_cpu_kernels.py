@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -249,6 +251,37 @@ def test_linear_bf16_rejects_mismatched_inputs(ops):
         ops.linear_bf16(torch.ones(2, 32, dtype=torch.bfloat16), w, 70, None)
     with pytest.raises(RuntimeError, match="must come from pack_linear_bf16 for 200 out_features"):
         ops.linear_bf16(torch.ones(2, 64, dtype=torch.bfloat16), w, 200, None)
+
+
+def test_a_kernel_lets_other_python_threads_run(ops):
+    """An op releases the GIL while its kernel runs (the executor's event loop keeps serving during
+    an engine step): a thread that stamps the time every millisecond keeps stamping through the
+    middle of a long linear, which it could not do if the call held the GIL."""
+    x = torch.randn(2048, 2048).bfloat16()
+    w = ops.pack_linear_bf16(torch.randn(2048, 2048).bfloat16())
+    stamps: list[float] = []
+    done = threading.Event()
+
+    def stamp() -> None:
+        while not done.is_set():
+            stamps.append(time.perf_counter())
+            time.sleep(0.001)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a core left for the stamping thread on a 2-core machine
+    stamper = threading.Thread(target=stamp)
+    stamper.start()
+    try:
+        t0 = time.perf_counter()
+        ops.linear_bf16(x, w, 2048, None)
+        t1 = time.perf_counter()
+    finally:
+        done.set()
+        stamper.join()
+        torch.set_num_threads(threads)
+    quarter = (t1 - t0) / 4
+    assert t1 - t0 > 0.04, "the linear was too short to tell"
+    assert any(t0 + quarter < t < t1 - quarter for t in stamps)
 
 
 def test_packed_linear_switches_layouts_without_loss(ops):

@@ -1,4 +1,4 @@
-// The ops each kernel file defines, registered by register.cpp. Every op has a torch reference in
+// The ops each kernel file defines, bound by bindings.cpp. Every op has a torch reference in
 // shared/engine (the same maths, unfused) and is tested against it at every ISA level.
 #pragma once
 
