@@ -5,9 +5,9 @@
 // Why pybind11 and not TORCH_LIBRARY/torch.ops: a boxed torch.ops call releases the GIL for the whole
 // call and drops its tensor arguments inside it; dropping the last C++ reference to a tensor Python also
 // holds takes the GIL back (TensorImpl::decref_pyobject), so every call waits for the GIL a second time,
-// after its kernel has run. In the executor, whose event-loop thread holds the GIL between engine
-// steps, that wait was ~6% of the engine thread's time. Here each op releases the GIL around its kernel
-// only (call_guard); the argument casters drop their references after the call, with the GIL held.
+// after its kernel has run, whenever another thread (the executor's event loop) holds it. Here each op
+// releases the GIL around its kernel only (call_guard); the argument casters drop their references
+// after the call, with the GIL held.
 #include <torch/extension.h>
 
 #include "ops.h"
@@ -23,7 +23,6 @@
 namespace {
 
 namespace py = pybind11;
-using Optional = c10::optional<at::Tensor>;
 
 // Compiled-in paths of every op, for `python -m kernels.cpu`.
 std::vector<std::string> paths() {
@@ -36,11 +35,6 @@ std::vector<std::string> paths() {
   out.push_back(llmserve::linear_int8_path());
   out.push_back(llmserve::linear_gguf_path());
   return out;
-}
-
-at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales, const Optional& mins,
-                       const std::string& format, int64_t out_features, const Optional& bias) {
-  return llmserve::linear_gguf(x, qs, scales, mins, format, out_features, bias);
 }
 
 }  // namespace
@@ -61,7 +55,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear_int8", &llmserve::pack_linear_int8, no_gil, py::arg("weight"));
   m.def("linear_int8", &llmserve::linear_int8, no_gil, py::arg("x"), py::arg("packed"), py::arg("scale"),
         py::arg("colsum"), py::arg("smooth"), py::arg("bias"));
-  m.def("linear_gguf", &linear_gguf, no_gil, py::arg("x"), py::arg("qs"), py::arg("scales"), py::arg("mins"),
+  m.def("linear_gguf", &llmserve::linear_gguf, no_gil, py::arg("x"), py::arg("qs"), py::arg("scales"), py::arg("mins"),
         py::arg("format"), py::arg("out_features"), py::arg("bias"));
   m.def("attention_supports", &llmserve::attention_supports, py::arg("heads"), py::arg("kv_heads"),
         py::arg("head_dim"));
