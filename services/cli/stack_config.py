@@ -77,12 +77,10 @@ class StackConfig:
             raise ValueError("num_executors, num_prefill and num_decode must be >= 0")
         if self.num_executors + self.num_decode < 1:
             raise ValueError("a stack needs at least one executor that decodes (both or decode)")
-        if self.executor_cpus and len(self.executor_cpus) != self.executors_per_model * len(
-            served_models(self)
-        ):
+        if self.executor_cpus and len(self.executor_cpus) != num_executors_total(self):
             raise ValueError(
                 f"executor_cpus names {len(self.executor_cpus)} executors' cores; the stack runs "
-                f"{self.executors_per_model * len(served_models(self))} executors"
+                f"{num_executors_total(self)} executors"
             )
         if self.num_prefix_indexes < 0:
             raise ValueError(f"num_prefix_indexes must be >= 0, got {self.num_prefix_indexes}")
