@@ -139,23 +139,31 @@ inline void linear_subs(c10::BFloat16* y, const c10::BFloat16* x, const uint32_t
 }
 
 // ---- blocked: fp32 micro-tiles on a widened block ---------------------------------------------------------
-// MR rows (a: fp32, lda apart) x 16 columns (b: [2 * pairs][16] fp32) over 2 * pairs input features,
-// into acc; with `prefetch`, one line a pair from there on (kPanel units apart) into L2.
+// One input feature k of MR rows (a: fp32, lda apart) against 16 columns (b: [k][16] fp32), into acc.
 template <int MR>
+LLMSERVE_INLINE void micro_step(__m256 (&acc)[MR][2], const float* a, int64_t lda, const float* b, int64_t k) {
+  const __m256 b0 = _mm256_load_ps(b + k * kSub), b1 = _mm256_load_ps(b + k * kSub + 8);
+#pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i) {
+    const __m256 av = _mm256_broadcast_ss(a + i * lda + k);
+    acc[i][0] = _mm256_fmadd_ps(av, b0, acc[i][0]);
+    acc[i][1] = _mm256_fmadd_ps(av, b1, acc[i][1]);
+  }
+}
+
+// MR rows x 16 columns over 2 * pairs input features, into acc; with kPrefetch, one line a pair of
+// `prefetch` (kPanel units apart) into L2. The pair's two steps are written out and the prefetch
+// choice is a template argument, so the loop body is straight-line code (a loop over the pair's two
+// features with a run-time test beside it left GCC a loop of one step, whose counter and branch took
+// issue slots from the FMAs).
+template <int MR, bool kPrefetch>
 LLMSERVE_INLINE void micro_tile(__m256 (&acc)[MR][2], const float* a, int64_t lda, const float* b, int64_t pairs,
                                 const uint32_t* prefetch) {
-  for (int64_t kk = 0; kk < pairs; ++kk) {
-    if (prefetch != nullptr) _mm_prefetch(reinterpret_cast<const char*>(prefetch + kk * kPanel), _MM_HINT_T1);
 #pragma GCC unroll 2
-    for (int64_t k = 2 * kk; k < 2 * kk + 2; ++k) {
-      const __m256 b0 = _mm256_load_ps(b + k * kSub), b1 = _mm256_load_ps(b + k * kSub + 8);
-#pragma GCC unroll 6
-      for (int i = 0; i < MR; ++i) {
-        const __m256 av = _mm256_broadcast_ss(a + i * lda + k);
-        acc[i][0] = _mm256_fmadd_ps(av, b0, acc[i][0]);
-        acc[i][1] = _mm256_fmadd_ps(av, b1, acc[i][1]);
-      }
-    }
+  for (int64_t kk = 0; kk < pairs; ++kk) {
+    if constexpr (kPrefetch) _mm_prefetch(reinterpret_cast<const char*>(prefetch + kk * kPanel), _MM_HINT_T1);
+    micro_step<MR>(acc, a, lda, b, 2 * kk);
+    micro_step<MR>(acc, a, lda, b, 2 * kk + 1);
   }
 }
 
@@ -182,7 +190,8 @@ LLMSERVE_INLINE void block_pass(const float* a, int64_t lda, const float* b, int
 #pragma GCC unroll 6
   for (int i = 0; i < MR; ++i)
     for (int h = 0; h < 2; ++h) acc[i][h] = first ? start[h] : _mm256_loadu_ps(part + i * kPanel + 8 * h);
-  micro_tile<MR>(acc, a, lda, b, pairs, prefetch);
+  if (prefetch != nullptr) micro_tile<MR, true>(acc, a, lda, b, pairs, prefetch);
+  else micro_tile<MR, false>(acc, a, lda, b, pairs, nullptr);
 #pragma GCC unroll 6
   for (int i = 0; i < MR; ++i)
     for (int h = 0; h < 2; ++h) {
