@@ -18,6 +18,7 @@ from services.scheduler.placement import ROUTING_POLICIES
 from services.served_models import ServedModel, check_unique, default_model_name
 from services.tokenizer.config import TOKENIZER_LIMIT_SETTINGS
 from shared.engine.config import EngineConfig
+from shared.field_checks import require_positive
 
 
 @dataclass(frozen=True)
@@ -100,14 +101,13 @@ class StackConfig:
             raise ValueError(
                 "disagg_min_uncached_tokens and disagg_max_prefill_queue_tokens must be >= 0"
             )
-        for name in (
+        require_positive(
+            self,
             "heartbeat_timeout_s",
             "no_executor_timeout_s",
             "ready_timeout_s",
             "kv_transfer_timeout_s",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        )
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:

@@ -22,6 +22,7 @@ from services.runtime import (
     refuse_secret_flag,
 )
 from services.served_models import split_names
+from shared.field_checks import require_positive
 from shared.wire.bus_auth import BusAuth
 from shared.wire.messages import KEEPALIVE_INTERVAL_S
 
@@ -113,16 +114,15 @@ class GatewayConfig:
                 f"progress_timeout_s must be >= {3 * KEEPALIVE_INTERVAL_S:g} (three keepalive "
                 f"intervals), got {self.progress_timeout_s}"
             )
-        for name in (
+        require_positive(
+            self,
             "request_timeout_s",
             "ack_timeout_s",
             "health_timeout_s",
             "nats_connect_timeout_s",
             "keep_alive_timeout_s",
             "body_timeout_s",
-        ):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        )
         if self.max_tokens_default is not None and self.max_tokens_default < 1:
             raise ValueError(
                 f"max_tokens_default must be >= 1 (or unset), got {self.max_tokens_default}"

@@ -15,6 +15,7 @@ from services.connections import (
 )
 from services.prefix_index.logic import hash_tag_prefix
 from services.runtime import env_float, env_int, env_str
+from shared.field_checks import require_at_least, require_positive
 from shared.wire import subjects
 from shared.wire.bus_auth import BusAuth
 from shared.wire.kv_stream import KV_EVENTS_MAX_AGE_S
@@ -58,7 +59,8 @@ class PrefixIndexConfig:
         # A JetStream consumer name is one subject token.
         if not self.consumer or any(c in self.consumer for c in ".*> \t\r\n"):
             raise ValueError(f"invalid consumer name: {self.consumer!r}")
-        for name in (
+        require_positive(
+            self,
             "executor_timeout_s",
             "snapshot_timeout_s",
             "redis_timeout_s",
@@ -67,14 +69,8 @@ class PrefixIndexConfig:
             "gap_retry_delay_s",
             "gap_stall_timeout_s",
             "tick_interval_s",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("resync_after_deliveries", "max_match_blocks"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.tombstone_ttl_s < 1:
-            raise ValueError(f"tombstone_ttl_s must be >= 1, got {self.tombstone_ttl_s}")
+        )
+        require_at_least(self, 1, "resync_after_deliveries", "max_match_blocks", "tombstone_ttl_s")
 
 
 def parse_config(argv: list[str] | None = None) -> PrefixIndexConfig:

@@ -10,6 +10,7 @@ from services.runtime import env_float, env_int, env_str
 from services.scheduler.disagg import DisaggConfig
 from services.scheduler.placement import ROUTING_POLICIES, CostWeights
 from services.scheduler.router import RouterConfig
+from shared.field_checks import require_positive
 from shared.wire.bus_auth import BusAuth
 
 
@@ -27,9 +28,9 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if not self.nats_url:
             raise ValueError("nats_url must not be empty")
-        for name in ("tick_interval_s", "index_timeout_s", "index_retry_s", "dispatch_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        require_positive(
+            self, "tick_interval_s", "index_timeout_s", "index_retry_s", "dispatch_timeout_s"
+        )
 
 
 def parse_config(argv: list[str] | None = None) -> SchedulerConfig:

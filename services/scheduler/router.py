@@ -43,6 +43,7 @@ from services.scheduler.drain import DrainRate
 from services.scheduler.executors import ExecutorState, InFlight
 from services.scheduler.placement import ROUTING_POLICIES, CostWeights, choose, uncached_tokens
 from services.scheduler.waiting import WaitingQueues
+from shared.field_checks import require_positive
 from shared.wire.messages import (
     ExecuteReply,
     ExecuteRequest,
@@ -73,15 +74,14 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.max_queue_len < 0:
             raise ValueError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
-        for name in (
+        require_positive(
+            self,
             "heartbeat_timeout_s",
             "no_executor_timeout_s",
             "retry_after_s",
             "drain_tau_s",
             "max_retry_after_s",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        )
         if self.max_in_flight_per_executor is not None and self.max_in_flight_per_executor < 1:
             raise ValueError(
                 f"max_in_flight_per_executor must be >= 1, got {self.max_in_flight_per_executor}"

@@ -32,6 +32,7 @@ from shared.engine.quantization import (
     QUANTIZATION_HELP,
     QUANTIZATIONS,
 )
+from shared.field_checks import require_positive
 
 # The weight dtypes the loader maps to torch dtypes (``models.loader.DTYPES`` has exactly these
 # keys).
@@ -141,7 +142,8 @@ class EngineConfig:
             raise ValueError(
                 f"unsupported dtype {self.dtype!r}; choose one of {', '.join(WEIGHT_DTYPES)}"
             )
-        for name in (
+        require_positive(
+            self,
             "block_size",
             "max_num_batched_tokens",
             "max_num_seqs",
@@ -149,9 +151,7 @@ class EngineConfig:
             "long_prefill_chunk_tokens",
             "num_speculative_tokens",
             "speculative_max_num_seqs",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        )
         if self.prefill_slice_ms < 0:
             raise ValueError(f"prefill_slice_ms cannot be negative, got {self.prefill_slice_ms}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

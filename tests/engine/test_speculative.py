@@ -276,7 +276,7 @@ def test_settings_from_the_command_line_and_bad_values(model_path):
     assert (config.speculative_draft_layers, config.speculative_max_num_seqs) == (1, 2)
     with pytest.raises(ValueError, match="speculative must be None or one of"):
         EngineConfig(speculative="medusa")
-    with pytest.raises(ValueError, match="num_speculative_tokens must be positive"):
+    with pytest.raises(ValueError, match="num_speculative_tokens must be > 0"):
         EngineConfig(num_speculative_tokens=0)
     with pytest.raises(ValueError, match="the model has 2, so choose 1 to 2"):
         llm(model_path, speculative="draft", speculative_draft_layers=3)

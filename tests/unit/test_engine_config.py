@@ -185,8 +185,8 @@ def test_engine_config_is_validated_without_torch():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(long_prefill_token_threshold=0), "long_prefill_token_threshold must be positive"),
-        (dict(long_prefill_chunk_tokens=0), "long_prefill_chunk_tokens must be positive"),
+        (dict(long_prefill_token_threshold=0), "long_prefill_token_threshold must be > 0"),
+        (dict(long_prefill_chunk_tokens=0), "long_prefill_chunk_tokens must be > 0"),
         (dict(prefill_slice_ms=-1), "prefill_slice_ms cannot be negative"),
     ],
 )

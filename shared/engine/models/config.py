@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from shared.field_checks import require_positive
+
 if TYPE_CHECKING:
     import torch
 
@@ -64,7 +66,8 @@ class ModelConfig:
                 f"unsupported architecture {self.architecture!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        for name in (
+        require_positive(
+            self,
             "vocab_size",
             "hidden_size",
             "intermediate_size",
@@ -73,9 +76,7 @@ class ModelConfig:
             "num_kv_heads",
             "head_dim",
             "max_position_embeddings",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of "
