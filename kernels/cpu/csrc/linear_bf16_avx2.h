@@ -183,8 +183,11 @@ inline void widen_block(float* scratch, const uint32_t* panel, int64_t p0, int64
 
 // One pass of MR rows over a widened block and one sub-panel: sums start from the bias (first block)
 // or the chunk's partial sums `part` (kPanel apart), and end in y (last block) or back in `part`.
+// A function of its own: the tile's 12 sums, 2 weight vectors and a broadcast take 15 of the 16 ymm
+// registers, and inlined into the item loop the register allocator spilled a sum to the stack or not
+// depending on the code around it (a small change to that loop once made the blocked linear far slower).
 template <int MR>
-LLMSERVE_INLINE void block_pass(const float* a, int64_t lda, const float* b, int64_t pairs, float* part, bool first, bool last,
+__attribute__((noinline)) void block_pass(const float* a, int64_t lda, const float* b, int64_t pairs, float* part, bool first, bool last,
                                 const __m256 (&start)[2], c10::BFloat16* y, int64_t n, int64_t cols, const uint32_t* prefetch) {
   __m256 acc[MR][2];
 #pragma GCC unroll 6
