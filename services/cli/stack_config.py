@@ -18,7 +18,7 @@ from services.scheduler.placement import ROUTING_POLICIES
 from services.served_models import ServedModel, check_unique, default_model_name
 from services.tokenizer.config import TOKENIZER_LIMIT_SETTINGS
 from shared.engine.config import EngineConfig
-from shared.field_checks import require_positive
+from shared.field_checks import require_at_least, require_positive
 
 
 @dataclass(frozen=True)
@@ -71,9 +71,7 @@ class StackConfig:
     observability: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("num_gateways", "num_tokenizers", "num_schedulers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        require_at_least(self, 1, "num_gateways", "num_tokenizers", "num_schedulers")
         if min(self.num_executors, self.num_prefill, self.num_decode) < 0:
             raise ValueError("num_executors, num_prefill and num_decode must be >= 0")
         if self.num_executors + self.num_decode < 1:
@@ -83,16 +81,13 @@ class StackConfig:
                 f"executor_cpus names {len(self.executor_cpus)} executors' cores; the stack runs "
                 f"{num_executors_total(self)} executors"
             )
-        if self.num_prefix_indexes < 0:
-            raise ValueError(f"num_prefix_indexes must be >= 0, got {self.num_prefix_indexes}")
+        require_at_least(self, 0, "num_prefix_indexes", "max_queue_len", "drain_timeout_s")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.port and self.port + self.num_gateways > 65536:
             raise ValueError(
                 f"{self.num_gateways} gateways from port {self.port} run past port 65535"
             )
-        if self.max_queue_len < 0:
-            raise ValueError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
         if self.max_queued is not None and self.max_queued < 0:
@@ -108,8 +103,6 @@ class StackConfig:
             "ready_timeout_s",
             "kv_transfer_timeout_s",
         )
-        if self.drain_timeout_s < 0:
-            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if self.models:

@@ -11,6 +11,7 @@ from services.connections import add_nats_auth_arguments, nats_auth_from_args
 from services.runtime import env_bool, env_int, env_str, env_value
 from services.served_models import default_model_name
 from shared.engine.config import EngineConfig, add_engine_arguments
+from shared.field_checks import require_at_least, require_positive
 from shared.wire.bus_auth import BusAuth
 
 # The engine defaults of a served executor, here and in ``llmserve up``: the same as the engine's
@@ -40,10 +41,8 @@ class ExecutorProcessConfig:
             raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
         if any(c < 0 for c in self.cpus):
             raise ValueError(f"cpus must be core numbers >= 0, got {self.cpus}")
-        if self.heartbeat_interval_s <= 0:
-            raise ValueError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
-        if self.drain_timeout_s < 0:
-            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        require_positive(self, "heartbeat_interval_s")
+        require_at_least(self, 0, "drain_timeout_s")
         if self.max_queued is not None and self.max_queued < 0:
             raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
 

@@ -61,6 +61,7 @@ from services.executor.worker import (
     SnapshotTaken,
     StepTraced,
 )
+from shared.field_checks import require_positive
 from shared.metrics.publisher import MetricsPublisher
 from shared.wire import messages, subjects
 from shared.wire.bus import Bus, BusError, Msg
@@ -114,10 +115,7 @@ class ExecutorServiceConfig:
         HandoffConfig(self.executor_id, self.kv_transfer_timeout_s, self.kv_offer_timeout_s)
         if self.heartbeat_interval_s <= 0 or self.drain_timeout_s < 0:
             raise ValueError("heartbeat_interval_s must be > 0 and drain_timeout_s >= 0")
-        if self.client_check_interval_s <= 0:
-            raise ValueError(
-                f"client_check_interval_s must be > 0, got {self.client_check_interval_s}"
-            )
+        require_positive(self, "client_check_interval_s")
         if self.max_num_seqs < 1 or (self.max_queued is not None and self.max_queued < 0):
             raise ValueError("max_num_seqs must be >= 1 and max_queued >= 0")
 

@@ -22,7 +22,7 @@ from services.runtime import (
     refuse_secret_flag,
 )
 from services.served_models import split_names
-from shared.field_checks import require_positive
+from shared.field_checks import require_at_least, require_positive
 from shared.wire.bus_auth import BusAuth
 from shared.wire.messages import KEEPALIVE_INTERVAL_S
 
@@ -105,10 +105,8 @@ class GatewayConfig:
             raise ValueError("limits_lease_ttl_s and limits_redis_timeout_s must be > 0")
         if not self.limits_key_prefix or any(c in self.limits_key_prefix for c in " {}*?"):
             raise ValueError(f"limits_key_prefix {self.limits_key_prefix!r}: no spaces, {{}}, *, ?")
-        if self.max_body_bytes < 1024:
-            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
-        if self.drain_timeout_s < 0:
-            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        require_at_least(self, 1024, "max_body_bytes")
+        require_at_least(self, 0, "drain_timeout_s")
         if self.progress_timeout_s < 3 * KEEPALIVE_INTERVAL_S:
             raise ValueError(
                 f"progress_timeout_s must be >= {3 * KEEPALIVE_INTERVAL_S:g} (three keepalive "

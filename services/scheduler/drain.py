@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from shared.field_checks import require_positive
+
 
 @dataclass
 class DrainRate:
@@ -34,12 +36,10 @@ class DrainRate:
     _last: float | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        if self.tau_s <= 0:
-            raise ValueError(f"tau_s must be > 0, got {self.tau_s}")
+        require_positive(self, "tau_s")
         if not 0 < self.min_retry_after_s <= self.max_retry_after_s:
             raise ValueError("need 0 < min_retry_after_s <= max_retry_after_s")
-        if self.fallback_s <= 0:
-            raise ValueError(f"fallback_s must be > 0, got {self.fallback_s}")
+        require_positive(self, "fallback_s")
 
     def advance(self, now: float, num_queued: int) -> None:
         """The clock moves to ``now``; the queue held ``num_queued`` requests since the previous

@@ -43,7 +43,7 @@ from services.scheduler.drain import DrainRate
 from services.scheduler.executors import ExecutorState, InFlight
 from services.scheduler.placement import ROUTING_POLICIES, CostWeights, choose, uncached_tokens
 from services.scheduler.waiting import WaitingQueues
-from shared.field_checks import require_positive
+from shared.field_checks import require_at_least, require_positive
 from shared.wire.messages import (
     ExecuteReply,
     ExecuteRequest,
@@ -72,8 +72,7 @@ class RouterConfig:
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
 
     def __post_init__(self) -> None:
-        if self.max_queue_len < 0:
-            raise ValueError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
+        require_at_least(self, 0, "max_queue_len")
         require_positive(
             self,
             "heartbeat_timeout_s",

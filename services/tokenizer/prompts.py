@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.engine.tokenizer import ChatTemplateError, Tokenizer, read_gguf_metadata
+from shared.field_checks import require_at_least
 from shared.wire.block_hash import hash_prompt_blocks
 from shared.wire.messages import GenerateRequest, StreamError, TokenizedRequest
 
@@ -65,10 +66,8 @@ class PromptLimits:
     max_prompt_chars: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        require_at_least(self, 2, "max_model_len")
+        require_at_least(self, 1, "block_size")
         if self.max_prompt_chars is None:
             object.__setattr__(
                 self, "max_prompt_chars", MAX_PROMPT_CHARS_PER_TOKEN * self.max_model_len
