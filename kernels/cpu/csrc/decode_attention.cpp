@@ -52,12 +52,27 @@ void decode_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cach
     std::vector<float> scores, accs(heads * head_dim), q_scales(kInt8 ? heads : 0), row_max(heads), row_sum(heads);
     std::vector<int32_t> q_pairs(kInt8 ? heads * head_dim / 2 : 0);
     std::vector<float> q_f32(kWidenQuery ? heads * head_dim : 0);
-    for (int64_t item = items.claim(); item < num_items; item = items.after(item)) {
-      const int64_t s = item_seq[item], part = item - first_item[s], parts = first_item[s + 1] - first_item[s];
-      const int64_t len = seq_lens[s];
-      const int64_t* table = block_tables + s * max_blocks;
-      const int64_t seq_blocks = (len + block_size - 1) / block_size;
-      const int64_t b_lo = seq_blocks * part / parts, b_hi = seq_blocks * (part + 1) / parts;
+    // Item i's block table and blocks [b_lo, b_hi).
+    auto blocks_of = [&](int64_t i, const int64_t*& table, int64_t& b_lo, int64_t& b_hi) {
+      const int64_t s = item_seq[i], part = i - first_item[s], parts = first_item[s + 1] - first_item[s];
+      const int64_t seq_blocks = (seq_lens[s] + block_size - 1) / block_size;
+      table = block_tables + s * max_blocks;
+      b_lo = seq_blocks * part / parts;
+      b_hi = seq_blocks * (part + 1) / parts;
+    };
+    for (int64_t item = items.claim(), next; item < num_items; item = next) {
+      next = items.after(item);  // claimed now: its first key blocks are prefetched during this item's values
+      const int64_t s = item_seq[item], parts = first_item[s + 1] - first_item[s], len = seq_lens[s];
+      const int64_t* table;
+      int64_t b_lo, b_hi;
+      blocks_of(item, table, b_lo, b_hi);
+      FirstBlocks<C> next_keys;
+      if (next < num_items) {
+        const int64_t* next_table;
+        int64_t next_lo, next_hi;
+        blocks_of(next, next_table, next_lo, next_hi);
+        next_keys = FirstBlocks<C>(k_cache, next_table, next_lo, next_hi, block_size, kv_row);
+      }
       const int64_t t_lo = b_lo * block_size, span = std::min(len, b_hi * block_size) - t_lo;  // keys of this part
       const T* qs = q + s * heads * head_dim;
       if constexpr (kInt8) prepare_query_int16(q_pairs.data(), q_scales.data(), qs, heads, head_dim);
@@ -68,7 +83,8 @@ void decode_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cach
       float* sc = scores.data();  // [head][span]
       // Scores, 16 tokens at a time and every head for those tokens before the next 16, so the rows
       // are read in address order; the same rows of the block kAheadBlocks on are prefetched as we go.
-      for_each_block(k_cache, table, b_lo, b_hi, len, block_size, kv_row, [&](const C* kb, const C* ahead, int64_t n, int64_t t0) {
+      const FirstBlocks<C> first_values(v_cache, table, b_lo, b_hi, block_size, kv_row);
+      for_each_block(k_cache, table, b_lo, b_hi, len, block_size, kv_row, first_values, [&](const C* kb, const C* ahead, int64_t n, int64_t t0) {
         for (int64_t t = 0; t < n; t += 16) {
           const int64_t nt = std::min<int64_t>(16, n - t);
           const int64_t ahead_rows = std::min<int64_t>(16, block_size - t);
@@ -102,7 +118,7 @@ void decode_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cach
         row_max[r] = max_of(sr, span);
         row_sum[r] = exp_shifted_sum(sr, span, row_max[r]);
       }
-      weighted_values<G, NV>(accs.data(), sc, span, v_cache, table, b_lo, b_hi, len, block_size, kv_heads);
+      weighted_values<G, NV>(accs.data(), sc, span, v_cache, table, b_lo, b_hi, len, block_size, kv_heads, next_keys);
       if (parts == 1) {
         T* os = out + s * heads * head_dim;
         for (int64_t r = 0; r < heads; ++r)

@@ -28,18 +28,29 @@ __attribute__((always_inline)) inline void prefetch_share(const C* ahead, int64_
   prefetch_rows(ahead + (t + r0) * kv_row, r1 - r0, kv_row, kv_row);
 }
 
+// The rows of a walk's first kAheadBlocks blocks (nullptr past b_hi): what the walk before it
+// prefetches as its own last blocks go, so that no walk starts on a stall.
+template <typename C>
+struct FirstBlocks {
+  const C* rows[kAheadBlocks] = {};
+  FirstBlocks() = default;
+  FirstBlocks(const C* cache, const int64_t* table, int64_t b_lo, int64_t b_hi, int64_t block_size, int64_t kv_row) {
+    for (int64_t i = 0; i < kAheadBlocks && b_lo + i < b_hi; ++i) rows[i] = cache + table[b_lo + i] * block_size * kv_row;
+  }
+};
+
 // Runs body(rows, ahead, n, t0) over blocks b_lo..b_hi-1 of a sequence (block table `table`, `len` keys) in
-// `cache`: each block's rows, those of the block kAheadBlocks on (nullptr past b_hi: the body prefetches
-// them as it goes), its key count and its first key's index counted from block b_lo. The first
-// kAheadBlocks blocks are prefetched before the first call.
+// `cache`: each block's rows, those of the block kAheadBlocks on (past b_hi, the first blocks of the
+// walk that follows, `next`; the body prefetches them as it goes), its key count and its first key's
+// index counted from block b_lo. The first kAheadBlocks blocks are prefetched before the first call.
 template <typename C, typename Body>
 inline void for_each_block(const C* cache, const int64_t* table, int64_t b_lo, int64_t b_hi, int64_t len, int64_t block_size,
-                           int64_t kv_row, const Body& body) {
+                           int64_t kv_row, const FirstBlocks<C>& next, const Body& body) {
   auto rows = [&](int64_t b) { return cache + table[b] * block_size * kv_row; };
   for (int64_t b = b_lo; b < std::min(b_lo + kAheadBlocks, b_hi); ++b) prefetch_rows(rows(b), block_size, kv_row, kv_row);
   for (int64_t b = b_lo; b < b_hi; ++b)
-    body(rows(b), b + kAheadBlocks < b_hi ? rows(b + kAheadBlocks) : nullptr, std::min(block_size, len - b * block_size),
-         (b - b_lo) * block_size);
+    body(rows(b), b + kAheadBlocks < b_hi ? rows(b + kAheadBlocks) : next.rows[b + kAheadBlocks - b_hi],
+         std::min(block_size, len - b * block_size), (b - b_lo) * block_size);
 }
 
 // Lanes [0, n) of 16 at p (the rest read as 0 or fill), and stores of them. AVX2's masked loads

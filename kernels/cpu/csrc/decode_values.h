@@ -55,12 +55,12 @@ inline void interleave_even_odd(float* sums, int64_t count) {
 // sum takes the rows in order.
 template <int G, int NV, typename C>
 void weighted_values(float* accs, const float* sc, int64_t span, const C* v_cache, const int64_t* table,
-                     int64_t b_lo, int64_t b_hi, int64_t len, int64_t block_size, int64_t kv_heads) {
+                     int64_t b_lo, int64_t b_hi, int64_t len, int64_t block_size, int64_t kv_heads, const FirstBlocks<C>& next) {
   constexpr int64_t head_dim = NV * 16, head_row = cache_row_len<C>(head_dim);
   constexpr int VP = kValuesPerPass<G, NV>;
   static_assert(NV % VP == 0, "whole passes");
   const int64_t kv_row = kv_heads * head_row;
-  for_each_block(v_cache, table, b_lo, b_hi, len, block_size, kv_row,
+  for_each_block(v_cache, table, b_lo, b_hi, len, block_size, kv_row, next,
                  [&](const C* vb, const C* ahead, int64_t n, int64_t t0) {
     for (int64_t t = 0; t < n; t += kValueRows) {
       const int64_t nt = std::min<int64_t>(kValueRows, n - t), ahead_rows = std::min<int64_t>(kValueRows, block_size - t);
@@ -140,10 +140,10 @@ inline void unpermute_pair_sums(float* sums, int64_t count) {
 // scaled into the fp32 sums after each 16 keys. ~15 instructions a key instead of ~30.
 template <int G, int NV>
 void weighted_values(float* accs, const float* sc, int64_t span, const int8_t* v_cache, const int64_t* table,
-                     int64_t b_lo, int64_t b_hi, int64_t len, int64_t block_size, int64_t kv_heads) {
+                     int64_t b_lo, int64_t b_hi, int64_t len, int64_t block_size, int64_t kv_heads, const FirstBlocks<int8_t>& next) {
   constexpr int64_t head_dim = NV * 16, head_row = cache_row_len<int8_t>(head_dim);
   const int64_t kv_row = kv_heads * head_row;
-  for_each_block(v_cache, table, b_lo, b_hi, len, block_size, kv_row,
+  for_each_block(v_cache, table, b_lo, b_hi, len, block_size, kv_row, next,
                  [&](const int8_t* vb, const int8_t* ahead, int64_t n, int64_t t0) {
     for (int64_t t = 0; t < n; t += 16) {
       const int64_t nt = std::min<int64_t>(16, n - t), ahead_rows = std::min<int64_t>(16, block_size - t);
@@ -195,10 +195,10 @@ void weighted_values(float* accs, const float* sc, int64_t span, const int8_t* v
 // The int32 sums are exact, so the result is the AVX-512 path's, bit for bit.
 template <int G, int NV>
 void weighted_values(float* accs, const float* sc, int64_t span, const int8_t* v_cache, const int64_t* table,
-                     int64_t b_lo, int64_t b_hi, int64_t len, int64_t block_size, int64_t kv_heads) {
+                     int64_t b_lo, int64_t b_hi, int64_t len, int64_t block_size, int64_t kv_heads, const FirstBlocks<int8_t>& next) {
   constexpr int64_t head_dim = NV * 16, head_row = cache_row_len<int8_t>(head_dim);
   const int64_t kv_row = kv_heads * head_row;
-  for_each_block(v_cache, table, b_lo, b_hi, len, block_size, kv_row,
+  for_each_block(v_cache, table, b_lo, b_hi, len, block_size, kv_row, next,
                  [&](const int8_t* vb, const int8_t* ahead, int64_t n, int64_t t0) {
     for (int64_t t = 0; t < n; t += 16) {
       const int64_t nt = std::min<int64_t>(16, n - t), ahead_rows = std::min<int64_t>(16, block_size - t);
@@ -251,7 +251,7 @@ void weighted_values(float* accs, const float* sc, int64_t span, const int8_t* v
 // prefetches in one burst, was slower from DRAM).
 template <int G, int NV>
 void weighted_values(float* accs, const float* sc, int64_t span, const c10::BFloat16* v_cache, const int64_t* table,
-                     int64_t b_lo, int64_t b_hi, int64_t len, int64_t block_size, int64_t kv_heads) {
+                     int64_t b_lo, int64_t b_hi, int64_t len, int64_t block_size, int64_t kv_heads, const FirstBlocks<c10::BFloat16>& next) {
   constexpr int64_t head_dim = NV * 16;
   const int64_t heads = G * kv_heads, kv_row = kv_heads * head_dim;
   // [head][span + 1]: a key without a partner (odd tail of a block) reads the next weight, or this
@@ -266,7 +266,7 @@ void weighted_values(float* accs, const float* sc, int64_t span, const c10::BFlo
     }
     weights[r * wstride + span] = 0;
   }
-  for_each_block(v_cache, table, b_lo, b_hi, len, block_size, kv_row,
+  for_each_block(v_cache, table, b_lo, b_hi, len, block_size, kv_row, next,
                  [&](const c10::BFloat16* vb, const c10::BFloat16* ahead, int64_t n, int64_t t0) {
     for (int64_t t = 0; t < n; t += 4) {
       if (ahead != nullptr) prefetch_rows(ahead + t * kv_row, std::min<int64_t>(4, block_size - t), kv_row, kv_row);
