@@ -143,12 +143,11 @@ def bench_prefill(ops, dtype, repeats: int, kv_cache_dtype: str) -> dict:
     lens = torch.tensor(PROMPTS)
     q = torch.randn(sum(PROMPTS), HEADS * HEAD_DIM, generator=g).to(dtype)
     scale = 1 / math.sqrt(HEAD_DIM)
-    ms = median_ms(
-        lambda: [
-            ops.prefill_attention(q, k, v, tables, starts, lens, HEADS, scale) for k, v in caches
-        ],
-        repeats,
-    )
+    def run() -> None:  # each output dropped at once, as a forward drops it (see bench_linear)
+        for k, v in caches:
+            ops.prefill_attention(q, k, v, tables, starts, lens, HEADS, scale)
+
+    ms = median_ms(run, repeats)
     # QK^T and PV over each query's keys up to itself: 2 matmuls x 2 FLOPs per multiply-add.
     flops = LAYERS * HEADS * sum(n * (n + 1) / 2 for n in PROMPTS) * HEAD_DIM * 4
     return dict(tokens=sum(PROMPTS), ms=ms, gflops=flops / ms / 1e6)
@@ -185,33 +184,29 @@ def bench_linear(ops, rows: list[int], repeats: int) -> list[dict]:
     for m in rows:
         xs = [torch.randn(m, k, generator=g).bfloat16() for _, k in LINEARS]
 
-        def run_bf16(xs: list[torch.Tensor] = xs) -> list[torch.Tensor]:
-            return [
-                ops.linear_bf16(x, w, n, None)
-                for layer in ours_packed
-                for x, w, (n, _) in zip(xs, layer, LINEARS, strict=True)
-            ]
+        # Each output is dropped as the next call runs, as in a forward: kept alive, 120 of them
+        # would be fresh memory every run, and its page faults would be timed as the kernel's.
+        def run_bf16(xs: list[torch.Tensor] = xs) -> None:
+            for layer in ours_packed:
+                for x, w, (n, _) in zip(xs, layer, LINEARS, strict=True):
+                    ops.linear_bf16(x, w, n, None)
 
         ours = median_ms(run_bf16, repeats)
         row = dict(rows=m, linear_bf16_ms=ours, linear_bf16_gflops=flops_per_row * m / ours / 1e6)
         if onednn:
 
-            def run_onednn(xs: list[torch.Tensor] = xs) -> list[torch.Tensor]:
-                return [
-                    torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-                    for layer in packed
-                    for x, w in zip(xs, layer, strict=True)
-                ]
+            def run_onednn(xs: list[torch.Tensor] = xs) -> None:
+                for layer in packed:
+                    for x, w in zip(xs, layer, strict=True):
+                        torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
             ms = median_ms(run_onednn, repeats)
             row.update(onednn_packed_ms=ms, onednn_gflops=flops_per_row * m / ms / 1e6)
 
-        def run_int8(xs: list[torch.Tensor] = xs) -> list[torch.Tensor]:
-            return [
-                ops.linear_int8(x, *w, None)
-                for layer in int8
-                for x, w in zip(xs, layer, strict=True)
-            ]
+        def run_int8(xs: list[torch.Tensor] = xs) -> None:
+            for layer in int8:
+                for x, w in zip(xs, layer, strict=True):
+                    ops.linear_int8(x, *w, None)
 
         ms = median_ms(run_int8, repeats)
         row.update(linear_int8_ms=ms, linear_int8_gops=flops_per_row * m / ms / 1e6)
