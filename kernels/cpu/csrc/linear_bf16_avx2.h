@@ -11,13 +11,16 @@
 //   the rows x one 16-column sub-panel widens each pair's two weight vectors in registers once for
 //   every row (4 shifts / masks per 4 x rows FMAs); the three sub-panels of a panel read their own
 //   cache line of each pair row, and each prefetches its lines of the next panel.
-// - More rows: widening costs as much as the FMAs it feeds, so it is done once per block of the
-//   panel for all the rows of a chunk: kBlockPairs pairs (2 x 128 input features) of a panel become
-//   an fp32 scratch [3][256][16] per thread (16 KB per 16-column sub-panel, L1-resident), and a 6-row
-//   x 16-column micro-tile (12 accumulators, 2 weight registers, a broadcast input) runs over it: 12
-//   FMAs per 2 loads and 6 broadcasts. Sums cross the K blocks through an fp32 buffer of the chunk's
-//   tile. Threads claim (row chunk, panel) items chunk by chunk (parallel_claim), and widen their
-//   chunk's x into a buffer of their own (kRowChunk x K fp32, L2-resident) when the chunk changes. The
+// - More rows: widening costs as much as the FMAs it feeds, so it is done once per block of a
+//   sub-panel for all the rows of a chunk: kBlockPairs pairs (2 x 128 input features) of one 16-column
+//   sub-panel become an fp32 scratch [256][16] per thread (16 KB: it stays in L1 while every pass of
+//   the chunk's rows reads it; all three sub-panels' at once, 48 KB, did not), and a 6-row x 16-column
+//   micro-tile (12 accumulators, 2 weight registers, a broadcast input) runs over it: 12 FMAs per 2
+//   loads and 6 broadcasts. Sums cross the K blocks through an fp32 buffer of the chunk's tile. Threads
+//   claim (row chunk, panel) items chunk by chunk (parallel_claim), and widen their chunk's x into a
+//   buffer of their own (kRowChunk x K fp32, L2-resident) when the chunk changes, each pass's rows
+//   packed side by side ([feature][row]: the pass's broadcasts read one run of consecutive addresses,
+//   not one per row). The
 //   panel of the item a thread runs next is prefetched into L2 during the current one's FMAs, so a
 //   batch of a few rows streams the weights from DRAM while it computes instead of in turns.
 #pragma once
@@ -45,6 +48,13 @@ LLMSERVE_INLINE void bias_start(__m256 (&start)[2], const c10::BFloat16* bias, i
 inline void widen_rows(float* dst, const c10::BFloat16* x, int64_t rows, int64_t k) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < k; j += 8) store8(dst + r * k + j, load8(x + r * k + j, k - j), k - j);
+}
+
+// rows (<= kTileRows) x k bf16 (row-major, k apart) -> fp32 at dst as [k][rows]: the rows of one
+// micro-tile pass side by side, so that its broadcasts read one stream of consecutive addresses.
+inline void pack_rows(float* dst, const c10::BFloat16* x, int64_t rows, int64_t k) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < k; ++j) dst[j * rows + i] = to_float(x[i * k + j]);
 }
 
 // ---- one row ------------------------------------------------------------------------------------------
@@ -139,13 +149,13 @@ inline void linear_subs(c10::BFloat16* y, const c10::BFloat16* x, const uint32_t
 }
 
 // ---- blocked: fp32 micro-tiles on a widened block ---------------------------------------------------------
-// One input feature k of MR rows (a: fp32, lda apart) against 16 columns (b: [k][16] fp32), into acc.
+// One input feature k of MR rows (a: fp32 [feature][MR]) against 16 columns (b: [k][16] fp32), into acc.
 template <int MR>
-LLMSERVE_INLINE void micro_step(__m256 (&acc)[MR][2], const float* a, int64_t lda, const float* b, int64_t k) {
+LLMSERVE_INLINE void micro_step(__m256 (&acc)[MR][2], const float* a, const float* b, int64_t k) {
   const __m256 b0 = _mm256_load_ps(b + k * kSub), b1 = _mm256_load_ps(b + k * kSub + 8);
 #pragma GCC unroll 6
   for (int i = 0; i < MR; ++i) {
-    const __m256 av = _mm256_broadcast_ss(a + i * lda + k);
+    const __m256 av = _mm256_broadcast_ss(a + k * MR + i);
     acc[i][0] = _mm256_fmadd_ps(av, b0, acc[i][0]);
     acc[i][1] = _mm256_fmadd_ps(av, b1, acc[i][1]);
   }
@@ -157,24 +167,24 @@ LLMSERVE_INLINE void micro_step(__m256 (&acc)[MR][2], const float* a, int64_t ld
 // features with a run-time test beside it left GCC a loop of one step, whose counter and branch took
 // issue slots from the FMAs).
 template <int MR, bool kPrefetch>
-LLMSERVE_INLINE void micro_tile(__m256 (&acc)[MR][2], const float* a, int64_t lda, const float* b, int64_t pairs,
+LLMSERVE_INLINE void micro_tile(__m256 (&acc)[MR][2], const float* a, const float* b, int64_t pairs,
                                 const uint32_t* prefetch) {
 #pragma GCC unroll 2
   for (int64_t kk = 0; kk < pairs; ++kk) {
     if constexpr (kPrefetch) _mm_prefetch(reinterpret_cast<const char*>(prefetch + kk * kPanel), _MM_HINT_T1);
-    micro_step<MR>(acc, a, lda, b, 2 * kk);
-    micro_step<MR>(acc, a, lda, b, 2 * kk + 1);
+    micro_step<MR>(acc, a, b, 2 * kk);
+    micro_step<MR>(acc, a, b, 2 * kk + 1);
   }
 }
 
-// Pairs [p0, p0 + bp) of a panel -> scratch [kSubs][2 * kBlockPairs][16] fp32, input features in order.
-inline void widen_block(float* scratch, const uint32_t* panel, int64_t p0, int64_t bp) {
+// Pairs [p0, p0 + bp) of sub-panel `sub` of a panel -> scratch [2 * bp][16] fp32, input features in order.
+inline void widen_block(float* scratch, const uint32_t* panel, int64_t p0, int64_t bp, int64_t sub) {
   for (int64_t i = 0; i < bp; ++i) {
-    const uint32_t* src = panel + (p0 + i) * kPanel;
-#pragma GCC unroll 6
-    for (int h = 0; h < kPanel / 8; ++h) {
+    const uint32_t* src = panel + (p0 + i) * kPanel + sub * kSub;
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
       const __m256i u = _mm256_load_si256(reinterpret_cast<const __m256i*>(src + 8 * h));
-      float* dst = scratch + (h / 2) * (2 * kBlockPairs * kSub) + 2 * i * kSub + 8 * (h % 2);
+      float* dst = scratch + 2 * i * kSub + 8 * h;
       _mm256_store_ps(dst, widen_even(u));
       _mm256_store_ps(dst + kSub, widen_odd(u));
     }
@@ -187,14 +197,14 @@ inline void widen_block(float* scratch, const uint32_t* panel, int64_t p0, int64
 // registers, and inlined into the item loop the register allocator spilled a sum to the stack or not
 // depending on the code around it (a small change to that loop once made the blocked linear far slower).
 template <int MR>
-__attribute__((noinline)) void block_pass(const float* a, int64_t lda, const float* b, int64_t pairs, float* part, bool first, bool last,
+__attribute__((noinline)) void block_pass(const float* a, const float* b, int64_t pairs, float* part, bool first, bool last,
                                 const __m256 (&start)[2], c10::BFloat16* y, int64_t n, int64_t cols, const uint32_t* prefetch) {
   __m256 acc[MR][2];
 #pragma GCC unroll 6
   for (int i = 0; i < MR; ++i)
     for (int h = 0; h < 2; ++h) acc[i][h] = first ? start[h] : _mm256_loadu_ps(part + i * kPanel + 8 * h);
-  if (prefetch != nullptr) micro_tile<MR, true>(acc, a, lda, b, pairs, prefetch);
-  else micro_tile<MR, false>(acc, a, lda, b, pairs, nullptr);
+  if (prefetch != nullptr) micro_tile<MR, true>(acc, a, b, pairs, prefetch);
+  else micro_tile<MR, false>(acc, a, b, pairs, nullptr);
 #pragma GCC unroll 6
   for (int i = 0; i < MR; ++i)
     for (int h = 0; h < 2; ++h) {
@@ -205,7 +215,7 @@ __attribute__((noinline)) void block_pass(const float* a, int64_t lda, const flo
 
 struct Scratch {
   std::vector<float> x;  // the chunk's rows, fp32
-  alignas(64) float block[kSubs * 2 * kBlockPairs * kSub];
+  alignas(64) float block[2 * kBlockPairs * kSub];
   alignas(64) float part[kRowChunk * kPanel];
 };
 
@@ -223,9 +233,14 @@ inline void linear_blocked(c10::BFloat16* y, const c10::BFloat16* x, const uint3
       following = items.after(item);
       const int64_t chunk = item / panels, p = item % panels, n0 = p * kPanel;
       const int64_t m0 = chunk * chunk_rows, rows = std::min(chunk_rows, m - m0);
-      if (chunk != widened) {
+      const int64_t passes = (rows + kTileRows - 1) / kTileRows;
+      auto pass_rows = [&](int64_t pass) { return rows / passes + (pass < rows % passes ? 1 : 0); };
+      if (chunk != widened) {  // the chunk's rows as fp32, each pass's rows packed [feature][row]
         if (static_cast<int64_t>(s.x.size()) < rows * k) s.x.resize(rows * k);
-        widen_rows(s.x.data(), x + m0 * k, rows, k);
+        for (int64_t pass = 0, r = 0; pass < passes; ++pass) {
+          pack_rows(s.x.data() + r * k, x + (m0 + r) * k, pass_rows(pass), k);
+          r += pass_rows(pass);
+        }
         widened = chunk;
       }
       const uint32_t* panel = w + p * pairs * kPanel;
@@ -233,20 +248,19 @@ inline void linear_blocked(c10::BFloat16* y, const c10::BFloat16* x, const uint3
       // its line of every pair row of the block.
       const uint32_t* next =
           following < items.total() && following % panels != p ? w + following % panels * pairs * kPanel : nullptr;
-      const int64_t passes = (rows + kTileRows - 1) / kTileRows;
       for (int64_t p0 = 0; p0 < pairs; p0 += block_pairs) {
         const int64_t bp = std::min(block_pairs, pairs - p0);
         const bool first = p0 == 0, last = p0 + bp == pairs;
-        widen_block(s.block, panel, p0, bp);
         for (int64_t sub = 0; sub < kSubs && n0 + sub * kSub < n; ++sub) {
           const int64_t c0 = n0 + sub * kSub, cols = std::min(kSub, n - c0);
           __m256 start[2];
           bias_start(start, bias, c0, cols);
-          const float* b = s.block + sub * (2 * kBlockPairs * kSub);
+          widen_block(s.block, panel, p0, bp, sub);
+          const float* b = s.block;
           for (int64_t pass = 0, r = 0; pass < passes; ++pass) {
-            const int64_t mr = rows / passes + (pass < rows % passes ? 1 : 0);
+            const int64_t mr = pass_rows(pass);
             with_rows<kTileRows>(mr, [&](auto mr_c) {
-              block_pass<decltype(mr_c)::value>(s.x.data() + r * k + 2 * p0, k, b, bp, s.part + r * kPanel + sub * kSub, first,
+              block_pass<decltype(mr_c)::value>(s.x.data() + r * k + 2 * p0 * mr, b, bp, s.part + r * kPanel + sub * kSub, first,
                                                 last, start, y + (m0 + r) * n + c0, n, cols,
                                                 pass == 0 && next != nullptr ? next + p0 * kPanel + sub * kSub : nullptr);
             });
