@@ -143,6 +143,7 @@ def bench_prefill(ops, dtype, repeats: int, kv_cache_dtype: str) -> dict:
     lens = torch.tensor(PROMPTS)
     q = torch.randn(sum(PROMPTS), HEADS * HEAD_DIM, generator=g).to(dtype)
     scale = 1 / math.sqrt(HEAD_DIM)
+
     def run() -> None:  # each output dropped at once, as a forward drops it (see bench_linear)
         for k, v in caches:
             ops.prefill_attention(q, k, v, tables, starts, lens, HEADS, scale)

@@ -39,10 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         f" (pinned to cores {list(config.cpus)})" if config.cpus else "",
     )
     engine = build_on_passing_thread(lambda: Engine(engine_config))
-    # What loading made (~300k objects: the GGUF reader's fields, the tokenizer's tables) lives as
-    # long as the process. Frozen, it is out of the cyclic collector's reach: a full collection while
-    # serving walks what serving made, instead of taking 0.18-0.19 s with the GIL held, a stall of
-    # every stream's next token.
+    # What loading made (the GGUF reader's fields, the tokenizer's tables: hundreds of thousands of
+    # objects) lives as long as the process. Frozen, it is out of the cyclic collector's reach: a
+    # full collection while serving walks only what serving made, instead of all of it with the GIL
+    # held, a stall of every stream's next token.
     gc.freeze()
     stats = engine.stats()
     log.info(
