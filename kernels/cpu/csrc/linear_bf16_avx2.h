@@ -20,9 +20,9 @@
 //   claim (row chunk, panel) items chunk by chunk (parallel_claim), and widen their chunk's x into a
 //   buffer of their own (kRowChunk x K fp32, L2-resident) when the chunk changes, each pass's rows
 //   packed side by side ([feature][row]: the pass's broadcasts read one run of consecutive addresses,
-//   not one per row). The
-//   panel of the item a thread runs next is prefetched into L2 during the current one's FMAs, so a
-//   batch of a few rows streams the weights from DRAM while it computes instead of in turns.
+//   not one per row). The panel of the item a thread runs next is prefetched into L2 during the
+//   current one's FMAs, so a batch of a few rows streams the weights from DRAM while it computes
+//   instead of in turns.
 #pragma once
 
 #include "linear_panels.h"
