@@ -17,12 +17,13 @@
 //   the chunk's rows reads it; all three sub-panels' at once, 48 KB, did not), and a 6-row x 16-column
 //   micro-tile (12 accumulators, 2 weight registers, a broadcast input) runs over it: 12 FMAs per 2
 //   loads and 6 broadcasts. Sums cross the K blocks through an fp32 buffer of the chunk's tile. Threads
-//   claim (row chunk, panel) items chunk by chunk (parallel_claim), and widen their chunk's x into a
-//   buffer of their own (kRowChunk x K fp32, L2-resident) when the chunk changes, each pass's rows
-//   packed side by side ([feature][row]: the pass's broadcasts read one run of consecutive addresses,
-//   not one per row). The panel of the item a thread runs next is prefetched into L2 during the
-//   current one's FMAs, so a batch of a few rows streams the weights from DRAM while it computes
-//   instead of in turns.
+//   claim (row chunk, sub-panel) items chunk by chunk (parallel_claim): a decode batch's small linears
+//   have few panels, and a thread left holding the last of them kept its partner waiting at the join;
+//   sub-panels are a third as long. A thread widens its chunk's x into a buffer of its own (kRowChunk x
+//   K fp32, L2-resident) when the chunk changes, each pass's rows packed side by side ([feature][row]:
+//   the pass's broadcasts read one run of consecutive addresses, not one per row). The sub-panel of
+//   the item a thread runs next is prefetched into L2 during the current one's FMAs, so a batch of a
+//   few rows streams the weights from DRAM while it computes instead of in turns.
 #pragma once
 
 #include "linear_panels.h"
@@ -224,14 +225,18 @@ inline void linear_blocked(c10::BFloat16* y, const c10::BFloat16* x, const uint3
   const int64_t k = 2 * pairs, panels = (n + kPanel - 1) / kPanel;
   const int64_t chunks = (m + kRowChunk - 1) / kRowChunk, chunk_rows = (m + chunks - 1) / chunks;
   const int64_t blocks = (pairs + kBlockPairs - 1) / kBlockPairs, block_pairs = (pairs + blocks - 1) / blocks;
-  parallel_claim(chunks * panels, [&](ItemCounter& items) {
+  const int64_t subs = panels * kSubs;  // the items of a row chunk: its 16-column sub-panels
+  parallel_claim(chunks * subs, [&](ItemCounter& items) {
     static thread_local std::unique_ptr<Scratch> scratch;
     if (!scratch) scratch = std::make_unique<Scratch>();
     Scratch& s = *scratch;
     int64_t widened = -1;
     for (int64_t item = items.claim(), following; item < items.total(); item = following) {
       following = items.after(item);
-      const int64_t chunk = item / panels, p = item % panels, n0 = p * kPanel;
+      const int64_t chunk = item / subs, p = item % subs / kSubs, sub = item % kSubs;
+      const int64_t c0 = p * kPanel + sub * kSub;
+      if (c0 >= n) continue;  // the last panel's sub-panels past n
+      const int64_t cols = std::min(kSub, n - c0);
       const int64_t m0 = chunk * chunk_rows, rows = std::min(chunk_rows, m - m0);
       const int64_t passes = (rows + kTileRows - 1) / kTileRows;
       auto pass_rows = [&](int64_t pass) { return rows / passes + (pass < rows % passes ? 1 : 0); };
@@ -244,28 +249,27 @@ inline void linear_blocked(c10::BFloat16* y, const c10::BFloat16* x, const uint3
         widened = chunk;
       }
       const uint32_t* panel = w + p * pairs * kPanel;
-      // The panel this thread runs next streams into L2 meanwhile: each sub-panel's first pass fetches
-      // its line of every pair row of the block.
-      const uint32_t* next =
-          following < items.total() && following % panels != p ? w + following % panels * pairs * kPanel : nullptr;
+      // The sub-panel this thread runs next streams into L2 meanwhile: the first pass over each block
+      // fetches its line of every pair row of the block.
+      const int64_t next_sub = following % subs;
+      const uint32_t* next = following < items.total() && next_sub != item % subs
+                                 ? w + next_sub / kSubs * pairs * kPanel + next_sub % kSubs * kSub
+                                 : nullptr;
+      __m256 start[2];
+      bias_start(start, bias, c0, cols);
       for (int64_t p0 = 0; p0 < pairs; p0 += block_pairs) {
         const int64_t bp = std::min(block_pairs, pairs - p0);
         const bool first = p0 == 0, last = p0 + bp == pairs;
-        for (int64_t sub = 0; sub < kSubs && n0 + sub * kSub < n; ++sub) {
-          const int64_t c0 = n0 + sub * kSub, cols = std::min(kSub, n - c0);
-          __m256 start[2];
-          bias_start(start, bias, c0, cols);
-          widen_block(s.block, panel, p0, bp, sub);
-          const float* b = s.block;
-          for (int64_t pass = 0, r = 0; pass < passes; ++pass) {
-            const int64_t mr = pass_rows(pass);
-            with_rows<kTileRows>(mr, [&](auto mr_c) {
-              block_pass<decltype(mr_c)::value>(s.x.data() + r * k + 2 * p0 * mr, b, bp, s.part + r * kPanel + sub * kSub, first,
-                                                last, start, y + (m0 + r) * n + c0, n, cols,
-                                                pass == 0 && next != nullptr ? next + p0 * kPanel + sub * kSub : nullptr);
-            });
-            r += mr;
-          }
+        widen_block(s.block, panel, p0, bp, sub);
+        const float* b = s.block;
+        for (int64_t pass = 0, r = 0; pass < passes; ++pass) {
+          const int64_t mr = pass_rows(pass);
+          with_rows<kTileRows>(mr, [&](auto mr_c) {
+            block_pass<decltype(mr_c)::value>(s.x.data() + r * k + 2 * p0 * mr, b, bp, s.part + r * kPanel + sub * kSub, first,
+                                              last, start, y + (m0 + r) * n + c0, n, cols,
+                                              pass == 0 && next != nullptr ? next + p0 * kPanel : nullptr);
+          });
+          r += mr;
         }
       }
     }
