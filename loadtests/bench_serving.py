@@ -37,6 +37,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import aiohttp
+import msgspec
 
 from loadtests.results import write_json
 
@@ -242,14 +243,16 @@ def client_session(
 
 
 async def sse_chunks(response: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
-    """The JSON of each ``data:`` line of an OpenAI-style SSE stream, up to ``[DONE]``."""
+    """The JSON of each ``data:`` line of an OpenAI-style SSE stream, up to ``[DONE]``. Parsed by
+    msgspec: the client shares the host with the stack it measures, and ``json.loads`` of every
+    token's line was a fifth of its CPU time."""
     async for line in response.content:
         if not line.startswith(b"data: "):
             continue
         data = line[6:].rstrip(b"\r\n")
         if data == b"[DONE]":
             return
-        yield json.loads(data)
+        yield msgspec.json.decode(data)
 
 
 async def send_one(
@@ -289,7 +292,7 @@ async def send_one(
         res.ok = num_chunks > 0
         if not res.ok:
             res.error = "no text in the stream"
-    except (*CLIENT_ERRORS, json.JSONDecodeError) as e:
+    except (*CLIENT_ERRORS, msgspec.DecodeError) as e:
         res.error = f"{type(e).__name__}: {e}"[:300]
     return res
 
