@@ -52,26 +52,26 @@ void decode_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cach
     std::vector<float> scores, accs(heads * head_dim), q_scales(kInt8 ? heads : 0), row_max(heads), row_sum(heads);
     std::vector<int32_t> q_pairs(kInt8 ? heads * head_dim / 2 : 0);
     std::vector<float> q_f32(kWidenQuery ? heads * head_dim : 0);
-    // Item i's block table and blocks [b_lo, b_hi).
-    auto blocks_of = [&](int64_t i, const int64_t*& table, int64_t& b_lo, int64_t& b_hi) {
+    // Item i's part of its sequence: the block table and blocks [lo, hi) of it.
+    struct Part {
+      const int64_t* table;
+      int64_t lo, hi;
+    };
+    auto part_of = [&](int64_t i) {
       const int64_t s = item_seq[i], part = i - first_item[s], parts = first_item[s + 1] - first_item[s];
       const int64_t seq_blocks = (seq_lens[s] + block_size - 1) / block_size;
-      table = block_tables + s * max_blocks;
-      b_lo = seq_blocks * part / parts;
-      b_hi = seq_blocks * (part + 1) / parts;
+      return Part{block_tables + s * max_blocks, seq_blocks * part / parts, seq_blocks * (part + 1) / parts};
     };
     for (int64_t item = items.claim(), next; item < num_items; item = next) {
       next = items.after(item);  // claimed now: its first key blocks are prefetched during this item's values
       const int64_t s = item_seq[item], parts = first_item[s + 1] - first_item[s], len = seq_lens[s];
-      const int64_t* table;
-      int64_t b_lo, b_hi;
-      blocks_of(item, table, b_lo, b_hi);
+      const Part own = part_of(item);
+      const int64_t* table = own.table;
+      const int64_t b_lo = own.lo, b_hi = own.hi;
       FirstBlocks<C> next_keys;
       if (next < num_items) {
-        const int64_t* next_table;
-        int64_t next_lo, next_hi;
-        blocks_of(next, next_table, next_lo, next_hi);
-        next_keys = FirstBlocks<C>(k_cache, next_table, next_lo, next_hi, block_size, kv_row);
+        const Part following = part_of(next);
+        next_keys = FirstBlocks<C>(k_cache, following.table, following.lo, following.hi, block_size, kv_row);
       }
       const int64_t t_lo = b_lo * block_size, span = std::min(len, b_hi * block_size) - t_lo;  // keys of this part
       const T* qs = q + s * heads * head_dim;

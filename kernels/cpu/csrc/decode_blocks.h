@@ -47,7 +47,8 @@ template <typename C, typename Body>
 inline void for_each_block(const C* cache, const int64_t* table, int64_t b_lo, int64_t b_hi, int64_t len, int64_t block_size,
                            int64_t kv_row, const FirstBlocks<C>& next, const Body& body) {
   auto rows = [&](int64_t b) { return cache + table[b] * block_size * kv_row; };
-  for (int64_t b = b_lo; b < std::min(b_lo + kAheadBlocks, b_hi); ++b) prefetch_rows(rows(b), block_size, kv_row, kv_row);
+  for (const C* first : FirstBlocks<C>(cache, table, b_lo, b_hi, block_size, kv_row).rows)
+    if (first != nullptr) prefetch_rows(first, block_size, kv_row, kv_row);
   for (int64_t b = b_lo; b < b_hi; ++b)
     body(rows(b), b + kAheadBlocks < b_hi ? rows(b + kAheadBlocks) : next.rows[b + kAheadBlocks - b_hi],
          std::min(block_size, len - b * block_size), (b - b_lo) * block_size);
