@@ -34,6 +34,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -187,29 +188,27 @@ def bench_linear(ops, rows: list[int], repeats: int) -> list[dict]:
 
         # Each output is dropped as the next call runs, as in a forward: kept alive, 120 of them
         # would be fresh memory every run, and its page faults would be timed as the kernel's.
-        def run_bf16(xs: list[torch.Tensor] = xs) -> None:
-            for layer in ours_packed:
-                for x, w, (n, _) in zip(xs, layer, LINEARS, strict=True):
-                    ops.linear_bf16(x, w, n, None)
+        def layers_ms(
+            layers: list[list[Any]],
+            call: Callable[[torch.Tensor, Any, int], object],
+            xs: list[torch.Tensor] = xs,
+        ) -> float:
+            def run() -> None:
+                for layer in layers:
+                    for x, w, (n, _) in zip(xs, layer, LINEARS, strict=True):
+                        call(x, w, n)
 
-        ours = median_ms(run_bf16, repeats)
+            return median_ms(run, repeats)
+
+        ours = layers_ms(ours_packed, lambda x, w, n: ops.linear_bf16(x, w, n, None))
         row = dict(rows=m, linear_bf16_ms=ours, linear_bf16_gflops=flops_per_row * m / ours / 1e6)
         if onednn:
-
-            def run_onednn(xs: list[torch.Tensor] = xs) -> None:
-                for layer in packed:
-                    for x, w in zip(xs, layer, strict=True):
-                        torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-
-            ms = median_ms(run_onednn, repeats)
+            ms = layers_ms(
+                packed,
+                lambda x, w, n: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+            )
             row.update(onednn_packed_ms=ms, onednn_gflops=flops_per_row * m / ms / 1e6)
-
-        def run_int8(xs: list[torch.Tensor] = xs) -> None:
-            for layer in int8:
-                for x, w in zip(xs, layer, strict=True):
-                    ops.linear_int8(x, *w, None)
-
-        ms = median_ms(run_int8, repeats)
+        ms = layers_ms(int8, lambda x, w, n: ops.linear_int8(x, *w, None))
         row.update(linear_int8_ms=ms, linear_int8_gops=flops_per_row * m / ms / 1e6)
         out.append(row)
     return out
