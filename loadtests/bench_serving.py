@@ -244,8 +244,8 @@ def client_session(
 
 async def sse_chunks(response: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
     """The JSON of each ``data:`` line of an OpenAI-style SSE stream, up to ``[DONE]``. Parsed by
-    msgspec: the client shares the host with the stack it measures, and ``json.loads`` of every
-    token's line was a fifth of its CPU time."""
+    msgspec rather than ``json``, since it costs less CPU per line: the client shares the host with
+    the stack it measures, and every token is a line."""
     async for line in response.content:
         if not line.startswith(b"data: "):
             continue
