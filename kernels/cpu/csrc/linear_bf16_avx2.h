@@ -16,7 +16,7 @@
 //   sub-panel become an fp32 scratch [256][16] per thread (16 KB: it stays in L1 while every pass of
 //   the chunk's rows reads it; all three sub-panels' at once, 48 KB, did not), and a 6-row x 16-column
 //   micro-tile (12 accumulators, 2 weight registers, a broadcast input) runs over it: 12 FMAs per 2
-//   loads and 6 broadcasts. Sums cross the K blocks through an fp32 buffer of the chunk's tile. Threads
+//   loads and 6 broadcasts. Sums cross the K blocks through an fp32 buffer of the item's tile. Threads
 //   claim (row chunk, sub-panel) items chunk by chunk (parallel_claim): a decode batch's small linears
 //   have few panels, and a thread left holding the last of them kept its partner waiting at the join;
 //   sub-panels are a third as long. A thread widens its chunk's x into a buffer of its own (kRowChunk x
@@ -193,7 +193,7 @@ inline void widen_block(float* scratch, const uint32_t* panel, int64_t p0, int64
 }
 
 // One pass of MR rows over a widened block and one sub-panel: sums start from the bias (first block)
-// or the chunk's partial sums `part` (kPanel apart), and end in y (last block) or back in `part`.
+// or the item's partial sums `part` (kSub apart), and end in y (last block) or back in `part`.
 // A function of its own: the tile's 12 sums, 2 weight vectors and a broadcast take 15 of the 16 ymm
 // registers, and inlined into the item loop the register allocator spilled a sum to the stack or not
 // depending on the code around it (a small change to that loop once made the blocked linear far slower).
@@ -203,13 +203,13 @@ __attribute__((noinline)) void block_pass(const float* a, const float* b, int64_
   __m256 acc[MR][2];
 #pragma GCC unroll 6
   for (int i = 0; i < MR; ++i)
-    for (int h = 0; h < 2; ++h) acc[i][h] = first ? start[h] : _mm256_loadu_ps(part + i * kPanel + 8 * h);
+    for (int h = 0; h < 2; ++h) acc[i][h] = first ? start[h] : _mm256_load_ps(part + i * kSub + 8 * h);
   if (prefetch != nullptr) micro_tile<MR, true>(acc, a, b, pairs, prefetch);
   else micro_tile<MR, false>(acc, a, b, pairs, nullptr);
 #pragma GCC unroll 6
   for (int i = 0; i < MR; ++i)
     for (int h = 0; h < 2; ++h) {
-      if (!last) _mm256_storeu_ps(part + i * kPanel + 8 * h, acc[i][h]);
+      if (!last) _mm256_store_ps(part + i * kSub + 8 * h, acc[i][h]);
       else if (8 * h < cols) store8(y + i * n + 8 * h, acc[i][h], cols - 8 * h);
     }
 }
@@ -217,7 +217,7 @@ __attribute__((noinline)) void block_pass(const float* a, const float* b, int64_
 struct Scratch {
   std::vector<float> x;  // the chunk's rows, fp32
   alignas(64) float block[2 * kBlockPairs * kSub];
-  alignas(64) float part[kRowChunk * kPanel];
+  alignas(64) float part[kRowChunk * kSub];  // the item's partial sums across K blocks, [row][16]
 };
 
 inline void linear_blocked(c10::BFloat16* y, const c10::BFloat16* x, const uint32_t* w, const c10::BFloat16* bias, int64_t m,
@@ -239,12 +239,12 @@ inline void linear_blocked(c10::BFloat16* y, const c10::BFloat16* x, const uint3
       const int64_t cols = std::min(kSub, n - c0);
       const int64_t m0 = chunk * chunk_rows, rows = std::min(chunk_rows, m - m0);
       const int64_t passes = (rows + kTileRows - 1) / kTileRows;
-      auto pass_rows = [&](int64_t pass) { return rows / passes + (pass < rows % passes ? 1 : 0); };
       if (chunk != widened) {  // the chunk's rows as fp32, each pass's rows packed [feature][row]
         if (static_cast<int64_t>(s.x.size()) < rows * k) s.x.resize(rows * k);
         for (int64_t pass = 0, r = 0; pass < passes; ++pass) {
-          pack_rows(s.x.data() + r * k, x + (m0 + r) * k, pass_rows(pass), k);
-          r += pass_rows(pass);
+          const int64_t mr = pass_rows(rows, passes, pass);
+          pack_rows(s.x.data() + r * k, x + (m0 + r) * k, mr, k);
+          r += mr;
         }
         widened = chunk;
       }
@@ -263,9 +263,9 @@ inline void linear_blocked(c10::BFloat16* y, const c10::BFloat16* x, const uint3
         widen_block(s.block, panel, p0, bp, sub);
         const float* b = s.block;
         for (int64_t pass = 0, r = 0; pass < passes; ++pass) {
-          const int64_t mr = pass_rows(pass);
+          const int64_t mr = pass_rows(rows, passes, pass);
           with_rows<kTileRows>(mr, [&](auto mr_c) {
-            block_pass<decltype(mr_c)::value>(s.x.data() + r * k + 2 * p0 * mr, b, bp, s.part + r * kPanel + sub * kSub, first,
+            block_pass<decltype(mr_c)::value>(s.x.data() + r * k + 2 * p0 * mr, b, bp, s.part + r * kSub, first,
                                               last, start, y + (m0 + r) * n + c0, n, cols,
                                               pass == 0 && next != nullptr ? next + p0 * kPanel : nullptr);
           });

@@ -69,11 +69,16 @@ LLMSERVE_INLINE void with_rows(int64_t mr, const F& f) {
   }
 }
 
+// The row count of pass `pass` when `rows` rows go in `passes` passes, as even as possible (20 rows
+// in 3 passes: 7 7 6, not 8 8 4).
+LLMSERVE_INLINE int64_t pass_rows(int64_t rows, int64_t passes, int64_t pass) {
+  return rows / passes + (pass < rows % passes ? 1 : 0);
+}
+
 // Runs tile(std::integral_constant<int, MR>, r0, n0, panel, prefetch) over y[m, n] = x[m, :] W^T for a
 // weight packed in panels of `units` 32-bit units: threads claim (panel, chunk of kMChunk rows) items
 // (parallel_claim; a one-row call's panels in one run per thread, panel_grain), each knowing the one it
-// runs next; a chunk goes in passes of at most MaxMR rows, as even as possible (20 rows in passes of
-// 8: 7 7 6, not 8 8 4).
+// runs next; a chunk goes in passes of at most MaxMR rows, as even as possible (pass_rows).
 template <int MaxMR = kMR, typename Tile>
 void for_each_linear_tile(int64_t m, int64_t n, int64_t units, const uint32_t* w, const Tile& tile) {
   const int64_t panels = (n + kPanel - 1) / kPanel, chunks = (m + kMChunk - 1) / kMChunk;
@@ -87,7 +92,7 @@ void for_each_linear_tile(int64_t m, int64_t n, int64_t units, const uint32_t* w
       const uint32_t* next = chunks == 1 && following < items.total() ? w + following * units * kPanel : nullptr;
       const int64_t passes = (rows + MaxMR - 1) / MaxMR;
       for (int64_t pass = 0, r0 = m_begin; pass < passes; ++pass) {
-        const int64_t mr = rows / passes + (pass < rows % passes ? 1 : 0);
+        const int64_t mr = pass_rows(rows, passes, pass);
         const PanelPrefetch pf = next == nullptr ? PanelPrefetch{} : PanelPrefetch{next, pass, passes};
         with_rows<MaxMR>(mr, [&](auto rows_c) { tile(rows_c, r0, n0, panel, pf); });
         r0 += mr;
