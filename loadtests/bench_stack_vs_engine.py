@@ -13,6 +13,13 @@ The stack and the in-process engine stay up for the whole run and take turns, ``
 host's speed drifts by more than the ratio's margins between minutes, and a pair run back to back
 sees the same host. The headline is the median round's ratio. Writes
 loadtests/results/bench_stack_vs_engine.json.
+
+``--front-ceiling`` adds a third run to each round: the engine in process again, while a second
+stack whose executor computes nothing (``--mock-step-ms``: a mock engine stepping at the first
+stack round's step time) serves the same workload to a client in another process. That stack's
+gateway, tokenizer, scheduler, index, bus and client then take what they take in a real round, and
+the engine's throughput beside them over its throughput alone is the most the stack can reach on
+this host with its front as it is: the rest of the stack's gap is the executor's own.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import asyncio
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 
@@ -50,29 +58,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--rounds", type=int, default=3, help="stack and in-process runs, taking turns, of each"
     )
+    p.add_argument(
+        "--front-ceiling",
+        action="store_true",
+        help="also run the engine beside a mock-engine stack's load, each round (see above)",
+    )
     p.add_argument("--out", default="loadtests/results/bench_stack_vs_engine.json")
     return p.parse_args(argv)
 
 
+def serving_argv(args: argparse.Namespace, base_url: str, num_prompts: int) -> list[str]:
+    """bench_serving's arguments for this benchmark's workload."""
+    return [
+        "--base-url",
+        base_url,
+        "--num-prompts",
+        str(num_prompts),
+        "--concurrency",
+        str(args.concurrency),
+        "--input-len",
+        str(args.input_len),
+        "--output-len",
+        str(args.output_len),
+        "--prompt-mode",
+        "ids",
+        "--warmup",
+        "1",
+    ]
+
+
 def serving_namespace(args: argparse.Namespace, base_url: str | None) -> argparse.Namespace:
-    return serving_args(
-        [
-            "--base-url",
-            base_url or "",
-            "--num-prompts",
-            str(args.num_prompts),
-            "--concurrency",
-            str(args.concurrency),
-            "--input-len",
-            str(args.input_len),
-            "--output-len",
-            str(args.output_len),
-            "--prompt-mode",
-            "ids",
-            "--warmup",
-            "1",
-        ]
-    )
+    return serving_args(serving_argv(args, base_url or "", args.num_prompts))
 
 
 def step_counts(before, after, duration_s: float) -> dict:
@@ -173,20 +189,27 @@ def cpu_seconds(pid: int) -> float:
         return 0.0
 
 
-def start_stack(args: argparse.Namespace):
-    """The stack ``run_stack_round`` sends requests to, its executor as ``make_engine``'s engine."""
+def start_stack(args: argparse.Namespace, mock_step_ms: float | None = None):
+    """The stack ``run_stack_round`` sends requests to, its executor as ``make_engine``'s engine,
+    or with ``mock_step_ms`` a mock engine stepping that long (shared/engine/mock.py)."""
     from services.cli.launcher import StackConfig, launch
 
-    return launch(
-        StackConfig.of(
-            port=0,
-            dtype=args.dtype,
-            max_num_seqs=max(64, args.concurrency),
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            num_threads=args.num_threads,
-            max_queue_len=1024,
-        )
+    config = StackConfig.of(
+        port=0,
+        dtype=args.dtype,
+        max_num_seqs=max(64, args.concurrency),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_threads=args.num_threads,
+        max_queue_len=1024,
     )
+    if mock_step_ms is None:
+        return launch(config)
+    # The launcher hands its environment down to the services; only the executor reads this.
+    os.environ["LLMSERVE_MOCK_STEP_MS"] = str(mock_step_ms)
+    try:
+        return launch(config)
+    finally:
+        del os.environ["LLMSERVE_MOCK_STEP_MS"]
 
 
 def run_stack_round(args: argparse.Namespace, stack) -> dict:
@@ -216,6 +239,41 @@ def run_stack_round(args: argparse.Namespace, stack) -> dict:
     return summary
 
 
+def run_beside_front(args: argparse.Namespace, prompts: list, engine, front) -> dict:
+    """``run_engine`` while ``front``, a mock-engine stack (``start_stack(mock_step_ms=...)``),
+    serves this workload to a client in another process, already in full flight when the engine
+    starts and stopped when it ends: the engine's summary, plus ``cpu_s``, the CPU seconds the
+    front's processes and that client took during the engine's run."""
+    argv = serving_argv(args, front.base_url, LOAD_PROMPTS_FACTOR * args.num_prompts)
+    client = subprocess.Popen(
+        [sys.executable, "-m", "loadtests.bench_serving", *argv],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while asyncio.run(next_heartbeat_stats(front)).num_running < args.concurrency:
+            if client.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the mock-engine stack's client did not get its load going")
+        procs = {name: svc.pid for name, svc in front.services.items()}
+        procs.update({server.name: server.pid for server in front.servers})
+        procs["client (its own process)"] = client.pid
+        before = {name: cpu_seconds(pid) for name, pid in procs.items()}
+        run = run_engine(args, prompts, engine)
+        run["cpu_s"] = {name: cpu_seconds(pid) - before[name] for name, pid in procs.items()}
+        if client.poll() is not None:
+            raise RuntimeError("the mock-engine stack's load ended before the engine's run")
+    finally:
+        client.terminate()
+        client.wait()
+    return run
+
+
+# The front's client sends this many times the workload's prompts: its load outlasts the engine's
+# run beside it, which ends it.
+LOAD_PROMPTS_FACTOR = 4
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.rounds < 1:
@@ -223,23 +281,36 @@ def main(argv: list[str] | None = None) -> int:
     ns = serving_namespace(args, None)
     prompts = make_prompts(ns, random.Random(ns.seed))  # exactly the prompts the HTTP client sends
     print("starting the stack and loading the engine in process ...", file=sys.stderr)
-    rounds = []
+    rounds: list[dict] = []
     stack = start_stack(args)
+    front = None
     try:
         engine = make_engine(args)
         for r in range(args.rounds):
             stack_run = run_stack_round(args, stack)
             engine_run = run_engine(args, prompts, engine)
-            ratio = stack_run["output_throughput_tps"] / engine_run["output_throughput_tps"]
+            engine_tps = engine_run["output_throughput_tps"]
+            ratio = stack_run["output_throughput_tps"] / engine_tps
             rounds.append({"stack": stack_run, "engine": engine_run, "throughput_ratio": ratio})
-            print(
+            line = (
                 f"round {r + 1}/{args.rounds}: stack {stack_run['output_throughput_tps']:.1f}, "
-                f"in process {engine_run['output_throughput_tps']:.1f} output tok/s: {ratio:.3f}",
-                file=sys.stderr,
-                flush=True,
+                f"in process {engine_tps:.1f} output tok/s: {ratio:.3f}"
             )
+            if args.front_ceiling:
+                if front is None:  # its token rate: the stack's, as first measured
+                    front = start_stack(args, mock_step_ms=stack_run["steps"]["step_ms"])
+                beside = run_beside_front(args, prompts, engine, front)
+                rounds[-1]["beside_front"] = beside
+                rounds[-1]["front_ceiling"] = beside["output_throughput_tps"] / engine_tps
+                line += (
+                    f"; beside the front {beside['output_throughput_tps']:.1f}: "
+                    f"{rounds[-1]['front_ceiling']:.3f}"
+                )
+            print(line, file=sys.stderr, flush=True)
     finally:
         stack.stop()
+        if front is not None:
+            front.stop()
     # The median round (the lower middle one for an even count) is the one reported in full.
     ranked = sorted(rounds, key=lambda rd: rd["throughput_ratio"])
     median = ranked[(len(ranked) - 1) // 2]
@@ -274,6 +345,19 @@ def main(argv: list[str] | None = None) -> int:
         "throughput_ratio": median_ratio,
         "load_avg": os.getloadavg(),
     }
+    if args.front_ceiling:
+        ceilings = [rd["front_ceiling"] for rd in rounds]
+        result["front_ceiling"] = statistics.median(ceilings)
+        cpu = median["beside_front"]["cpu_s"]
+        print(
+            f"the engine beside a mock-engine stack's front / alone: median "
+            f"{result['front_ceiling']:.3f} (rounds: {', '.join(f'{x:.3f}' for x in ceilings)}), "
+            "the most the stack reaches here with its front as it is\n"
+            "CPU seconds the front took beside the median round's engine: "
+            + ", ".join(
+                f"{name} {sec:.1f}" for name, sec in sorted(cpu.items(), key=lambda kv: -kv[1])
+            )
+        )
     print(f"wrote {write_json(args.out, result)}")
     return 0
 

@@ -33,6 +33,7 @@ class ExecutorProcessConfig:
     role: str = "both"  # see services.executor.service.ROLES
     cpus: tuple[int, ...] = ()  # pin the process to these cores (empty: no pinning)
     kv_transfer_timeout_s: float = 10.0
+    mock_step_ms: float | None = None  # serve a MockEngine stepping this long instead of the model
 
     def __post_init__(self) -> None:
         if not self.nats_url:
@@ -43,6 +44,13 @@ class ExecutorProcessConfig:
             raise ValueError(f"cpus must be core numbers >= 0, got {self.cpus}")
         require_positive(self, "heartbeat_interval_s")
         require_at_least(self, 0, "drain_timeout_s")
+        if self.mock_step_ms is not None:
+            if self.mock_step_ms <= 0:
+                raise ValueError(f"mock_step_ms must be > 0, got {self.mock_step_ms}")
+            if self.role != "both":
+                raise ValueError(
+                    f"a mock engine holds no KV pages to hand over: role both, not {self.role}"
+                )
         if self.max_queued is not None and self.max_queued < 0:
             raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
 
@@ -103,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds a KV handoff may take, offer to last ack, before it is given up",
     )
+    p.add_argument(
+        "--mock-step-ms",
+        type=float,
+        default=env_value("LLMSERVE_MOCK_STEP_MS", float),
+        help="load no model: serve a mock engine whose every step takes this long and yields one "
+        "token per running request, to load-test the other services "
+        "[env LLMSERVE_MOCK_STEP_MS]",
+    )
     add_nats_auth_arguments(p)
     add_engine_arguments(p, SERVED_ENGINE_DEFAULTS)
     return p
@@ -127,6 +143,7 @@ def parse_config(argv: list[str] | None = None) -> ExecutorProcessConfig:
             role=a.role,
             cpus=parse_cpu_list(a.cpus),
             kv_transfer_timeout_s=a.kv_transfer_timeout,
+            mock_step_ms=a.mock_step_ms,
         )
     except ValueError as e:
         p.error(str(e))

@@ -237,6 +237,25 @@ def _server_passwords(pids: list[int]) -> list[str]:
     return found
 
 
+def test_a_stack_on_a_mock_engine_serves_its_tokens(stack, monkeypatch):
+    """``--mock-step-ms`` (here through its variable, as bench_stack_vs_engine sets it): the
+    executor loads no model and every service around it carries real requests."""
+    monkeypatch.setenv("LLMSERVE_MOCK_STEP_MS", "5")
+    s = stack()
+    assert s.base_url is not None
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 6, "temperature": 0}
+    with httpx.Client(base_url=s.base_url, timeout=60) as http:
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == " tok" * 6
+        assert r.json()["usage"]["completion_tokens"] == 6
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    texts = [json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]]
+    assert "".join(texts) == " tok" * 6
+
+
 def test_a_stack_is_closed_to_strangers_and_shows_no_secret_in_ps(stack, pid_alive):
     """Finding 4, whole stack: a local client without the stack's credentials is refused by NATS
     and by Redis; every process's command line is free of every password and of the API key; each
