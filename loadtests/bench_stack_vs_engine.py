@@ -189,6 +189,22 @@ def cpu_seconds(pid: int) -> float:
         return 0.0
 
 
+def stack_pids(stack) -> dict[str, int]:
+    """Every process of ``stack`` by name: its services, nats-server and redis-server."""
+    pids = {name: svc.pid for name, svc in stack.services.items()}
+    pids.update({server.name: server.pid for server in stack.servers})
+    return pids
+
+
+def cpu_now(procs: dict[str, int]) -> dict[str, float]:
+    return {name: cpu_seconds(pid) for name, pid in procs.items()}
+
+
+def cpu_since(before: dict[str, float], procs: dict[str, int]) -> dict[str, float]:
+    """CPU seconds each process of ``procs`` spent since ``before`` (``cpu_now``)."""
+    return {name: cpu_seconds(pid) - before[name] for name, pid in procs.items()}
+
+
 def start_stack(args: argparse.Namespace, mock_step_ms: float | None = None):
     """The stack ``run_stack_round`` sends requests to, its executor as ``make_engine``'s engine,
     or with ``mock_step_ms`` a mock engine stepping that long (shared/engine/mock.py)."""
@@ -217,9 +233,8 @@ def run_stack_round(args: argparse.Namespace, stack) -> dict:
     seconds each process spent during the run (the services, nats-server, redis-server, and this
     client; on a host with few cores, what the others take is what the executor does not get), and
     ``steps``: the executor's steps over the run, from its heartbeats (after the warm-up)."""
-    procs = {name: svc.pid for name, svc in stack.services.items()}
-    procs.update({server.name: server.pid for server in stack.servers})
-    before = {name: cpu_seconds(pid) for name, pid in procs.items()}
+    procs = stack_pids(stack)
+    before = cpu_now(procs)
     client_before = time.process_time()
 
     async def serve() -> dict:
@@ -234,7 +249,7 @@ def run_stack_round(args: argparse.Namespace, stack) -> dict:
         return result
 
     summary = asyncio.run(serve())
-    summary["cpu_s"] = {name: cpu_seconds(pid) - before[name] for name, pid in procs.items()}
+    summary["cpu_s"] = cpu_since(before, procs)
     summary["cpu_s"]["client (this process)"] = time.process_time() - client_before
     return summary
 
@@ -255,12 +270,10 @@ def run_beside_front(args: argparse.Namespace, prompts: list, engine, front) -> 
         while asyncio.run(next_heartbeat_stats(front)).num_running < args.concurrency:
             if client.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("the mock-engine stack's client did not get its load going")
-        procs = {name: svc.pid for name, svc in front.services.items()}
-        procs.update({server.name: server.pid for server in front.servers})
-        procs["client (its own process)"] = client.pid
-        before = {name: cpu_seconds(pid) for name, pid in procs.items()}
+        procs = {**stack_pids(front), "client (its own process)": client.pid}
+        before = cpu_now(procs)
         run = run_engine(args, prompts, engine)
-        run["cpu_s"] = {name: cpu_seconds(pid) - before[name] for name, pid in procs.items()}
+        run["cpu_s"] = cpu_since(before, procs)
         if client.poll() is not None:
             raise RuntimeError("the mock-engine stack's load ended before the engine's run")
     finally:

@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
             block_size=engine_config.block_size,
             num_blocks=engine_config.num_kv_blocks or 1024,
         )
-        worker, max_model_len = EngineWorker(mock, kv_events=config.kv_events), mock.max_model_len
+        worker = EngineWorker(mock, kv_events=config.kv_events)
+        max_model_len = mock.max_model_len
         log.info("%s: a mock engine, %g ms a step, no model", config.executor_id, mock.step_ms)
     else:
         from shared.engine.engine import Engine

@@ -46,7 +46,13 @@ class MockEngine:
     _running: dict[str, _Request] = field(default_factory=dict)
     _waiting: deque[_Request] = field(default_factory=deque)
     _first_scheduled: list[str] = field(default_factory=list)
-    _counters: dict[str, float] = field(default_factory=dict)
+    # Cumulative since start, as EngineStats counts them; last_* of the most recent step.
+    _num_prompt_tokens: int = 0
+    _num_generated_tokens: int = 0
+    _num_steps: int = 0
+    _last_step_num_tokens: int = 0
+    _last_step_num_seqs: int = 0
+    _step_seconds_total: float = 0.0
 
     def __post_init__(self) -> None:
         if self.step_ms <= 0:
@@ -54,9 +60,6 @@ class MockEngine:
         for name in ("max_num_seqs", "max_model_len", "block_size", "num_blocks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        self._counters = dict.fromkeys(
-            ("prompt", "generated", "steps", "last_tokens", "last_seqs", "step_s"), 0
-        )
 
     def add_request(
         self,
@@ -77,7 +80,7 @@ class MockEngine:
         room = self.max_model_len - len(prompt)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         self._waiting.append(_Request(request_id, len(prompt), params.n, max_tokens))
-        self._counters["prompt"] += len(prompt)
+        self._num_prompt_tokens += len(prompt)
 
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
@@ -109,12 +112,11 @@ class MockEngine:
             )
             if done:
                 del self._running[req.request_id]
-        c = self._counters
-        c["steps"] += 1
-        c["last_seqs"] = len(outputs)
-        c["last_tokens"] = sum(len(o.deltas) for o in outputs)
-        c["generated"] += c["last_tokens"]
-        c["step_s"] += time.perf_counter() - started
+        self._num_steps += 1
+        self._last_step_num_seqs = len(outputs)
+        self._last_step_num_tokens = sum(len(o.deltas) for o in outputs)
+        self._num_generated_tokens += self._last_step_num_tokens
+        self._step_seconds_total += time.perf_counter() - started
         return outputs
 
     def abort(self, request_id: str) -> bool:
@@ -140,7 +142,6 @@ class MockEngine:
         return ids
 
     def stats(self) -> EngineStats:
-        c = self._counters
         blocks_used = sum(
             r.num_choices * -(-(r.num_prompt_tokens + r.num_generated) // self.block_size)
             for r in self._running.values()
@@ -152,14 +153,14 @@ class MockEngine:
             num_total_blocks=self.num_blocks,
             num_free_blocks=self.num_blocks - used,
             kv_cache_usage=used / self.num_blocks,
-            prefix_cache_queries_tokens=int(c["prompt"]),
+            prefix_cache_queries_tokens=self._num_prompt_tokens,
             prefix_cache_hits_tokens=0,
             num_preemptions=0,
-            num_prompt_tokens=int(c["prompt"]),
-            num_computed_tokens=int(c["prompt"] + c["generated"]),
-            num_generated_tokens=int(c["generated"]),
-            num_steps=int(c["steps"]),
-            last_step_num_tokens=int(c["last_tokens"]),
-            last_step_num_seqs=int(c["last_seqs"]),
-            step_seconds_total=c["step_s"],
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_computed_tokens=self._num_prompt_tokens + self._num_generated_tokens,
+            num_generated_tokens=self._num_generated_tokens,
+            num_steps=self._num_steps,
+            last_step_num_tokens=self._last_step_num_tokens,
+            last_step_num_seqs=self._last_step_num_seqs,
+            step_seconds_total=self._step_seconds_total,
         )
