@@ -11,7 +11,9 @@ engine and adds the next one as soon as one finishes, timing each request from w
 The stack and the in-process engine stay up for the whole run and take turns, ``--rounds`` times
 (stack, engine, stack, engine, ...), and the throughput ratio is taken round by round: a shared
 host's speed drifts by more than the ratio's margins between minutes, and a pair run back to back
-sees the same host. The headline is the median round's ratio. Writes
+sees the same host. The headline is the median round's ratio. Each round draws its own prompts (its
+index is their seed), so that neither side's prefix cache holds a round's prompts from an earlier
+one: both sides prefill every prompt of every round. Writes
 loadtests/results/bench_stack_vs_engine.json.
 
 ``--front-ceiling`` adds a third run to each round: the engine in process again, while a second
@@ -67,8 +69,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def serving_argv(args: argparse.Namespace, base_url: str, num_prompts: int) -> list[str]:
-    """bench_serving's arguments for this benchmark's workload."""
+def serving_argv(
+    args: argparse.Namespace, base_url: str, num_prompts: int, seed: int = 0
+) -> list[str]:
+    """bench_serving's arguments for this benchmark's workload, its prompts drawn from ``seed``."""
     return [
         "--base-url",
         base_url,
@@ -84,11 +88,15 @@ def serving_argv(args: argparse.Namespace, base_url: str, num_prompts: int) -> l
         "ids",
         "--warmup",
         "1",
+        "--seed",
+        str(seed),
     ]
 
 
-def serving_namespace(args: argparse.Namespace, base_url: str | None) -> argparse.Namespace:
-    return serving_args(serving_argv(args, base_url or "", args.num_prompts))
+def serving_namespace(
+    args: argparse.Namespace, base_url: str | None, seed: int = 0
+) -> argparse.Namespace:
+    return serving_args(serving_argv(args, base_url or "", args.num_prompts, seed))
 
 
 def step_counts(before, after, duration_s: float) -> dict:
@@ -120,12 +128,17 @@ async def next_heartbeat_stats(stack):
 
 
 def make_engine(args: argparse.Namespace, max_concurrency: int | None = None):
-    """The engine ``run_engine`` drives: the stack's executor configuration for ``args``."""
-    from shared.engine.config import EngineConfig
+    """The engine ``run_engine`` drives: the stack's executor configuration for ``args`` (the
+    served defaults, as ``start_stack``'s executor gets them: its memory budget, and so its KV
+    pool, included)."""
+    from dataclasses import replace
+
+    from services.executor.config import SERVED_ENGINE_DEFAULTS
     from shared.engine.engine import Engine
 
     return Engine(
-        EngineConfig(
+        replace(
+            SERVED_ENGINE_DEFAULTS,
             dtype=args.dtype,
             max_num_seqs=max(64, max_concurrency or args.concurrency),
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -138,11 +151,14 @@ def make_engine(args: argparse.Namespace, max_concurrency: int | None = None):
 def run_engine(args: argparse.Namespace, prompts: list[str | list[int]], engine=None) -> dict:
     """The prompts through the engine in process, ``args.concurrency`` in flight (the first one is
     a warm-up, not counted). ``engine``: reuse one (idle, from ``make_engine``), e.g. across
-    concurrency levels; by default a new one."""
+    concurrency levels; by default a new one. Its prefix cache is emptied first: the run computes
+    every prompt, whatever ran before it."""
     from shared.wire.sampling_params import SamplingParams
 
     if engine is None:
         engine = make_engine(args)
+    if not engine.block_manager.reset_prefix_cache():
+        raise RuntimeError("the engine holds KV blocks before its run: it is not idle")
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     warm, prompts = prompts[0], prompts[1:]
     engine.add_request("warmup", warm, params)
@@ -228,11 +244,12 @@ def start_stack(args: argparse.Namespace, mock_step_ms: float | None = None):
         del os.environ["LLMSERVE_MOCK_STEP_MS"]
 
 
-def run_stack_round(args: argparse.Namespace, stack) -> dict:
-    """One serving run through ``stack`` (``start_stack``): its summary, plus ``cpu_s``: CPU
-    seconds each process spent during the run (the services, nats-server, redis-server, and this
-    client; on a host with few cores, what the others take is what the executor does not get), and
-    ``steps``: the executor's steps over the run, from its heartbeats (after the warm-up)."""
+def run_stack_round(args: argparse.Namespace, stack, seed: int = 0) -> dict:
+    """One serving run through ``stack`` (``start_stack``) of the prompts drawn from ``seed``
+    (``serving_namespace``): its summary, plus ``cpu_s``: CPU seconds each process spent during
+    the run (the services, nats-server, redis-server, and this client; on a host with few cores,
+    what the others take is what the executor does not get), and ``steps``: the executor's steps
+    over the run, from its heartbeats (after the warm-up)."""
     procs = stack_pids(stack)
     before = cpu_now(procs)
     client_before = time.process_time()
@@ -243,7 +260,7 @@ def run_stack_round(args: argparse.Namespace, stack) -> dict:
         async def after_warmup() -> None:
             stats0.append(await next_heartbeat_stats(stack))
 
-        result = await run_serving(serving_namespace(args, stack.base_url), after_warmup)
+        result = await run_serving(serving_namespace(args, stack.base_url, seed), after_warmup)
         after = await next_heartbeat_stats(stack)
         result["steps"] = step_counts(stats0[0], after, result["duration_s"])
         return result
@@ -254,12 +271,12 @@ def run_stack_round(args: argparse.Namespace, stack) -> dict:
     return summary
 
 
-def run_beside_front(args: argparse.Namespace, prompts: list, engine, front) -> dict:
+def run_beside_front(args: argparse.Namespace, prompts: list, engine, front, seed: int = 0) -> dict:
     """``run_engine`` while ``front``, a mock-engine stack (``start_stack(mock_step_ms=...)``),
     serves this workload to a client in another process, already in full flight when the engine
     starts and stopped when it ends: the engine's summary, plus ``cpu_s``, the CPU seconds the
     front's processes and that client took during the engine's run."""
-    argv = serving_argv(args, front.base_url, LOAD_PROMPTS_FACTOR * args.num_prompts)
+    argv = serving_argv(args, front.base_url, LOAD_PROMPTS_FACTOR * args.num_prompts, seed)
     client = subprocess.Popen(
         [sys.executable, "-m", "loadtests.bench_serving", *argv],
         stdout=subprocess.DEVNULL,
@@ -291,8 +308,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
-    ns = serving_namespace(args, None)
-    prompts = make_prompts(ns, random.Random(ns.seed))  # exactly the prompts the HTTP client sends
     print("starting the stack and loading the engine in process ...", file=sys.stderr)
     rounds: list[dict] = []
     stack = start_stack(args)
@@ -300,7 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine = make_engine(args)
         for r in range(args.rounds):
-            stack_run = run_stack_round(args, stack)
+            ns = serving_namespace(args, None, seed=r)
+            prompts = make_prompts(ns, random.Random(ns.seed))  # exactly what the client sends
+            stack_run = run_stack_round(args, stack, seed=r)
             engine_run = run_engine(args, prompts, engine)
             engine_tps = engine_run["output_throughput_tps"]
             ratio = stack_run["output_throughput_tps"] / engine_tps
@@ -312,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.front_ceiling:
                 if front is None:  # its token rate: the stack's, as first measured
                     front = start_stack(args, mock_step_ms=stack_run["steps"]["step_ms"])
-                beside = run_beside_front(args, prompts, engine, front)
+                beside = run_beside_front(args, prompts, engine, front, seed=r)
                 rounds[-1]["beside_front"] = beside
                 rounds[-1]["front_ceiling"] = beside["output_throughput_tps"] / engine_tps
                 line += (
