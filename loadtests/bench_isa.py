@@ -63,7 +63,8 @@ def worker(args) -> dict[str, Any]:
 
     from kernels.cpu import cpu_ops
     from loadtests import bench_engine as be
-    from loadtests.workloads import corpus_token_ids
+    from loadtests.engine_setup import make_llm, reset_prefix_cache
+    from loadtests.workloads import corpus_token_ids, text_prompts
     from shared.wire.sampling_params import SamplingParams
 
     ns = be.parse_args(
@@ -89,21 +90,21 @@ def worker(args) -> dict[str, Any]:
         best = isa.best_level()
         assert best is not None  # cpu_ops() found kernels, so a level runs here
         level = best.name
-    llm = be.make_llm(ns, max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=512)
+    llm = make_llm(ns, max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=512)
     tok = llm.tokenizer
     corpus = corpus_token_ids(
         lambda s: tok.encode(s, add_special_tokens=False), tok.all_special_ids
     )
     rng = random.Random(ns.seed)
     lens = [rng.randint(*ns.prompt_len) for _ in range(ns.num_prompts)]
-    prompts = be.text_prompts(corpus, lens, rng)
+    prompts = text_prompts(corpus, lens, rng)
 
     params = SamplingParams(max_tokens=ns.output_len, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
     results = llm.generate(prompts, params)
     offline_s = time.perf_counter() - t0
     num_out = sum(len(r.outputs[0].token_ids) for r in results)
-    be.reset_prefix_cache(llm)
+    reset_prefix_cache(llm)
 
     # Single stream: token times from the engine's steps (one request, so one token a step).
     engine = llm.engine

@@ -15,7 +15,8 @@ Metrics, per request, as vLLM's benchmark_serving defines them:
     E2E   last byte − request sent
 Output tokens come from the server's usage (stream_options.include_usage), else from the number of
 text-carrying chunks. Reports mean / median / p99 (ms) plus request and token throughput; prints a
-table and writes JSON (--out). Needs only aiohttp (and, for exact prompt lengths, --tokenizer).
+table and writes JSON (--out). Needs only aiohttp and msgspec (and, for exact prompt lengths,
+--tokenizer).
 """
 
 from __future__ import annotations

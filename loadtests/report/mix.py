@@ -53,11 +53,11 @@ def tokenizer_and_corpus(model: str) -> tuple[Any, list[int]]:
 
 
 def measure(plan: Plan, log: Callable[[str], None]) -> dict[str, Any]:
-    from loadtests import bench_engine
+    from loadtests import bench_engine, engine_mix
 
     args = bench_engine.parse_args(engine_argv(plan))
     _, corpus = tokenizer_and_corpus(args.model)
     log(f"mixed trace: {plan.mix_requests} requests, batch {plan.mix_batch}")
-    result = bench_engine.bench_mix(args, corpus)
+    result = engine_mix.bench_mix(args, corpus)
     result["command"] = command(plan)
     return result

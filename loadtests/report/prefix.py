@@ -44,7 +44,7 @@ def time_to_first_token(engine: Any, request_id: str, prompt: list[int], params:
 
 
 def measure(plan: Plan, log: Callable[[str], None]) -> dict[str, Any]:
-    from loadtests import bench_engine
+    from loadtests import bench_engine, engine_setup
     from loadtests.workloads import random_prompts
     from shared.wire.sampling_params import SamplingParams
 
@@ -53,7 +53,7 @@ def measure(plan: Plan, log: Callable[[str], None]) -> dict[str, Any]:
     longest = max(plan.prefix_lens) + plan.prefix_suffix_len
     runs: dict[str, Any] = {}
     for mode, enabled in MODES:
-        llm = bench_engine.make_llm(
+        llm = engine_setup.make_llm(
             args,
             max_num_seqs=4,
             max_num_batched_tokens=max(512, longest),
@@ -81,7 +81,7 @@ def measure(plan: Plan, log: Callable[[str], None]) -> dict[str, Any]:
                     time_to_first_token(engine, f"{mode}-{length}-{i}", prefix + suffix, params)
                 )
                 hits.append(engine.block_manager.prefix_cache_hits_tokens - before)
-            bench_engine.reset_prefix_cache(llm)
+            engine_setup.reset_prefix_cache(llm)
             prompt_len = length + plan.prefix_suffix_len
             row: dict[str, Any] = dict(
                 prefix_len=length,

@@ -50,7 +50,7 @@ def engine_argv(plan: Plan, quantization: str | None, kv: str) -> list[str]:
 
 
 def measure(plan: Plan, log: Callable[[str], None]) -> dict[str, Any]:
-    from loadtests import bench_engine, bench_quality
+    from loadtests import bench_engine, bench_quality, engine_offline, engine_setup
     from shared.engine.default_model import default_model_path
     from shared.engine.memory import kv_bytes_per_token
     from shared.engine.models.int8_linear import SMOOTHING_ALPHA
@@ -64,9 +64,9 @@ def measure(plan: Plan, log: Callable[[str], None]) -> dict[str, Any]:
             tokenizer, corpus = mix.tokenizer_and_corpus(args.model)
             rng = random.Random(args.seed)
             lens = [rng.randint(*args.prompt_len) for _ in range(args.num_prompts)]
-            prompts = bench_engine.build_prompts(args, tokenizer, lens, rng, corpus)
+            prompts = engine_setup.build_prompts(args, tokenizer, lens, rng, corpus)
         log(f"quantization: decode speed, {label}")
-        eng = bench_engine.bench_engine_offline(args, prompts)
+        eng = engine_offline.bench_engine_offline(args, prompts)
         run = eng["best"]
         speed.append(
             dict(

@@ -83,7 +83,7 @@ def run_report(
     path of ``index.html``."""
     import torch
 
-    from loadtests import bench_engine
+    from loadtests import engine_setup
     from loadtests.report import host, plots
 
     plan = plan_for(quick)
@@ -93,7 +93,7 @@ def run_report(
         f"{plan.expected_minutes} min on a quiet 2-core host (longer on a busy one); writing "
         f"{os.path.abspath(out_dir)}"
     )
-    malloc_tuned = bench_engine.tune_malloc()  # as bench_engine's own runs do
+    malloc_tuned = engine_setup.tune_malloc()  # as bench_engine's own runs do
     torch.set_num_threads(plan.threads)
     raw_dir = os.path.join(out_dir, RAW_DIR)
     os.makedirs(raw_dir, exist_ok=True)

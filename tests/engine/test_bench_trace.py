@@ -1,4 +1,4 @@
-"""The mixed-trace benchmark's KV accounting (loadtests/bench_engine.run_trace, behind the report's
+"""The mixed-trace benchmark's KV accounting (loadtests/engine_mix.run_trace, behind the report's
 paged-KV and batching sections) on the real engine with a tiny random Llama: one sample per
 forward pass, with the live tokens and reserved slots counted exactly."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from helpers.tiny_llama import save_tiny_llama
-from loadtests.bench_engine import run_trace
+from loadtests.engine_mix import run_trace
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
 from shared.wire.sampling_params import SamplingParams
