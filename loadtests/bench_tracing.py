@@ -7,8 +7,10 @@ OTLP/HTTP to a receiver in this process) against the same stack with OTEL_* unse
 Both stacks are started once and kept up (the idle one costs a heartbeat every 0.5 s); the runs
 alternate off, on, off, on, ... so a drift of the host's load falls on both alike. Each run is
 bench_serving's fixed-concurrency client (token-id prompts, greedy, ignore_eos) after a warm-up
-request. Reports each run's output tokens/s, the medians and the cost (1 − on/off), the spans the
-receiver got, and writes loadtests/results/bench_tracing.json.
+request; each pair of runs draws its own prompts (seeded by the round), so no stack finds a run's
+prompts in its prefix cache from an earlier one. Reports each run's output tokens/s, the medians
+and the cost (1 − on/off), the spans the receiver got, and writes
+loadtests/results/bench_tracing.json.
 
 It also prices the spans themselves: a child process creates a request's worth of spans (as many
 as the traced runs averaged, with attributes and an event each) a thousand times and exports them
@@ -58,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def serving_namespace(args: argparse.Namespace, base_url: str) -> argparse.Namespace:
+def serving_namespace(args: argparse.Namespace, base_url: str, seed: int) -> argparse.Namespace:
     return serving_args(
         [
             *("--base-url", base_url),
@@ -68,6 +70,7 @@ def serving_namespace(args: argparse.Namespace, base_url: str) -> argparse.Names
             *("--output-len", str(args.output_len)),
             *("--prompt-mode", "ids"),
             *("--warmup", "1"),
+            *("--seed", str(seed)),
         ]
     )
 
@@ -184,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                 assert stack.base_url is not None
                 pids = [svc.pid for svc in stack.services.values()]
                 cpu0 = sum(cpu_seconds(pid) for pid in pids)
-                summary = asyncio.run(run_serving(serving_namespace(args, stack.base_url)))
+                summary = asyncio.run(run_serving(serving_namespace(args, stack.base_url, i)))
                 cpu = sum(cpu_seconds(pid) for pid in pids) - cpu0
                 cpu_per_kt[label].append(1000 * cpu / summary["total_output_tokens"])
                 if summary["num_failed"]:
