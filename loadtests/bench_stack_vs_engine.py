@@ -99,6 +99,13 @@ def serving_namespace(
     return serving_args(serving_argv(args, base_url or "", args.num_prompts, seed))
 
 
+def round_prompts(args: argparse.Namespace, seed: int) -> list[str | list[int]]:
+    """The prompts the HTTP client sends for ``seed`` (``serving_namespace``), the warm-up's first:
+    what ``run_engine`` gets for the same round."""
+    ns = serving_namespace(args, None, seed)
+    return make_prompts(ns, random.Random(ns.seed))
+
+
 def step_counts(before, after, duration_s: float) -> dict:
     """Engine steps between two ``EngineStats``, what each step carried on average, the mean step
     time and the share of ``duration_s`` (the run's wall time) the engine spent stepping."""
@@ -153,12 +160,12 @@ def run_engine(args: argparse.Namespace, prompts: list[str | list[int]], engine=
     a warm-up, not counted). ``engine``: reuse one (idle, from ``make_engine``), e.g. across
     concurrency levels; by default a new one. Its prefix cache is emptied first: the run computes
     every prompt, whatever ran before it."""
+    from loadtests.engine_setup import empty_prefix_cache
     from shared.wire.sampling_params import SamplingParams
 
     if engine is None:
         engine = make_engine(args)
-    if not engine.block_manager.reset_prefix_cache():
-        raise RuntimeError("the engine holds KV blocks before its run: it is not idle")
+    empty_prefix_cache(engine)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     warm, prompts = prompts[0], prompts[1:]
     engine.add_request("warmup", warm, params)
@@ -315,8 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine = make_engine(args)
         for r in range(args.rounds):
-            ns = serving_namespace(args, None, seed=r)
-            prompts = make_prompts(ns, random.Random(ns.seed))  # exactly what the client sends
+            prompts = round_prompts(args, seed=r)
             stack_run = run_stack_round(args, stack, seed=r)
             engine_run = run_engine(args, prompts, engine)
             engine_tps = engine_run["output_throughput_tps"]

@@ -13,6 +13,7 @@ import torch
 
 from loadtests.workloads import random_prompts, text_prompts
 from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
 from shared.engine.llm import LLM
 from shared.wire.sampling_params import SamplingParams
 
@@ -109,9 +110,14 @@ def warm_up(llm: LLM) -> None:
     reset_prefix_cache(llm)
 
 
+def empty_prefix_cache(engine: Engine) -> None:
+    """Drop every cached prefix block of an idle engine; a block still in use is an error."""
+    if not engine.block_manager.reset_prefix_cache():
+        raise RuntimeError("KV blocks still in use: the engine is not idle")
+
+
 def reset_prefix_cache(llm: LLM) -> None:
-    if not llm.engine.block_manager.reset_prefix_cache():
-        raise RuntimeError("KV blocks still in use after a finished run")
+    empty_prefix_cache(llm.engine)
 
 
 def prefix_hits(llm: LLM) -> int:

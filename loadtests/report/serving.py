@@ -6,7 +6,6 @@ request added as soon as one finishes, vLLM's TTFT / TPOT / E2E definitions from
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from typing import Any
 
@@ -40,8 +39,7 @@ def measure(plan: Plan, log: Callable[[str], None]) -> dict[str, Any]:
     points = []
     for c in plan.concurrency:
         args = sve.parse_args(stack_argv(plan, c))
-        ns = sve.serving_namespace(args, None)
-        prompts = sve.make_prompts(ns, random.Random(ns.seed + c))  # distinct per level
+        prompts = sve.round_prompts(args, seed=c)  # distinct per level
         if engine is None:
             engine = sve.make_engine(args, max(plan.concurrency))
         log(f"serving curve: {len(prompts) - 1} requests, {c} in flight")

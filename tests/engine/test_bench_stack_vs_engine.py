@@ -5,7 +5,6 @@ run computes all of its prompts whatever an earlier run left in the prefix cache
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 
@@ -37,13 +36,8 @@ def args(sve):
     )
 
 
-def round_prompts(sve, args, seed: int) -> list:
-    ns = sve.serving_namespace(args, None, seed=seed)
-    return sve.make_prompts(ns, random.Random(ns.seed))
-
-
 def test_each_round_draws_its_own_prompts(sve, args):
-    first, again, second = (round_prompts(sve, args, s) for s in (0, 0, 1))
+    first, again, second = (sve.round_prompts(args, s) for s in (0, 0, 1))
     assert first == again
     assert len(first) == len(second) == NUM_PROMPTS + 1  # the warm-up's first
     assert all(len(p) == INPUT_LEN for p in first + second)
@@ -53,7 +47,7 @@ def test_each_round_draws_its_own_prompts(sve, args):
 def test_every_run_computes_all_its_prompts(sve, args):
     engine = sve.make_engine(args)
     assert engine.config.memory_budget == SERVED_ENGINE_DEFAULTS.memory_budget
-    prompts = round_prompts(sve, args, 0)
+    prompts = sve.round_prompts(args, 0)
     # Each request (the warm-up's too) feeds its prompt and each output token but the last.
     expected = (NUM_PROMPTS + 1) * (INPUT_LEN + OUTPUT_LEN - 1)
     computed = []
