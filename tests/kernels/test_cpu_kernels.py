@@ -202,8 +202,9 @@ def test_decode_attention_rejects_lengths_beyond_the_block_table(ops):
 
 
 # Rows: decode sizes, tile remainders (passes of at most 8, or 6), more than one 48- or 96-row
-# chunk; columns: a part-filled last panel of 48, fewer than one panel; inputs: more than one block
-# of 256 features (the AVX2 form's), the last one short.
+# chunk; columns: a part-filled last panel of 48, fewer than one panel, 32 panels and more (the AVX2
+# form's threads then claim whole panels); inputs: more than one block of 256 features (the AVX2
+# form's), the last one short.
 @pytest.mark.parametrize(
     "m,n,k,bias",
     [
@@ -216,6 +217,8 @@ def test_decode_attention_rejects_lengths_beyond_the_block_table(ops):
         (101, 70, 64, True),
         (250, 1000, 1538, True),
         (13, 49, 2, False),
+        (40, 1601, 576, False),
+        (200, 1550, 260, True),
     ],
 )
 def test_linear_bf16_is_an_fp32_accumulated_matmul(ops, m, n, k, bias):
@@ -230,17 +233,17 @@ def test_linear_bf16_is_an_fp32_accumulated_matmul(ops, m, n, k, bias):
     )
 
 
-@pytest.mark.parametrize("m,k", [(40, 576), (200, 1536)])
-def test_linear_bf16_gives_a_row_the_same_result_in_any_batch(ops, m, k):
+@pytest.mark.parametrize("m,k,n", [(40, 576, 150), (200, 1536, 150), (40, 576, 1601)])
+def test_linear_bf16_gives_a_row_the_same_result_in_any_batch(ops, m, k, n):
     """Each output is the same fp32 sum, in the same order, whether its row comes alone or with
     others."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(m, k, generator=g).bfloat16()
-    w = ops.pack_linear_bf16(torch.randn(150, k, generator=g).bfloat16())
-    b = torch.randn(150, generator=g).bfloat16()
-    batch = ops.linear_bf16(x, w, 150, b)
+    w = ops.pack_linear_bf16(torch.randn(n, k, generator=g).bfloat16())
+    b = torch.randn(n, generator=g).bfloat16()
+    batch = ops.linear_bf16(x, w, n, b)
     for rows in (slice(0, 1), slice(3, 5), slice(7, 15), slice(m - 37, m)):
-        assert torch.equal(ops.linear_bf16(x[rows].contiguous(), w, 150, b), batch[rows])
+        assert torch.equal(ops.linear_bf16(x[rows].contiguous(), w, n, b), batch[rows])
 
 
 def test_linear_bf16_rejects_mismatched_inputs(ops):

@@ -19,11 +19,14 @@
 //   loads and 6 broadcasts. Sums cross the K blocks through an fp32 buffer of the item's tile. Threads
 //   claim (row chunk, sub-panel) items chunk by chunk (parallel_claim): a decode batch's small linears
 //   have few panels, and a thread left holding the last of them kept its partner waiting at the join;
-//   sub-panels are a third as long. A thread widens its chunk's x into a buffer of its own (kRowChunk x
-//   K fp32, L2-resident) when the chunk changes, each pass's rows packed side by side ([feature][row]:
-//   the pass's broadcasts read one run of consecutive addresses, not one per row). The sub-panel of
-//   the item a thread runs next is prefetched into L2 during the current one's FMAs, so a batch of a
-//   few rows streams the weights from DRAM while it computes instead of in turns.
+//   sub-panels are a third as long. Where panels are many (from kWholePanels on: the tied head's
+//   1,024), a thread claims a panel's three sub-panels together, so one core reads each 192-byte pair
+//   row whole rather than one line of it beside the other core reading the next. A thread widens its
+//   chunk's x into a buffer of its own (kRowChunk x K fp32, L2-resident) when the chunk changes, each
+//   pass's rows packed side by side ([feature][row]: the pass's broadcasts read one run of consecutive
+//   addresses, not one per row). The sub-panel of the item a thread runs next is prefetched into L2
+//   during the current one's FMAs, so a batch of a few rows streams the weights from DRAM while it
+//   computes instead of in turns.
 #pragma once
 
 #include "linear_panels.h"
@@ -33,6 +36,7 @@ namespace bf16_avx2 {
 
 constexpr int64_t kRowChunk = 96, kBlockPairs = 128, kSub = 16, kSubs = kPanel / kSub;
 constexpr int kTileRows = 6;
+constexpr int64_t kWholePanels = 32;
 
 LLMSERVE_INLINE __m256 widen_even(__m256i u) { return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)); }
 LLMSERVE_INLINE __m256 widen_odd(__m256i u) {
@@ -273,7 +277,7 @@ inline void linear_blocked(c10::BFloat16* y, const c10::BFloat16* x, const uint3
         }
       }
     }
-  });
+  }, panels >= kWholePanels ? kSubs : 1);
 }
 
 inline void linear(c10::BFloat16* y, const c10::BFloat16* x, const uint32_t* w, const c10::BFloat16* bias, int64_t m, int64_t n,
