@@ -142,31 +142,68 @@ def torch_path(runtime: ModelRuntime, off: bool = True):
             runtime.use(backend)
 
 
+# The batches mixed_batch_logits pools. In bf16 a batch's distance from the fp32 logits is the
+# drift of its three sequences (last-bit differences amplified over 30 layers), so between two paths
+# that round in different places the ratio of their distances swings 0.5-1.8 from one batch to the
+# next (on an AVX2-only CPU, over 16 batches); pooled over six it stays within 0.8-1.2.
+POOLED_SEEDS = tuple(range(5, 11))
+
+
 def mixed_batch_logits(
     model: ModelRuntime, fused: bool, kv_cache_dtype: str = "auto"
 ) -> torch.Tensor:
-    """Two sequences decoding over cached context plus a fresh prefill chunk, in one forward; then a
-    decode-only step of all three (``fused=False``: on the plain torch path)."""
+    """Per seed of POOLED_SEEDS, a batch of random token ids over a fresh cache: two sequences
+    decoding over cached context plus a fresh prefill chunk, in one forward; then a decode-only step
+    of all three (``fused=False``: on the plain torch path). The batches' logits, stacked."""
     with torch_path(model, off=not fused):
-        runner = make_runner(model, 64, kv_cache_dtype=kv_cache_dtype)
-        g = torch.Generator().manual_seed(5)
-        ids = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (70, 33, 40)]
-        tables = [list(range(1, 6)), list(range(6, 9)), list(range(9, 12))]
-        runner.execute(
-            [ScheduledChunk(ids[0][:69], 0, tables[0]), ScheduledChunk(ids[1][:32], 0, tables[1])]
+        return torch.cat(
+            [_mixed_batch_logits(model, kv_cache_dtype, seed) for seed in POOLED_SEEDS]
         )
-        mixed = runner.execute(
-            [
-                ScheduledChunk(ids[0][69:], 69, tables[0]),
-                ScheduledChunk(ids[2], 0, tables[2]),
-                ScheduledChunk(ids[1][32:], 32, tables[1]),
-            ]
-        )
-        decode = runner.execute(
-            [
-                ScheduledChunk([7], 70, tables[0]),
-                ScheduledChunk([8], 40, tables[2]),
-                ScheduledChunk([9], 33, tables[1]),
-            ]
-        )
-        return torch.cat([mixed, decode])
+
+
+def _mixed_batch_logits(model: ModelRuntime, kv_cache_dtype: str, seed: int) -> torch.Tensor:
+    runner = make_runner(model, 64, kv_cache_dtype=kv_cache_dtype)
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (70, 33, 40)]
+    tables = [list(range(1, 6)), list(range(6, 9)), list(range(9, 12))]
+    runner.execute(
+        [ScheduledChunk(ids[0][:69], 0, tables[0]), ScheduledChunk(ids[1][:32], 0, tables[1])]
+    )
+    mixed = runner.execute(
+        [
+            ScheduledChunk(ids[0][69:], 69, tables[0]),
+            ScheduledChunk(ids[2], 0, tables[2]),
+            ScheduledChunk(ids[1][32:], 32, tables[1]),
+        ]
+    )
+    decode = runner.execute(
+        [
+            ScheduledChunk([7], 70, tables[0]),
+            ScheduledChunk([8], 40, tables[2]),
+            ScheduledChunk([9], 33, tables[1]),
+        ]
+    )
+    return torch.cat([mixed, decode])
+
+
+def assert_fused_as_close(
+    fused: torch.Tensor,
+    plain: torch.Tensor,
+    ref: torch.Tensor,
+    quantizing: torch.Tensor | None = None,
+) -> None:
+    """bf16 logits of the fused path (``fused``) and the torch path (``plain``), from
+    mixed_batch_logits: the two round in different places, so each is held to its distance from the
+    fp32 logits ``ref`` on the same cache dtype. The fused path's mean distance stays within 1.6x
+    the torch path's; its largest within twice the torch path's largest plus the most quantizing the
+    cache moves a logit (``quantizing``: |fp32 logits on the quantized cache - on an fp32 cache|;
+    none for a bf16 cache). The largest is a few sequences' drift: pooled over POOLED_SEEDS its
+    ratio still read 0.7-1.7 from one set of seeds to the next, the mean's 0.8-1.2."""
+    err_fused, err_plain = (fused - ref).abs(), (plain - ref).abs()
+    slack = 0.0 if quantizing is None else quantizing.max().item()
+    print(
+        f"bf16 |logit - fp32| mean/max: fused {err_fused.mean():.3g}/{err_fused.max():.3g}, "
+        f"torch path {err_plain.mean():.3g}/{err_plain.max():.3g}"
+    )
+    assert err_fused.mean() <= 1.6 * err_plain.mean()
+    assert err_fused.max() <= 2 * err_plain.max() + slack

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers.greedy import mixed_batch_logits
+from helpers.greedy import assert_fused_as_close, mixed_batch_logits
 from helpers.paged import BLOCK_SIZES, SHAPES, scattered_tables
 from kernels.cpu import cpu_ops, unavailable_reason
 
@@ -317,19 +317,14 @@ def test_fused_forward_matches_the_torch_path(runtime_fp32, runtime_bf16):
     """fp32: the same numbers up to summation order (measured max |logit diff| 3e-5). bf16: rounding
     happens in different places (RoPE and norms once in fp32, not per torch op; the bf16 linear and
     attention sum in another order), so both bf16 paths are held to their distance from fp32
-    instead: the fused path must stay about as close to it as the torch path (random tokens give
-    flat distributions full of near-ties, so token choices are not compared here;
-    test_model_reference does that)."""
+    (assert_fused_as_close; random tokens give flat distributions full of near-ties, so token
+    choices are not compared here; test_model_reference does that). Measured on an AVX2-only CPU
+    over the pooled batches, mean/max: fused 0.133/0.78, torch path 0.118/1.10."""
     ref = mixed_batch_logits(runtime_fp32, True)
     assert (ref - mixed_batch_logits(runtime_fp32, False)).abs().max().item() < 1e-4
-    fused, plain = mixed_batch_logits(runtime_bf16, True), mixed_batch_logits(runtime_bf16, False)
-    err_fused, err_plain = (fused - ref).abs(), (plain - ref).abs()
-    print(
-        f"bf16 |logit - fp32| mean/max: fused {err_fused.mean():.3g}/{err_fused.max():.3g}, "
-        f"torch path {err_plain.mean():.3g}/{err_plain.max():.3g}"
+    assert_fused_as_close(
+        mixed_batch_logits(runtime_bf16, True), mixed_batch_logits(runtime_bf16, False), ref
     )
-    # Measured mean/max: fused 0.15/0.65, torch path 0.11/0.60; per row either path may be closer.
-    assert err_fused.mean() <= 1.6 * err_plain.mean() and err_fused.max() <= 1.6 * err_plain.max()
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
