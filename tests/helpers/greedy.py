@@ -207,3 +207,28 @@ def assert_fused_as_close(
     )
     assert err_fused.mean() <= 1.6 * err_plain.mean()
     assert err_fused.max() <= 2 * err_plain.max() + slack
+
+
+def assert_quantized_cache_paths_close(
+    runtime_fp32: ModelRuntime, runtime_bf16: ModelRuntime, kv_cache_dtype: str
+) -> None:
+    """The fused path on a quantized cache (``kv_cache_dtype``: int8 or fp8) against the torch
+    reference on the same cache. Rounding to the cache dtype is a step function that last-bit
+    differences between the paths flip to the next step, so in fp32 the paths are held to a
+    fraction of what quantizing costs (|fp32 logits on the quantized cache - on an fp32 cache|):
+    their mean distance within 0.8x its mean, their largest within 1.2x its largest. In bf16 both
+    paths are held to their distance from the fp32 reference on the quantized cache
+    (assert_fused_as_close)."""
+    exact = mixed_batch_logits(runtime_fp32, False, "auto")
+    ref = mixed_batch_logits(runtime_fp32, False, kv_cache_dtype)
+    paths, quantizing = (
+        (mixed_batch_logits(runtime_fp32, True, kv_cache_dtype) - ref).abs(),
+        (ref - exact).abs(),
+    )
+    assert paths.mean() <= 0.8 * quantizing.mean() and paths.max() <= 1.2 * quantizing.max()
+    assert_fused_as_close(
+        mixed_batch_logits(runtime_bf16, True, kv_cache_dtype),
+        mixed_batch_logits(runtime_bf16, False, kv_cache_dtype),
+        ref,
+        quantizing,
+    )
