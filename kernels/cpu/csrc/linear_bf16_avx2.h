@@ -197,19 +197,22 @@ inline void widen_block(float* scratch, const uint32_t* panel, int64_t p0, int64
 }
 
 // One pass of MR rows over a widened block and one sub-panel: sums start from the bias (first block)
-// or the item's partial sums `part` (kSub apart), and end in y (last block) or back in `part`.
+// or the item's partial sums `part` (kSub apart), and end in y (last block) or back in `part`. Its
+// first `prefetch_pairs` pairs each prefetch one line of `prefetch` (none where it is null).
 // A function of its own: the tile's 12 sums, 2 weight vectors and a broadcast take 15 of the 16 ymm
 // registers, and inlined into the item loop the register allocator spilled a sum to the stack or not
 // depending on the code around it (a small change to that loop once made the blocked linear far slower).
 template <int MR>
 __attribute__((noinline)) void block_pass(const float* a, const float* b, int64_t pairs, float* part, bool first, bool last,
-                                const __m256 (&start)[2], c10::BFloat16* y, int64_t n, int64_t cols, const uint32_t* prefetch) {
+                                const __m256 (&start)[2], c10::BFloat16* y, int64_t n, int64_t cols, const uint32_t* prefetch,
+                                int64_t prefetch_pairs) {
   __m256 acc[MR][2];
 #pragma GCC unroll 6
   for (int i = 0; i < MR; ++i)
     for (int h = 0; h < 2; ++h) acc[i][h] = first ? start[h] : _mm256_load_ps(part + i * kSub + 8 * h);
-  if (prefetch != nullptr) micro_tile<MR, true>(acc, a, b, pairs, prefetch);
-  else micro_tile<MR, false>(acc, a, b, pairs, nullptr);
+  const int64_t with = prefetch == nullptr ? 0 : std::min(prefetch_pairs, pairs);
+  if (with > 0) micro_tile<MR, true>(acc, a, b, with, prefetch);
+  micro_tile<MR, false>(acc, a + 2 * with * MR, b + 2 * with * kSub, pairs - with, nullptr);
 #pragma GCC unroll 6
   for (int i = 0; i < MR; ++i)
     for (int h = 0; h < 2; ++h) {
@@ -253,8 +256,9 @@ inline void linear_blocked(c10::BFloat16* y, const c10::BFloat16* x, const uint3
         widened = chunk;
       }
       const uint32_t* panel = w + p * pairs * kPanel;
-      // The sub-panel this thread runs next streams into L2 meanwhile: the first pass over each block
-      // fetches its line of every pair row of the block.
+      // The sub-panel this thread runs next streams into L2 meanwhile: each pass over a block fetches
+      // its share of the block's pair rows (one line each), so the requests spread over all the passes;
+      // all of them in the first pass left the FMAs of a few-row batch waiting on DRAM more often.
       const int64_t next_sub = following % subs;
       const uint32_t* next = following < items.total() && next_sub != item % subs
                                  ? w + next_sub / kSubs * pairs * kPanel + next_sub % kSubs * kSub
@@ -269,9 +273,10 @@ inline void linear_blocked(c10::BFloat16* y, const c10::BFloat16* x, const uint3
         for (int64_t pass = 0, r = 0; pass < passes; ++pass) {
           const int64_t mr = pass_rows(rows, passes, pass);
           with_rows<kTileRows>(mr, [&](auto mr_c) {
+            const int64_t lo = bp * pass / passes, hi = bp * (pass + 1) / passes;
             block_pass<decltype(mr_c)::value>(s.x.data() + r * k + 2 * p0 * mr, b, bp, s.part + r * kSub, first,
                                               last, start, y + (m0 + r) * n + c0, n, cols,
-                                              pass == 0 && next != nullptr ? next + p0 * kPanel : nullptr);
+                                              next != nullptr ? next + (p0 + lo) * kPanel : nullptr, hi - lo);
           });
           r += mr;
         }
