@@ -21,6 +21,10 @@ prompt's end; the streams are then closed. Reported per stack:
   gateway's /metrics, differenced over the window): bytes and seconds per transferred token, and
   each executor's mean step time.
 
+After the split, its decode floor (``loadtests/decode_floor.py``): its streams alone in one engine
+on the decode executor's cores; the floor's step p99 over the aggregated ITL p99 is the lowest ITL
+p99 ratio the split can reach there.
+
 Writes loadtests/results/bench_disagg.json. ``measure(args)`` is the whole measurement (both stacks
 and ``summarize``'s per-token transfer cost and ratios) as that JSON, for ``loadtests/report/``.
 """
@@ -49,6 +53,7 @@ from loadtests.bench_serving import (
     send_one,
     sse_chunks,
 )
+from loadtests.decode_floor import decode_floor
 from loadtests.results import write_json
 from services.cli.launcher import StackConfig, launch
 from services.executor.config import parse_cpu_list
@@ -170,6 +175,10 @@ async def run_workload(base_url: str, args: argparse.Namespace) -> dict[str, Any
     num_ended = sum(bool(s.chunk_times) and s.chunk_times[-1] < t1 for s in streams)
     if num_ended:
         print("warning: a stream ended inside the window: raise --stream-output", file=sys.stderr)
+    # Each stream's context (prompt + tokens received) when the window opened and when it closed.
+    prompt_len = args.stream_prompt_len
+    contexts_at_start = [prompt_len + sum(t < t0 for t in s.chunk_times) for s in streams]
+    contexts_at_end = [prompt_len + sum(t <= t1 for t in s.chunk_times) for s in streams]
     for s in streams:
         inside = [t for t in s.chunk_times if t0 <= t <= t1]
         stream_tokens += len(inside)
@@ -193,6 +202,7 @@ async def run_workload(base_url: str, args: argparse.Namespace) -> dict[str, Any
             "p50": percentile([r.ttft_s for r in ok_long], 50) * 1000,
             "p99": percentile([r.ttft_s for r in ok_long], 99) * 1000,
         },
+        "stream_contexts": [min(contexts_at_start), max(contexts_at_end)],
         "output_tok_s": (stream_tokens + long_tokens) / window,
         "stream_tok_s": stream_tokens / window,
         "executors": executor_deltas(metrics_before, metrics_after),
@@ -296,8 +306,11 @@ TARGET_ITL_P99_RATIO = 0.5
 TARGET_THROUGHPUT_RATIO = 1.0
 
 
-def summarize(results: dict[str, dict[str, Any]], long_len: int) -> dict[str, Any]:
-    """Per mode, the transfer cost per prompt token; with both modes, disagg / aggregated ratios."""
+def summarize(
+    results: dict[str, dict[str, Any]], long_len: int, floor: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Per mode, the transfer cost per prompt token; with both modes, disagg / aggregated ratios,
+    and with the split's decode floor, the lowest ITL p99 ratio that floor leaves the split."""
     summary: dict[str, Any] = {"per_mode": {}}
     for mode, r in results.items():
         nbytes, ms = transfer_per_token(r, long_len)
@@ -313,13 +326,34 @@ def summarize(results: dict[str, dict[str, Any]], long_len: int) -> dict[str, An
             "throughput_ratio": tput,
             "target_met": itl <= TARGET_ITL_P99_RATIO and tput >= TARGET_THROUGHPUT_RATIO,
         }
+        if floor is not None:
+            step, ratios = floor["step_ms"], summary["disagg_vs_aggregated"]
+            ratios["floor_itl_p99_ratio"] = step["p99"] / a["itl_ms"]["p99"]
+            ratios["floor_fastest_step_ratio"] = step["min"] / a["itl_ms"]["p99"]
     return summary
 
 
 def measure(args: argparse.Namespace, log: Callable[[str], None] = log_stderr) -> dict[str, Any]:
-    """Each of ``args.modes`` in turn, then ``summarize``: what ``main`` writes as JSON."""
+    """Each of ``args.modes`` in turn, then (after the split) its decode floor, then ``summarize``:
+    what ``main`` writes as JSON."""
     results = {m: run_mode(m, args, log) for m in args.modes.split(",")}
-    return {"args": vars(args), "results": results, "summary": summarize(results, args.long_len)}
+    floor = None
+    if "disagg" in results:
+        cpus = parse_cpu_list(args.cpus.split(";")[-1])  # the decode executor's (launched last)
+        log(f"[floor] {args.streams} streams decoding in one engine on cpus {cpus}...")
+        rng = random.Random(args.seed)
+        prompts = [
+            [rng.randrange(*TOKEN_RANGE) for _ in range(args.stream_prompt_len)]
+            for _ in range(args.streams)
+        ]
+        first, last = results["disagg"]["stream_contexts"]
+        floor = decode_floor(prompts, cpus, (first, last), dtype=args.dtype, seed=args.seed)
+    return {
+        "args": vars(args),
+        "results": results,
+        "decode_floor": floor,
+        "summary": summarize(results, args.long_len, floor),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -348,6 +382,19 @@ def main(argv: list[str] | None = None) -> int:
             f"{TARGET_ITL_P99_RATIO}), throughput ratio = {ratios['throughput_ratio']:.2f} (target "
             f">= {TARGET_THROUGHPUT_RATIO:g}): {'met' if ratios['target_met'] else 'not met'}"
         )
+    if (floor := data["decode_floor"]) is not None:
+        step = floor["step_ms"]
+        print(
+            f"\nthe split's decode floor (engine alone, {args.streams} streams on cpus "
+            f"{floor['cpus']}, contexts {floor['contexts'][0]}-{floor['contexts'][1]}): step p50 "
+            f"{step['p50']:.0f} ms, p99 {step['p99']:.0f} ms, fastest {step['min']:.0f} ms"
+        )
+        if ratios:
+            print(
+                f"  against the aggregated ITL p99: {ratios['floor_itl_p99_ratio']:.2f} (p99), "
+                f"{ratios['floor_fastest_step_ratio']:.2f} (fastest step): the lowest ITL p99 "
+                "ratio the split can reach on these cores"
+            )
     path = write_json(args.out, data)
     print(f"wrote {path}")
     return 0

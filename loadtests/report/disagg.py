@@ -206,6 +206,22 @@ def reading(raw: dict[str, Any]) -> str:
         f"{per['kv_bytes_per_token']:,.0f} bytes and {per['kv_transfer_ms_per_token']:.3f} ms per "
         f"prompt token. Target (ITL p99 <= 0.5x at >= 1x throughput): "
         f"{'met' if ratios['target_met'] else 'not met'}."
+    ) + floor_reading(raw)
+
+
+def floor_reading(raw: dict[str, Any]) -> str:
+    """What the split's decode floor (``bench_disagg.decode_floor``) leaves it, where measured."""
+    floor, ratios = raw.get("decode_floor"), raw["summary"]["disagg_vs_aggregated"]
+    if floor is None:
+        return ""
+    step = floor["step_ms"]
+    return (
+        f" The decode executor's engine alone on its core ({raw['args']['streams']} streams, "
+        f"contexts {floor['contexts'][0]}-{floor['contexts'][1]}) steps in {step['p50']:.0f} ms "
+        f"p50, {step['p99']:.0f} ms p99, {step['min']:.0f} ms at the fastest: every token waits "
+        f"for a step, so the split's ITL p99 cannot fall below "
+        f"{ratios['floor_itl_p99_ratio']:.2f}x the aggregated one here "
+        f"({ratios['floor_fastest_step_ratio']:.2f}x at the fastest step)."
     )
 
 

@@ -441,6 +441,25 @@ def test_disagg_section_reads_its_json_side_by_side():
     assert section.commands == [_disagg_raw()["command"]]
 
 
+def test_disagg_floor_bounds_the_split_against_the_aggregated_p99():
+    raw = _disagg_raw()
+    raw["decode_floor"] = {
+        "cpus": [1],
+        "contexts": [40, 400],
+        "step_ms": {"p50": 80.0, "p99": 90.0, "min": 60.0, "count": 360},
+    }
+    raw["summary"] = bench_disagg.summarize(
+        raw["results"], raw["args"]["long_len"], raw["decode_floor"]
+    )
+    ratios = raw["summary"]["disagg_vs_aggregated"]
+    assert ratios["floor_itl_p99_ratio"] == pytest.approx(0.09)  # 90 ms against 1,000 aggregated
+    assert ratios["floor_fastest_step_ratio"] == pytest.approx(0.06)
+    reading = disagg.build(raw).reading
+    assert "(8 streams, contexts 40-400) steps in 80 ms p50, 90 ms p99, 60 ms" in reading
+    assert "cannot fall below 0.09x the aggregated one here (0.06x at the fastest step)" in reading
+    assert "decode executor" not in disagg.build(_disagg_raw()).reading  # no floor, no sentence
+
+
 def test_disagg_section_notes_errors_and_short_streams():
     raw = _disagg_raw()
     raw["results"]["aggregated"]["long_errors"] = ["502: executor lost"]
