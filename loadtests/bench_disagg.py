@@ -132,20 +132,24 @@ def body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
     }
 
 
+def random_ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(*TOKEN_RANGE) for _ in range(n)]
+
+
+def stream_prompts(args: argparse.Namespace, rng: random.Random) -> list[list[int]]:
+    """The streams' prompts: the first draws of ``rng`` (seeded with ``args.seed``), so the decode
+    floor steps the same prompts the stacks' streams sent."""
+    return [random_ids(rng, args.stream_prompt_len) for _ in range(args.streams)]
+
+
 async def run_workload(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
-
-    def ids(n: int) -> list[int]:
-        return [rng.randrange(*TOKEN_RANGE) for _ in range(n)]
-
     async with client_session(base_url, args.streams + args.num_long + 4, 600) as client:
         stop = asyncio.Event()
         streams = [Stream() for _ in range(args.streams)]
         tasks = [
-            asyncio.create_task(
-                stream_until(client, body(ids(args.stream_prompt_len), args.stream_output), s, stop)
-            )
-            for s in streams
+            asyncio.create_task(stream_until(client, body(prompt, args.stream_output), s, stop))
+            for prompt, s in zip(stream_prompts(args, rng), streams, strict=True)
         ]
         while not all(len(s.chunk_times) >= 2 or s.error for s in streams):
             await asyncio.sleep(0.1)
@@ -154,7 +158,7 @@ async def run_workload(base_url: str, args: argparse.Namespace) -> dict[str, Any
             raise RuntimeError(f"streams failed: {errors[:3]}")
         metrics_before = await scrape(client)
         t0 = time.perf_counter()
-        long_prompts = [ids(args.long_len) for _ in range(args.num_long)]
+        long_prompts = [random_ids(rng, args.long_len) for _ in range(args.num_long)]
         longs: list[asyncio.Task[RequestResult]] = []
         for i, prompt in enumerate(long_prompts):
             if i:
@@ -341,11 +345,7 @@ def measure(args: argparse.Namespace, log: Callable[[str], None] = log_stderr) -
     if "disagg" in results:
         cpus = parse_cpu_list(args.cpus.split(";")[-1])  # the decode executor's (launched last)
         log(f"[floor] {args.streams} streams decoding in one engine on cpus {cpus}...")
-        rng = random.Random(args.seed)
-        prompts = [
-            [rng.randrange(*TOKEN_RANGE) for _ in range(args.stream_prompt_len)]
-            for _ in range(args.streams)
-        ]
+        prompts = stream_prompts(args, random.Random(args.seed))
         first, last = results["disagg"]["stream_contexts"]
         floor = decode_floor(prompts, cpus, (first, last), dtype=args.dtype, seed=args.seed)
     return {
