@@ -201,10 +201,10 @@ def test_decode_attention_rejects_lengths_beyond_the_block_table(ops):
         )
 
 
-# Rows: decode sizes, tile remainders (passes of at most 8, or 6), more than one 48- or 96-row
-# chunk; columns: a part-filled last panel of 48, fewer than one panel, 32 panels and more (the AVX2
-# form's threads then claim whole panels); inputs: more than one block of 256 features (the AVX2
-# form's), the last one short.
+# Rows: decode sizes, tile remainders (passes of at most 8, or 6), more than one 48-row chunk (the
+# dot-product form's) or 512-row group (the AVX2 form's); columns: a part-filled last panel of 48,
+# fewer than one panel, 32 panels and more (the AVX2 form's threads then claim whole panels);
+# inputs: more than one block of 256 features (the AVX2 form's), the last one short.
 @pytest.mark.parametrize(
     "m,n,k,bias",
     [
@@ -219,6 +219,7 @@ def test_decode_attention_rejects_lengths_beyond_the_block_table(ops):
         (13, 49, 2, False),
         (40, 1601, 576, False),
         (200, 1550, 260, True),
+        (1030, 70, 300, True),
     ],
 )
 def test_linear_bf16_is_an_fp32_accumulated_matmul(ops, m, n, k, bias):
@@ -233,7 +234,9 @@ def test_linear_bf16_is_an_fp32_accumulated_matmul(ops, m, n, k, bias):
     )
 
 
-@pytest.mark.parametrize("m,k,n", [(40, 576, 150), (200, 1536, 150), (40, 576, 1601)])
+@pytest.mark.parametrize(
+    "m,k,n", [(40, 576, 150), (200, 1536, 150), (40, 576, 1601), (1100, 300, 70)]
+)
 def test_linear_bf16_gives_a_row_the_same_result_in_any_batch(ops, m, k, n):
     """Each output is the same fp32 sum, in the same order, whether its row comes alone or with
     others."""

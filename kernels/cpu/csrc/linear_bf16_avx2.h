@@ -12,21 +12,23 @@
 //   every row (4 shifts / masks per 4 x rows FMAs); the three sub-panels of a panel read their own
 //   cache line of each pair row, and each prefetches its lines of the next panel.
 // - More rows: widening costs as much as the FMAs it feeds, so it is done once per block of a
-//   sub-panel for all the rows of a chunk: kBlockPairs pairs (2 x 128 input features) of one 16-column
-//   sub-panel become an fp32 scratch [256][16] per thread (16 KB: it stays in L1 while every pass of
-//   the chunk's rows reads it; all three sub-panels' at once, 48 KB, did not), and a 6-row x 16-column
-//   micro-tile (12 accumulators, 2 weight registers, a broadcast input) runs over it: 12 FMAs per 2
-//   loads and 6 broadcasts. Sums cross the K blocks through an fp32 buffer of the item's tile. Threads
-//   claim (row chunk, sub-panel) items chunk by chunk (parallel_claim): a decode batch's small linears
-//   have few panels, and a thread left holding the last of them kept its partner waiting at the join;
-//   sub-panels are a third as long. Where panels are many (from kWholePanels on: the tied head's
-//   1,024), a thread claims a panel's three sub-panels together, so one core reads each 192-byte pair
-//   row whole rather than one line of it beside the other core reading the next. A thread widens its
-//   chunk's x into a buffer of its own (kRowChunk x K fp32, L2-resident) when the chunk changes, each
-//   pass's rows packed side by side ([feature][row]: the pass's broadcasts read one run of consecutive
-//   addresses, not one per row). The sub-panel of the item a thread runs next is prefetched into L2
-//   during the current one's FMAs, so a batch of a few rows streams the weights from DRAM while it
-//   computes instead of in turns.
+//   sub-panel for all the rows of a group (up to kGroupRows, a whole default prefill chunk; the
+//   group's x, at most 512 x K fp32, is read once per item and stays in L3): kBlockPairs pairs
+//   (2 x 128 input features) of one 16-column sub-panel become an fp32 scratch [256][16] per thread
+//   (16 KB: it stays in L1 while every pass of the group's rows reads it; all three sub-panels' at
+//   once, 48 KB, did not), and a 6-row x 16-column micro-tile (12 accumulators, 2 weight registers, a
+//   broadcast input) runs over it: 12 FMAs per 2 loads and 6 broadcasts. Sums cross the K blocks
+//   through an fp32 buffer of the item's rows. x is widened to fp32 once per call by all the threads
+//   together, block by block with each pass's rows side by side ([feature][row], pack_pass): a
+//   pass's broadcasts read one run of consecutive addresses, and the passes over a block follow each
+//   other, one stream for the prefetchers. Threads claim (row group, sub-panel) items one at a time
+//   (parallel_claim): a decode batch's small linears have few panels, and a thread left holding the
+//   last of them kept its partner waiting at the join; sub-panels are a third as long. Where panels
+//   are many (from kWholePanels on: the tied head's 1,024), a thread claims a panel's three
+//   sub-panels together, so one core reads each 192-byte pair row whole rather than one line of it
+//   beside the other core reading the next. The sub-panel of the item a thread runs next is
+//   prefetched into L2 during the current one's FMAs, so a batch of a few rows streams the weights
+//   from DRAM while it computes instead of in turns.
 #pragma once
 
 #include "linear_panels.h"
@@ -34,7 +36,7 @@
 namespace llmserve {
 namespace bf16_avx2 {
 
-constexpr int64_t kRowChunk = 96, kBlockPairs = 128, kSub = 16, kSubs = kPanel / kSub;
+constexpr int64_t kGroupRows = 512, kBlockPairs = 128, kSub = 16, kSubs = kPanel / kSub;
 constexpr int kTileRows = 6;
 constexpr int64_t kWholePanels = 32;
 
@@ -53,13 +55,6 @@ LLMSERVE_INLINE void bias_start(__m256 (&start)[2], const c10::BFloat16* bias, i
 inline void widen_rows(float* dst, const c10::BFloat16* x, int64_t rows, int64_t k) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < k; j += 8) store8(dst + r * k + j, load8(x + r * k + j, k - j), k - j);
-}
-
-// rows (<= kTileRows) x k bf16 (row-major, k apart) -> fp32 at dst as [k][rows]: the rows of one
-// micro-tile pass side by side, so that its broadcasts read one stream of consecutive addresses.
-inline void pack_rows(float* dst, const c10::BFloat16* x, int64_t rows, int64_t k) {
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = 0; j < k; ++j) dst[j * rows + i] = to_float(x[i * k + j]);
 }
 
 // ---- one row ------------------------------------------------------------------------------------------
@@ -221,40 +216,67 @@ __attribute__((noinline)) void block_pass(const float* a, const float* b, int64_
     }
 }
 
+// The pass of mr rows from row r of a group of `rows` rows of x (bf16, 2 * pairs apart) -> fp32 at the
+// group's xp, K block by K block: block b (pairs [p0, p0 + bp)) holds the group's features of the
+// block from rows * 2 * p0 on, and in it the pass's rows are packed [feature][row] from r * 2 * bp on.
+inline void pack_pass(float* xp, const c10::BFloat16* x, int64_t rows, int64_t pairs, int64_t block_pairs, int64_t r,
+                      int64_t mr) {
+  const int64_t k = 2 * pairs;
+  for (int64_t p0 = 0; p0 < pairs; p0 += block_pairs) {
+    const int64_t bp = std::min(block_pairs, pairs - p0);
+    float* dst = xp + rows * 2 * p0 + r * 2 * bp;
+    for (int64_t i = 0; i < mr; ++i)
+      for (int64_t j = 0; j < 2 * bp; ++j) dst[j * mr + i] = to_float(x[(r + i) * k + 2 * p0 + j]);
+  }
+}
+
+// The row pass `pass` starts at when `rows` rows go in `passes` passes (pass_rows' split).
+LLMSERVE_INLINE int64_t pass_start(int64_t rows, int64_t passes, int64_t pass) {
+  return pass * (rows / passes) + std::min(pass, rows % passes);
+}
+
 struct Scratch {
-  std::vector<float> x;  // the chunk's rows, fp32
   alignas(64) float block[2 * kBlockPairs * kSub];
-  alignas(64) float part[kRowChunk * kSub];  // the item's partial sums across K blocks, [row][16]
+  std::vector<__m256> part;  // the item's partial sums across K blocks, [row][16] (aligned for block_pass)
 };
+
+// Internal linkage: a function-local thread_local in this inline code would be one object for every
+// kernel build loaded in the process (a GNU unique symbol), shared by builds whose Scratch differs.
+namespace {
+thread_local std::unique_ptr<Scratch> t_scratch;
+}
 
 inline void linear_blocked(c10::BFloat16* y, const c10::BFloat16* x, const uint32_t* w, const c10::BFloat16* bias, int64_t m,
                            int64_t n, int64_t pairs) {
-  const int64_t k = 2 * pairs, panels = (n + kPanel - 1) / kPanel;
-  const int64_t chunks = (m + kRowChunk - 1) / kRowChunk, chunk_rows = (m + chunks - 1) / chunks;
+  const int64_t k = 2 * pairs, panels = (n + kPanel - 1) / kPanel, subs = panels * kSubs;
+  const int64_t groups = (m + kGroupRows - 1) / kGroupRows, group_rows = (m + groups - 1) / groups;
   const int64_t blocks = (pairs + kBlockPairs - 1) / kBlockPairs, block_pairs = (pairs + blocks - 1) / blocks;
-  const int64_t subs = panels * kSubs;  // the items of a row chunk: its 16-column sub-panels
-  parallel_claim(chunks * subs, [&](ItemCounter& items) {
-    static thread_local std::unique_ptr<Scratch> scratch;
-    if (!scratch) scratch = std::make_unique<Scratch>();
-    Scratch& s = *scratch;
-    int64_t widened = -1;
+  // Group g: rows [g * group_rows, + rows_of(g)), packed from g * group_rows * k on, in passes_of(g) passes.
+  auto rows_of = [&](int64_t g) { return std::min(group_rows, m - g * group_rows); };
+  auto passes_of = [&](int64_t g) { return (rows_of(g) + kTileRows - 1) / kTileRows; };
+  std::unique_ptr<float[]> xp(new float[m * k]);  // every element is written below
+  const int64_t group_passes = (group_rows + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, groups * group_passes, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t g = i / group_passes, pass = i % group_passes, rows = rows_of(g), passes = passes_of(g);
+      if (pass >= passes) continue;  // the last group can be shorter
+      const int64_t g0 = g * group_rows;
+      pack_pass(xp.get() + g0 * k, x + g0 * k, rows, pairs, block_pairs, pass_start(rows, passes, pass),
+                pass_rows(rows, passes, pass));
+    }
+  });
+  parallel_claim(groups * subs, [&](ItemCounter& items) {
+    if (!t_scratch) t_scratch = std::make_unique<Scratch>();
+    Scratch& s = *t_scratch;
+    if (static_cast<int64_t>(s.part.size()) < 2 * group_rows) s.part.resize(2 * group_rows);
+    float* part = reinterpret_cast<float*>(s.part.data());
     for (int64_t item = items.claim(), following; item < items.total(); item = following) {
       following = items.after(item);
-      const int64_t chunk = item / subs, p = item % subs / kSubs, sub = item % kSubs;
+      const int64_t g = item / subs, p = item % subs / kSubs, sub = item % kSubs;
       const int64_t c0 = p * kPanel + sub * kSub;
       if (c0 >= n) continue;  // the last panel's sub-panels past n
-      const int64_t cols = std::min(kSub, n - c0);
-      const int64_t m0 = chunk * chunk_rows, rows = std::min(chunk_rows, m - m0);
-      const int64_t passes = (rows + kTileRows - 1) / kTileRows;
-      if (chunk != widened) {  // the chunk's rows as fp32, each pass's rows packed [feature][row]
-        if (static_cast<int64_t>(s.x.size()) < rows * k) s.x.resize(rows * k);
-        for (int64_t pass = 0, r = 0; pass < passes; ++pass) {
-          const int64_t mr = pass_rows(rows, passes, pass);
-          pack_rows(s.x.data() + r * k, x + (m0 + r) * k, mr, k);
-          r += mr;
-        }
-        widened = chunk;
-      }
+      const int64_t cols = std::min(kSub, n - c0), g0 = g * group_rows, rows = rows_of(g), passes = passes_of(g);
+      const float* xg = xp.get() + g0 * k;
       const uint32_t* panel = w + p * pairs * kPanel;
       // The sub-panel this thread runs next streams into L2 meanwhile: each pass over a block fetches
       // its share of the block's pair rows (one line each), so the requests spread over all the passes;
@@ -269,16 +291,15 @@ inline void linear_blocked(c10::BFloat16* y, const c10::BFloat16* x, const uint3
         const int64_t bp = std::min(block_pairs, pairs - p0);
         const bool first = p0 == 0, last = p0 + bp == pairs;
         widen_block(s.block, panel, p0, bp, sub);
-        const float* b = s.block;
-        for (int64_t pass = 0, r = 0; pass < passes; ++pass) {
-          const int64_t mr = pass_rows(rows, passes, pass);
+        const float* a = xg + rows * 2 * p0;
+        for (int64_t pass = 0; pass < passes; ++pass) {
+          const int64_t r = pass_start(rows, passes, pass), mr = pass_rows(rows, passes, pass);
+          const int64_t lo = bp * pass / passes, hi = bp * (pass + 1) / passes;
           with_rows<kTileRows>(mr, [&](auto mr_c) {
-            const int64_t lo = bp * pass / passes, hi = bp * (pass + 1) / passes;
-            block_pass<decltype(mr_c)::value>(s.x.data() + r * k + 2 * p0 * mr, b, bp, s.part + r * kSub, first,
-                                              last, start, y + (m0 + r) * n + c0, n, cols,
+            block_pass<decltype(mr_c)::value>(a + r * 2 * bp, s.block, bp, part + r * kSub, first, last, start,
+                                              y + (g0 + r) * n + c0, n, cols,
                                               next != nullptr ? next + (p0 + lo) * kPanel : nullptr, hi - lo);
           });
-          r += mr;
         }
       }
     }
