@@ -91,10 +91,13 @@ def test_rope_and_cache_rejects_out_of_range_slots(ops):
         )
 
 
+# Whole runs of two vectors, a part-filled last vector (100, 7), and rows split between threads
+# (5 x 1000: the kernel shares rows x features out in runs of at least 4,096).
+@pytest.mark.parametrize("rows,inter", [(3, 96), (2, 100), (4, 7), (5, 1000)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul(ops, dtype):
-    gu = torch.randn(3, 2 * 96, generator=torch.Generator().manual_seed(2)).to(dtype)
-    gate, up = gu.split(96, dim=-1)
+def test_silu_mul(ops, dtype, rows, inter):
+    gu = torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(2)).to(dtype)
+    gate, up = gu.split(inter, dim=-1)
     torch.testing.assert_close(ops.silu_mul(gu), F.silu(gate) * up, **TOL[dtype])
 
 
