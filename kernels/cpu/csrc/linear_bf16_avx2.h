@@ -230,11 +230,6 @@ inline void pack_pass(float* xp, const c10::BFloat16* x, int64_t rows, int64_t p
   }
 }
 
-// The row pass `pass` starts at when `rows` rows go in `passes` passes (pass_rows' split).
-LLMSERVE_INLINE int64_t pass_start(int64_t rows, int64_t passes, int64_t pass) {
-  return pass * (rows / passes) + std::min(pass, rows % passes);
-}
-
 struct Scratch {
   alignas(64) float block[2 * kBlockPairs * kSub];
   std::vector<__m256> part;  // the item's partial sums across K blocks, [row][16] (aligned for block_pass)

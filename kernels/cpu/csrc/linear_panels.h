@@ -75,6 +75,11 @@ LLMSERVE_INLINE int64_t pass_rows(int64_t rows, int64_t passes, int64_t pass) {
   return rows / passes + (pass < rows % passes ? 1 : 0);
 }
 
+// The first row of pass `pass` in the same split.
+LLMSERVE_INLINE int64_t pass_start(int64_t rows, int64_t passes, int64_t pass) {
+  return pass * (rows / passes) + std::min(pass, rows % passes);
+}
+
 // Runs tile(std::integral_constant<int, MR>, r0, n0, panel, prefetch) over y[m, n] = x[m, :] W^T for a
 // weight packed in panels of `units` 32-bit units: threads claim (panel, chunk of kMChunk rows) items
 // (parallel_claim; a one-row call's panels in one run per thread, panel_grain), each knowing the one it
