@@ -204,10 +204,12 @@ def test_decode_attention_rejects_lengths_beyond_the_block_table(ops):
         )
 
 
-# Rows: decode sizes, tile remainders (passes of at most 8, or 6), more than one 48-row chunk (the
-# dot-product form's) or 512-row group (the AVX2 form's); columns: a part-filled last panel of 48,
-# fewer than one panel, 32 panels and more (the AVX2 form's threads then claim whole panels);
-# inputs: more than one block of 256 features (the AVX2 form's), the last one short.
+# Rows: decode sizes, tile remainders (passes of at most 8, or 6), groups the AVX2 form widens in
+# the tile (up to 64 rows) or in a block first, more than one 48-row chunk (the dot-product form's)
+# or 512-row group (the AVX2 form's); columns: a part-filled last panel of 48, fewer than one panel,
+# 32 panels and more (the AVX2 form's threads then claim whole panels); inputs: more than one block
+# of 256 features (the AVX2 form's), the last one short, or whole (7 rows: a pass of 3 packs its
+# features right up to the next block's).
 @pytest.mark.parametrize(
     "m,n,k,bias",
     [
@@ -216,6 +218,7 @@ def test_decode_attention_rejects_lengths_beyond_the_block_table(ops):
         (2, 5, 40, False),
         (4, 200, 64, True),
         (7, 96, 100, False),
+        (7, 50, 512, True),
         (32, 131, 576, True),
         (101, 70, 64, True),
         (250, 1000, 1538, True),

@@ -11,24 +11,25 @@
 //   the rows x one 16-column sub-panel widens each pair's two weight vectors in registers once for
 //   every row (4 shifts / masks per 4 x rows FMAs); the three sub-panels of a panel read their own
 //   cache line of each pair row, and each prefetches its lines of the next panel.
-// - More rows: widening costs as much as the FMAs it feeds, so it is done once per block of a
-//   sub-panel for all the rows of a group (up to kGroupRows, a whole default prefill chunk; the
-//   group's x, at most 512 x K fp32, is read once per item and stays in L3): kBlockPairs pairs
-//   (2 x 128 input features) of one 16-column sub-panel become an fp32 scratch [256][16] per thread
-//   (16 KB: it stays in L1 while every pass of the group's rows reads it; all three sub-panels' at
-//   once, 48 KB, did not), and a 6-row x 16-column micro-tile (12 accumulators, 2 weight registers, a
-//   broadcast input) runs over it: 12 FMAs per 2 loads and 6 broadcasts. Sums cross the K blocks
-//   through an fp32 buffer of the item's rows. x is widened to fp32 once per call by all the threads
-//   together, block by block with each pass's rows side by side ([feature][row], pack_pass): a
-//   pass's broadcasts read one run of consecutive addresses, and the passes over a block follow each
-//   other, one stream for the prefetchers. Threads claim (row group, sub-panel) items one at a time
-//   (parallel_claim): a decode batch's small linears have few panels, and a thread left holding the
-//   last of them kept its partner waiting at the join; sub-panels are a third as long. Where panels
-//   are many (from kWholePanels on: the tied head's 1,024), a thread claims a panel's three
-//   sub-panels together, so one core reads each 192-byte pair row whole rather than one line of it
-//   beside the other core reading the next. The sub-panel of the item a thread runs next is
-//   prefetched into L2 during the current one's FMAs, so a batch of a few rows streams the weights
-//   from DRAM while it computes instead of in turns.
+// - More rows: a 6-row x 16-column micro-tile (12 accumulators, 2 weight registers, a broadcast
+//   input) runs over blocks of kBlockPairs pairs (2 x 128 input features) of one 16-column
+//   sub-panel: 12 FMAs per 2 weight vectors and 6 broadcasts. Up to kRawRows rows (decode batches)
+//   the tile widens the block's pair rows itself as it reads them. For more rows, widening in every
+//   pass would cost more than once per block for all the rows of a group (up to kGroupRows, a whole
+//   default prefill chunk; the group's x, at most 512 x K fp32, is read once per item and stays in
+//   L3): the block becomes an fp32 scratch [256][16] per thread (16 KB: it stays in L1 while every
+//   pass of the group's rows reads it; all three sub-panels' at once, 48 KB, did not). Sums cross
+//   the K blocks through an fp32 buffer of the item's rows. x is widened to fp32 once per call by
+//   all the threads together, block by block with each pass's rows side by side ([feature][row],
+//   pack_pass): a pass's broadcasts read one run of consecutive addresses, and the passes over a
+//   block follow each other, one stream for the prefetchers. Threads claim (row group, sub-panel)
+//   items one at a time (parallel_claim): a decode batch's small linears have few panels, and a
+//   thread left holding the last of them kept its partner waiting at the join; sub-panels are a
+//   third as long. Where panels are many (from kWholePanels on: the tied head's 1,024), a thread
+//   claims a panel's three sub-panels together, so one core reads each 192-byte pair row whole
+//   rather than one line of it beside the other core reading the next. The sub-panel of the item a
+//   thread runs next is prefetched into L2 during the current one's FMAs, so a batch of a few rows
+//   streams the weights from DRAM while it computes instead of in turns.
 #pragma once
 
 #include "linear_panels.h"
@@ -39,6 +40,11 @@ namespace bf16_avx2 {
 constexpr int64_t kGroupRows = 512, kBlockPairs = 128, kSub = 16, kSubs = kPanel / kSub;
 constexpr int kTileRows = 6;
 constexpr int64_t kWholePanels = 32;
+// Groups of at most kRawRows rows widen the weights in the tile: widening a block first costs 4
+// stores a pair, shared only by the group's rows (at 32 rows ~6% of the FMAs' time); in the tile it
+// is 2 shifts and 2 masks a pair in every pass, which the FMAs of 64-128 rows begin to feel
+// (loadtests/RESULTS.md).
+constexpr int64_t kRawRows = 64;
 
 LLMSERVE_INLINE __m256 widen_even(__m256i u) { return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)); }
 LLMSERVE_INLINE __m256 widen_odd(__m256i u) {
@@ -148,32 +154,62 @@ inline void linear_subs(c10::BFloat16* y, const c10::BFloat16* x, const uint32_t
   });
 }
 
-// ---- blocked: fp32 micro-tiles on a widened block ---------------------------------------------------------
-// One input feature k of MR rows (a: fp32 [feature][MR]) against 16 columns (b: [k][16] fp32), into acc.
+// ---- blocked: fp32 micro-tiles over blocks of a sub-panel ------------------------------------------------
+// One input feature of MR rows (a: their MR fp32 values) against 16 columns' weights (b0, b1), into acc.
 template <int MR>
-LLMSERVE_INLINE void micro_step(__m256 (&acc)[MR][2], const float* a, const float* b, int64_t k) {
-  const __m256 b0 = _mm256_load_ps(b + k * kSub), b1 = _mm256_load_ps(b + k * kSub + 8);
+LLMSERVE_INLINE void micro_step(__m256 (&acc)[MR][2], const float* a, __m256 b0, __m256 b1) {
 #pragma GCC unroll 6
   for (int i = 0; i < MR; ++i) {
-    const __m256 av = _mm256_broadcast_ss(a + k * MR + i);
+    const __m256 av = _mm256_broadcast_ss(a + i);
     acc[i][0] = _mm256_fmadd_ps(av, b0, acc[i][0]);
     acc[i][1] = _mm256_fmadd_ps(av, b1, acc[i][1]);
   }
 }
 
-// MR rows x 16 columns over 2 * pairs input features, into acc; with kPrefetch, one line a pair of
-// `prefetch` (kPanel units apart) into L2. The pair's two steps are written out and the prefetch
-// choice is a template argument, so the loop body is straight-line code (a loop over the pair's two
-// features with a run-time test beside it left GCC a loop of one step, whose counter and branch took
-// issue slots from the FMAs).
-template <int MR, bool kPrefetch>
-LLMSERVE_INLINE void micro_tile(__m256 (&acc)[MR][2], const float* a, const float* b, int64_t pairs,
+// The odd weights of the 8 pair units at p (widen_odd), loaded and masked in one asm statement: the
+// compiler can neither merge this load with the even half's load of the same units (which would keep
+// those live across the pair) nor hold the mask in a register, so a 6-row tile's 12 sums, 2 weight
+// vectors and broadcast fit the 16 ymm registers (with plain intrinsics one sum was spilled, and the
+// tile ran 1.33x slower).
+alignas(32) inline constexpr uint32_t kOddMask[8] = {0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u,
+                                                    0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u};
+LLMSERVE_INLINE __m256 widen_odd_at(const uint32_t* p) {
+  __m256 r;
+  asm("vmovdqa %1, %0\n\tvpand %2, %0, %0"
+      : "=&x"(r)
+      : "m"(*reinterpret_cast<const __m256i*>(p)), "m"(*reinterpret_cast<const __m256i*>(kOddMask)));
+  return r;
+}
+
+// Pair kk (input features 2kk, 2kk + 1; a: [feature][MR]) of MR rows against 16 columns, into acc:
+// - b: fp32 [feature][16], a block widen_block made;
+// - b: the sub-panel's bf16 pair rows (kPanel units apart), widened here.
+template <int MR>
+LLMSERVE_INLINE void micro_pair(__m256 (&acc)[MR][2], const float* a, const float* b, int64_t kk) {
+  micro_step<MR>(acc, a + 2 * kk * MR, _mm256_load_ps(b + 2 * kk * kSub), _mm256_load_ps(b + 2 * kk * kSub + 8));
+  micro_step<MR>(acc, a + (2 * kk + 1) * MR, _mm256_load_ps(b + (2 * kk + 1) * kSub),
+                 _mm256_load_ps(b + (2 * kk + 1) * kSub + 8));
+}
+template <int MR>
+LLMSERVE_INLINE void micro_pair(__m256 (&acc)[MR][2], const float* a, const uint32_t* b, int64_t kk) {
+  const uint32_t* u = b + kk * kPanel;
+  micro_step<MR>(acc, a + 2 * kk * MR, widen_even(_mm256_load_si256(reinterpret_cast<const __m256i*>(u))),
+                 widen_even(_mm256_load_si256(reinterpret_cast<const __m256i*>(u + 8))));
+  micro_step<MR>(acc, a + (2 * kk + 1) * MR, widen_odd_at(u), widen_odd_at(u + 8));
+}
+
+// MR rows x 16 columns over pairs [begin, end), into acc; with kPrefetch, one line a pair of
+// `prefetch` (pair kk's at prefetch + (kk - begin) * kPanel) into L2. The prefetch choice is a template
+// argument, so the loop body is straight-line code (a run-time test beside it left GCC a loop of one
+// feature, whose counter and branch took issue slots from the FMAs).
+template <int MR, bool kPrefetch, typename B>
+LLMSERVE_INLINE void micro_tile(__m256 (&acc)[MR][2], const float* a, const B* b, int64_t begin, int64_t end,
                                 const uint32_t* prefetch) {
 #pragma GCC unroll 2
-  for (int64_t kk = 0; kk < pairs; ++kk) {
-    if constexpr (kPrefetch) _mm_prefetch(reinterpret_cast<const char*>(prefetch + kk * kPanel), _MM_HINT_T1);
-    micro_step<MR>(acc, a, b, 2 * kk);
-    micro_step<MR>(acc, a, b, 2 * kk + 1);
+  for (int64_t kk = begin; kk < end; ++kk) {
+    if constexpr (kPrefetch)
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + (kk - begin) * kPanel), _MM_HINT_T1);
+    micro_pair<MR>(acc, a, b, kk);
   }
 }
 
@@ -191,14 +227,15 @@ inline void widen_block(float* scratch, const uint32_t* panel, int64_t p0, int64
   }
 }
 
-// One pass of MR rows over a widened block and one sub-panel: sums start from the bias (first block)
-// or the item's partial sums `part` (kSub apart), and end in y (last block) or back in `part`. Its
-// first `prefetch_pairs` pairs each prefetch one line of `prefetch` (none where it is null).
+// One pass of MR rows over a block of one sub-panel, widened (b: float, widen_block) or not (b: its
+// pair rows): sums start from the bias (first block) or the item's partial sums `part` (kSub apart),
+// and end in y (last block) or back in `part`. Its first `prefetch_pairs` pairs each prefetch one line
+// of `prefetch` (none where it is null).
 // A function of its own: the tile's 12 sums, 2 weight vectors and a broadcast take 15 of the 16 ymm
 // registers, and inlined into the item loop the register allocator spilled a sum to the stack or not
 // depending on the code around it (a small change to that loop once made the blocked linear far slower).
-template <int MR>
-__attribute__((noinline)) void block_pass(const float* a, const float* b, int64_t pairs, float* part, bool first, bool last,
+template <int MR, typename B>
+__attribute__((noinline)) void block_pass(const float* a, const B* b, int64_t pairs, float* part, bool first, bool last,
                                 const __m256 (&start)[2], c10::BFloat16* y, int64_t n, int64_t cols, const uint32_t* prefetch,
                                 int64_t prefetch_pairs) {
   __m256 acc[MR][2];
@@ -206,14 +243,38 @@ __attribute__((noinline)) void block_pass(const float* a, const float* b, int64_
   for (int i = 0; i < MR; ++i)
     for (int h = 0; h < 2; ++h) acc[i][h] = first ? start[h] : _mm256_load_ps(part + i * kSub + 8 * h);
   const int64_t with = prefetch == nullptr ? 0 : std::min(prefetch_pairs, pairs);
-  if (with > 0) micro_tile<MR, true>(acc, a, b, with, prefetch);
-  micro_tile<MR, false>(acc, a + 2 * with * MR, b + 2 * with * kSub, pairs - with, nullptr);
+  if (with > 0) micro_tile<MR, true>(acc, a, b, 0, with, prefetch);
+  micro_tile<MR, false>(acc, a, b, with, pairs, nullptr);
 #pragma GCC unroll 6
   for (int i = 0; i < MR; ++i)
     for (int h = 0; h < 2; ++h) {
       if (!last) _mm256_store_ps(part + i * kSub + 8 * h, acc[i][h]);
       else if (8 * h < cols) store8(y + i * n + 8 * h, acc[i][h], cols - 8 * h);
     }
+}
+
+// MR rows of x (bf16, k apart) x f features -> fp32 [feature][MR] at dst: eight features at a time,
+// the rows widened into lanes and turned by an 8 x 8 transpose, so feature j's MR values are the first
+// MR lanes of one vector. A store of all 8 lanes at dst + j * MR runs 8 - MR lanes into the places of
+// the features after j, which the next stores write over; where it would run past the eighth
+// feature's place (into what may be another pass's, packed by another thread) only the MR lanes are
+// stored.
+template <int MR>
+LLMSERVE_INLINE void pack_rows(float* dst, const c10::BFloat16* x, int64_t k, int64_t f) {
+  int64_t j = 0;
+  for (; j + 8 <= f; j += 8) {
+    __m256 t[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) t[i] = i < MR ? load8(x + i * k + j, 8) : _mm256_setzero_ps();
+    vec::transpose8(t);
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; ++u) {
+      if (u * MR + 8 <= 8 * MR) _mm256_storeu_ps(dst + (j + u) * MR, t[u]);
+      else store8(dst + (j + u) * MR, t[u], MR);
+    }
+  }
+  for (; j < f; ++j)
+    for (int i = 0; i < MR; ++i) dst[j * MR + i] = to_float(x[i * k + j]);
 }
 
 // The pass of mr rows from row r of a group of `rows` rows of x (bf16, 2 * pairs apart) -> fp32 at the
@@ -224,9 +285,9 @@ inline void pack_pass(float* xp, const c10::BFloat16* x, int64_t rows, int64_t p
   const int64_t k = 2 * pairs;
   for (int64_t p0 = 0; p0 < pairs; p0 += block_pairs) {
     const int64_t bp = std::min(block_pairs, pairs - p0);
-    float* dst = xp + rows * 2 * p0 + r * 2 * bp;
-    for (int64_t i = 0; i < mr; ++i)
-      for (int64_t j = 0; j < 2 * bp; ++j) dst[j * mr + i] = to_float(x[(r + i) * k + 2 * p0 + j]);
+    with_rows<kTileRows>(mr, [&](auto mr_c) {
+      pack_rows<decltype(mr_c)::value>(xp + rows * 2 * p0 + r * 2 * bp, x + r * k + 2 * p0, k, 2 * bp);
+    });
   }
 }
 
@@ -251,6 +312,7 @@ inline void linear_blocked(c10::BFloat16* y, const c10::BFloat16* x, const uint3
   auto passes_of = [&](int64_t g) { return (rows_of(g) + kTileRows - 1) / kTileRows; };
   std::unique_ptr<float[]> xp(new float[m * k]);  // every element is written below
   const int64_t group_passes = (group_rows + kTileRows - 1) / kTileRows;
+  const bool widen = group_rows > kRawRows;
   at::parallel_for(0, groups * group_passes, 4, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t g = i / group_passes, pass = i % group_passes, rows = rows_of(g), passes = passes_of(g);
@@ -285,15 +347,21 @@ inline void linear_blocked(c10::BFloat16* y, const c10::BFloat16* x, const uint3
       for (int64_t p0 = 0; p0 < pairs; p0 += block_pairs) {
         const int64_t bp = std::min(block_pairs, pairs - p0);
         const bool first = p0 == 0, last = p0 + bp == pairs;
-        widen_block(s.block, panel, p0, bp, sub);
+        if (widen) widen_block(s.block, panel, p0, bp, sub);
+        const uint32_t* raw = panel + p0 * kPanel + sub * kSub;
         const float* a = xg + rows * 2 * p0;
         for (int64_t pass = 0; pass < passes; ++pass) {
           const int64_t r = pass_start(rows, passes, pass), mr = pass_rows(rows, passes, pass);
           const int64_t lo = bp * pass / passes, hi = bp * (pass + 1) / passes;
+          const uint32_t* pf = next != nullptr ? next + (p0 + lo) * kPanel : nullptr;
           with_rows<kTileRows>(mr, [&](auto mr_c) {
-            block_pass<decltype(mr_c)::value>(a + r * 2 * bp, s.block, bp, part + r * kSub, first, last, start,
-                                              y + (g0 + r) * n + c0, n, cols,
-                                              next != nullptr ? next + (p0 + lo) * kPanel : nullptr, hi - lo);
+            constexpr int MR = decltype(mr_c)::value;
+            if (widen)
+              block_pass<MR>(a + r * 2 * bp, s.block, bp, part + r * kSub, first, last, start, y + (g0 + r) * n + c0, n,
+                             cols, pf, hi - lo);
+            else
+              block_pass<MR>(a + r * 2 * bp, raw, bp, part + r * kSub, first, last, start, y + (g0 + r) * n + c0, n,
+                             cols, pf, hi - lo);
           });
         }
       }

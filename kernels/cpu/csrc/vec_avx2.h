@@ -10,13 +10,13 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vec_m256.h"
+
 namespace vec {
 
 struct vf { __m256 lo, hi; };
 struct vi { __m256i lo, hi; };
 struct vm { __m256 lo, hi; };
-
-#define LLMSERVE_INLINE __attribute__((always_inline)) inline
 
 constexpr const char* kVectorName = "AVX2+FMA, 16 fp32 lanes in two registers";
 
@@ -180,25 +180,6 @@ LLMSERVE_INLINE void store16(c10::BFloat16* p, vf v, vm m) {
   _mm256_store_si256(reinterpret_cast<__m256i*>(buf), to_bf16_bits(v));
   for (int u = 0; u < 16; ++u)
     if (b >> u & 1) std::memcpy(p + u, buf + u, 2);
-}
-
-// An 8 x 8 transpose of r[0..7] (one 256-bit half each) in place.
-LLMSERVE_INLINE void transpose8(__m256 (&r)[8]) {
-  __m256 t[8], u[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int g = 0; g < 8; g += 4) {
-    u[g] = _mm256_shuffle_ps(t[g], t[g + 2], 0x44);
-    u[g + 1] = _mm256_shuffle_ps(t[g], t[g + 2], 0xEE);
-    u[g + 2] = _mm256_shuffle_ps(t[g + 1], t[g + 3], 0x44);
-    u[g + 3] = _mm256_shuffle_ps(t[g + 1], t[g + 3], 0xEE);
-  }
-  for (int c = 0; c < 4; ++c) {
-    r[c] = _mm256_permute2f128_ps(u[c], u[c + 4], 0x20);
-    r[c + 4] = _mm256_permute2f128_ps(u[c], u[c + 4], 0x31);
-  }
 }
 
 // A 16 x 16 fp32 transpose in place, r[i] lane j <- r[j] lane i: four 8 x 8 transposes, the

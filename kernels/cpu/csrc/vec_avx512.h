@@ -8,13 +8,13 @@
 #include <cmath>
 #include <cstdint>
 
+#include "vec_m256.h"
+
 namespace vec {
 
 using vf = __m512;     // 16 fp32
 using vi = __m512i;    // 16 int32 (or 32 int16 for the *_i16 ops)
 using vm = __mmask16;  // one bit per lane
-
-#define LLMSERVE_INLINE __attribute__((always_inline)) inline
 
 constexpr const char* kVectorName = "AVX-512, 16 fp32 lanes a register";
 

@@ -1,0 +1,31 @@
+// The 8-lane (__m256) helpers both vector backends offer: plain AVX2 code, which every level compiles
+// (the AVX2 backend builds its 16-lane transpose from them; the AVX2-form linears, which the AVX-512
+// levels without BF16 run too, pack their inputs with them).
+#pragma once
+
+#include <immintrin.h>
+
+#define LLMSERVE_INLINE __attribute__((always_inline)) inline
+
+namespace vec {
+
+// An 8 x 8 transpose of r[0..7] (one 256-bit half each) in place.
+LLMSERVE_INLINE void transpose8(__m256 (&r)[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < 8; g += 4) {
+    u[g] = _mm256_shuffle_ps(t[g], t[g + 2], 0x44);
+    u[g + 1] = _mm256_shuffle_ps(t[g], t[g + 2], 0xEE);
+    u[g + 2] = _mm256_shuffle_ps(t[g + 1], t[g + 3], 0x44);
+    u[g + 3] = _mm256_shuffle_ps(t[g + 1], t[g + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm256_permute2f128_ps(u[c], u[c + 4], 0x20);
+    r[c + 4] = _mm256_permute2f128_ps(u[c], u[c + 4], 0x31);
+  }
+}
+
+}  // namespace vec
