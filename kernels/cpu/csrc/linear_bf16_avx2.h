@@ -47,8 +47,11 @@ constexpr int64_t kWholePanels = 32;
 constexpr int64_t kRawRows = 64;
 
 LLMSERVE_INLINE __m256 widen_even(__m256i u) { return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)); }
+// The high bf16 of each unit in place (widen_odd_at reads this mask from memory).
+alignas(32) inline constexpr uint32_t kOddMask[8] = {0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u,
+                                                    0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u};
 LLMSERVE_INLINE __m256 widen_odd(__m256i u) {
-  return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_load_si256(reinterpret_cast<const __m256i*>(kOddMask))));
 }
 
 // Where the sums of the 16 columns from c0 (`cols` of them exist) start: the bias, or 0.
@@ -171,8 +174,6 @@ LLMSERVE_INLINE void micro_step(__m256 (&acc)[MR][2], const float* a, __m256 b0,
 // those live across the pair) nor hold the mask in a register, so a 6-row tile's 12 sums, 2 weight
 // vectors and broadcast fit the 16 ymm registers (with plain intrinsics one sum was spilled, and the
 // tile ran 1.33x slower).
-alignas(32) inline constexpr uint32_t kOddMask[8] = {0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u,
-                                                    0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u};
 LLMSERVE_INLINE __m256 widen_odd_at(const uint32_t* p) {
   __m256 r;
   asm("vmovdqa %1, %0\n\tvpand %2, %0, %0"
@@ -348,20 +349,18 @@ inline void linear_blocked(c10::BFloat16* y, const c10::BFloat16* x, const uint3
         const int64_t bp = std::min(block_pairs, pairs - p0);
         const bool first = p0 == 0, last = p0 + bp == pairs;
         if (widen) widen_block(s.block, panel, p0, bp, sub);
-        const uint32_t* raw = panel + p0 * kPanel + sub * kSub;
         const float* a = xg + rows * 2 * p0;
         for (int64_t pass = 0; pass < passes; ++pass) {
           const int64_t r = pass_start(rows, passes, pass), mr = pass_rows(rows, passes, pass);
           const int64_t lo = bp * pass / passes, hi = bp * (pass + 1) / passes;
           const uint32_t* pf = next != nullptr ? next + (p0 + lo) * kPanel : nullptr;
           with_rows<kTileRows>(mr, [&](auto mr_c) {
-            constexpr int MR = decltype(mr_c)::value;
-            if (widen)
-              block_pass<MR>(a + r * 2 * bp, s.block, bp, part + r * kSub, first, last, start, y + (g0 + r) * n + c0, n,
-                             cols, pf, hi - lo);
-            else
-              block_pass<MR>(a + r * 2 * bp, raw, bp, part + r * kSub, first, last, start, y + (g0 + r) * n + c0, n,
-                             cols, pf, hi - lo);
+            auto run = [&](const auto* b) {
+              block_pass<decltype(mr_c)::value>(a + r * 2 * bp, b, bp, part + r * kSub, first, last, start,
+                                                y + (g0 + r) * n + c0, n, cols, pf, hi - lo);
+            };
+            if (widen) run(s.block);
+            else run(panel + p0 * kPanel + sub * kSub);  // the block's pair rows, widened in the tile
           });
         }
       }
