@@ -3,8 +3,8 @@
 // cache is read once per KV head, not once per query head. The block walk, softmax, fp32 and bf16
 // value sums and the merge of a sequence's parts are written once against the 16-lane vec API. The
 // key scores have an AVX-512 form (16 x 16 register transposes) and an AVX2 one (8 x 8, keys in two
-// groups: 16 registers), the int8 value sums an AVX-512 and an AVX2 form (their integer shuffles
-// differ), and bf16 caches take AVX512-BF16 dot products where the build has them. fp8 (e4m3) rows are
+// groups: 16 registers; bf16 keys with their dims in lanes), bf16 and int8 value sums an AVX2 form
+// (registers; integer shuffles), and bf16 caches take AVX512-BF16 dot products where the build has them. fp8 (e4m3) rows are
 // widened to fp32 exactly (F16C: no CPU here converts fp8 natively) and take the fp32 forms.
 // The pieces: decode_blocks.h (block walk, softmax), decode_keys.h (scores), decode_values.h (value sums).
 #include "common.h"
@@ -76,8 +76,7 @@ void decode_attention_impl(T* out, const T* q, const C* k_cache, const C* v_cach
       const int64_t t_lo = b_lo * block_size, span = std::min(len, b_hi * block_size) - t_lo;  // keys of this part
       const T* qs = q + s * heads * head_dim;
       if constexpr (kInt8) prepare_query_int16(q_pairs.data(), q_scales.data(), qs, heads, head_dim);
-      if constexpr (kWidenQuery)
-        for (int64_t i = 0; i < heads * head_dim; ++i) q_f32[i] = to_float(qs[i]);
+      if constexpr (kWidenQuery) widen_query<C>(q_f32.data(), qs, heads * head_dim);
       scores.resize(heads * std::max<int64_t>(span, 1));
       std::fill(accs.begin(), accs.end(), 0.f);
       float* sc = scores.data();  // [head][span]

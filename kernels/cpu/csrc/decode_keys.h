@@ -8,15 +8,15 @@ namespace llmserve {
 namespace decode {
 
 // Scores of G query heads (head_dim = NV * 16 apart at q) against nt <= 16 key rows (stride apart at
-// k): dot[j] lane u = q_j . k_u, 0 for u >= nt. The rows' 32-bit units (a dim, a bf16 pair or four
-// int8) are moved into lanes by register transposes, so each key's products accumulate in its own
-// lane: no horizontal sums (with four keys per horizontal reduction instead, those cost as much as
-// the products). The AVX-512 forms sum a key's products in dim order; AVX2 sums its even and odd dims
-// apart (int8: exact int32 sums at every level).
+// k): dot[j] lane u = q_j . k_u, 0 for u >= nt. Mostly the rows' 32-bit units (a dim, a bf16 pair or
+// four int8) are moved into lanes by register transposes, so each key's products accumulate in its
+// own lane: no horizontal sums. The AVX-512 forms sum a key's products in dim order; AVX2 sums its
+// even and odd dims apart (int8: exact int32 sums at every level).
 //
-// bf16 keys without AVX512-BF16 take the queries widened to fp32 once per item; the rows' bf16 pairs
-// are transposed as they are (half the transposes of widening first), then each pair widens by a
-// shift (the low, even dim) or a mask (the high, odd dim).
+// bf16 keys without AVX512-BF16 take the queries widened to fp32 once per item (widen_query). On
+// AVX-512 the rows' bf16 pairs are transposed as they are (half the transposes of widening first),
+// then each pair widens by a shift (the low, even dim) or a mask (the high, odd dim); AVX2 keeps the
+// dims in lanes instead (see its form).
 //
 // int8 keys go against queries quantized to int16 (one scale per head, relative error 2^-16 of the
 // head's largest element: far below bf16's rounding) and stored as pairs by prepare_query_int16:
@@ -169,27 +169,69 @@ inline void key_scores(vf (&dot)[G], const float* q, const float* k, int64_t str
   });
 }
 
+// bf16 keys, against queries split once per item as the keys' pairs widen (widen_query: for each 16
+// dims, the 8 even then the 8 odd). Up to 3 heads a KV head, the dims stay in lanes: a key's 16 dims
+// load as 8 pairs whose shift gives the even dims and whose mask the odd ones, each product pairs a key
+// vector with a query vector read as the FMA's memory operand, and no operand is a broadcast (on Zen 3
+// these issue once a cycle, half the FMA rate: the transposing form spends one on every FMA). Four keys
+// x G heads of sums (12 registers at G = 3), then one horizontal reduction of each head's four: 1.29x
+// the transposing form's speed at G = 3, 0.96x at G = 4 and 0.83x at G = 8 (more sums than registers),
+// which therefore keep it.
+LLMSERVE_INLINE __m128 sum_each4(__m256 a, __m256 b, __m256 c, __m256 d) {  // lane i: the sum of input i
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
 template <int G, int NV>
 inline void key_scores(vf (&dot)[G], const float* q, const c10::BFloat16* k, int64_t stride, int64_t nt) {
-  const int64_t sb = stride * static_cast<int64_t>(sizeof(*k));
-  key_groups8<G, __m256>(dot, reinterpret_cast<const char*>(k), sb, nt, [&](__m256 (&acc)[G], const char* rows, int64_t n) {
-    const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-    __m256 odd_acc[G] = {};
-    for (int c = 0; c < NV; ++c) {  // 8 pairs = 16 dims at a time
-      __m256 r[8];
-      load_units_transposed8(r, rows + c * 32, sb, n);  // r[i] lane u = (k_u[16c + 2i], k_u[16c + 2i + 1])
-      for (int i = 0; i < 8; ++i) {
-        const __m256i x = _mm256_castps_si256(r[i]);
-        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)), odd = _mm256_castsi256_ps(_mm256_and_si256(x, high));
-        for (int j = 0; j < G; ++j) {
-          const float* qj = q + j * NV * 16 + c * 16 + 2 * i;
-          acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(qj[0]), even, acc[j]);
-          odd_acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(qj[1]), odd, odd_acc[j]);
+  if constexpr (G > 3) {
+    const int64_t sb = stride * static_cast<int64_t>(sizeof(*k));
+    key_groups8<G, __m256>(dot, reinterpret_cast<const char*>(k), sb, nt, [&](__m256 (&acc)[G], const char* rows, int64_t n) {
+      __m256 odd_acc[G] = {};
+      for (int c = 0; c < NV; ++c) {  // 8 pairs = 16 dims at a time
+        __m256 r[8];
+        load_units_transposed8(r, rows + c * 32, sb, n);  // r[i] lane u = (k_u[16c + 2i], k_u[16c + 2i + 1])
+        for (int i = 0; i < 8; ++i) {
+          const __m256i x = _mm256_castps_si256(r[i]);
+          const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+          const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+          for (int j = 0; j < G; ++j) {
+            const float* qj = q + j * NV * 16 + c * 16 + i;  // its dim 16c + 2i; 16c + 2i + 1 eight on
+            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(qj[0]), even, acc[j]);
+            odd_acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(qj[8]), odd, odd_acc[j]);
+          }
         }
       }
+      for (int j = 0; j < G; ++j) acc[j] = _mm256_add_ps(acc[j], odd_acc[j]);
+    });
+    return;
+  }
+  alignas(32) float sums[G][16];
+  for (int64_t t0 = 0; t0 < 16; t0 += 4) {
+    if (t0 >= nt) {
+      for (int j = 0; j < G; ++j) _mm_store_ps(sums[j] + t0, _mm_setzero_ps());
+      continue;
     }
-    for (int j = 0; j < G; ++j) acc[j] = _mm256_add_ps(acc[j], odd_acc[j]);
-  });
+    __m256 acc[4][G];
+    for (int u = 0; u < 4; ++u)
+      for (int j = 0; j < G; ++j) acc[u][j] = _mm256_setzero_ps();
+    for (int c = 0; c < NV; ++c) {  // 8 pairs = 16 dims at a time
+      __m256i x[4];
+      for (int u = 0; u < 4; ++u)
+        x[u] = t0 + u < nt ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + (t0 + u) * stride + c * 16))
+                           : _mm256_setzero_si256();
+      for (int u = 0; u < 4; ++u) {
+        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(x[u], 16));
+        for (int j = 0; j < G; ++j) acc[u][j] = _mm256_fmadd_ps(even, _mm256_loadu_ps(q + j * NV * 16 + c * 16), acc[u][j]);
+      }
+      for (int u = 0; u < 4; ++u) {
+        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(x[u], _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+        for (int j = 0; j < G; ++j) acc[u][j] = _mm256_fmadd_ps(odd, _mm256_loadu_ps(q + j * NV * 16 + c * 16 + 8), acc[u][j]);
+      }
+    }
+    for (int j = 0; j < G; ++j) _mm_store_ps(sums[j] + t0, sum_each4(acc[0][j], acc[1][j], acc[2][j], acc[3][j]));
+  }
+  for (int j = 0; j < G; ++j) dot[j] = {_mm256_load_ps(sums[j]), _mm256_load_ps(sums[j] + 8)};
 }
 
 template <int G, int NV>
@@ -232,6 +274,20 @@ inline void key_scores(vf (&dot)[G], const float* q, const Fp8* k, int64_t strid
   });
 }
 #endif
+
+// The item's `count` query values (a multiple of 16) as fp32 in the order key_scores reads them for
+// keys of type C: in dim order, or for bf16 keys on AVX2 each 16 dims as their 8 even then 8 odd.
+template <typename C, typename T>
+inline void widen_query(float* dst, const T* q, int64_t count) {
+#if !LLMSERVE_VEC_AVX512
+  if constexpr (std::is_same_v<C, c10::BFloat16>) {
+    for (int64_t i = 0; i < count; i += 16)
+      for (int64_t d = 0; d < 8; ++d) dst[i + d] = to_float(q[i + 2 * d]), dst[i + 8 + d] = to_float(q[i + 2 * d + 1]);
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < count; ++i) dst[i] = to_float(q[i]);
+}
 
 // Each of the num_heads * head_dim query values as int16 (round half to even) with one fp32 scale per
 // head, stored as the int16 pairs key_scores multiplies: for each four dims, (q[4i], q[4i+2]) then

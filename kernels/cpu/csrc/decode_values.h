@@ -22,20 +22,57 @@ template <int G, int NV>
 constexpr int kValuesPerPass = G <= 1 ? 4 : G <= 3 ? 2 : 1;
 #endif
 
+// bf16 values on AVX2, one pass of weighted_values: the G heads' sums of VP 16-dim vectors from `sums`
+// (head_dim apart) += their weights (sk, span apart) times rows [0, nt) from `rows` (kv_row apart).
+// Each 16 values widen as [8 even dims | 8 odd dims] (a shift and a mask of one load, no cross-lane
+// widening; interleave_even_odd puts the sums back in order at the end), each half straight from
+// memory into one register; a row's G weights are broadcast once for all its products where the
+// registers allow (G x 2VP sums, G weights and a value: up to G = 5 at kValuesPerPass), else at each
+// product. (A broadcast for every two products, both halves widened in registers beside the sums: the
+// same pass took 1.5x as long in a microbenchmark.) Plain AVX2 code, which every level compiles; the
+// AVX-512 levels take their own form.
+template <int G, int VP>
+LLMSERVE_INLINE void bf16_value_rows(float* sums, int64_t head_dim, const float* sk, int64_t span, const c10::BFloat16* rows,
+                                     int64_t kv_row, int64_t nt) {
+  constexpr bool kHoist = G * (2 * VP + 1) + 1 <= 16;
+  __m256 acc[G][2 * VP];
+#pragma GCC unroll 8
+  for (int j = 0; j < G; ++j)
+#pragma GCC unroll 8
+    for (int h = 0; h < 2 * VP; ++h) acc[j][h] = _mm256_loadu_ps(sums + j * head_dim + 8 * h);
+  for (int64_t u = 0; u < nt; ++u) {
+    const c10::BFloat16* vr = rows + u * kv_row;
+    __m256 w[G];
+    if constexpr (kHoist)
+#pragma GCC unroll 8
+      for (int j = 0; j < G; ++j) w[j] = _mm256_broadcast_ss(sk + j * span + u);
+    auto weight = [&](int j) {
+      if constexpr (kHoist) return w[j];
+      else return _mm256_broadcast_ss(sk + j * span + u);
+    };
+#pragma GCC unroll 4
+    for (int v = 0; v < VP; ++v) {
+      const __m256 even = vec::bf16_even_at(vr + v * 16);
+#pragma GCC unroll 8
+      for (int j = 0; j < G; ++j) acc[j][2 * v] = _mm256_fmadd_ps(weight(j), even, acc[j][2 * v]);
+      const __m256 odd = vec::bf16_odd_at(vr + v * 16);
+#pragma GCC unroll 8
+      for (int j = 0; j < G; ++j) acc[j][2 * v + 1] = _mm256_fmadd_ps(weight(j), odd, acc[j][2 * v + 1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < G; ++j)
+#pragma GCC unroll 8
+    for (int h = 0; h < 2 * VP; ++h) _mm256_storeu_ps(sums + j * head_dim + 8 * h, acc[j][h]);
+}
+
 // 16 values of a row as fp32, in the order weighted_values accumulates them: fp32 as they are; bf16
-// widened, on AVX2 as [8 even dims | 8 odd dims] (a shift and a mask of one load, no cross-lane
-// widening), put back in order by interleave_even_odd at the end.
+// widened (on AVX2, bf16_value_rows below).
 LLMSERVE_INLINE vf load_values(const float* p) { return loadu(p); }
 LLMSERVE_INLINE vf load_values(const Fp8* p) { return load16_fp8_shifted(p); }  // times 2^-8
 #if LLMSERVE_VEC_AVX512
 LLMSERVE_INLINE vf load_values(const c10::BFloat16* p) { return load16(p); }
 #else
-LLMSERVE_INLINE vf load_values(const c10::BFloat16* p) {
-  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return {_mm256_castsi256_ps(_mm256_slli_epi32(x, 16)),
-          _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))))};
-}
-
 // `count` sums (a multiple of 16) from [8 even dims | 8 odd dims] back to dim order, in place.
 inline void interleave_even_odd(float* sums, int64_t count) {
   for (float* a = sums; a < sums + count; a += 16) {
@@ -58,6 +95,7 @@ void weighted_values(float* accs, const float* sc, int64_t span, const C* v_cach
                      int64_t b_lo, int64_t b_hi, int64_t len, int64_t block_size, int64_t kv_heads, const FirstBlocks<C>& next) {
   constexpr int64_t head_dim = NV * 16, head_row = cache_row_len<C>(head_dim);
   constexpr int VP = kValuesPerPass<G, NV>;
+  constexpr bool kBf16Rows = !LLMSERVE_VEC_AVX512 && std::is_same_v<C, c10::BFloat16>;  // bf16_value_rows
   static_assert(NV % VP == 0, "whole passes");
   const int64_t kv_row = kv_heads * head_row;
   for_each_block(v_cache, table, b_lo, b_hi, len, block_size, kv_row, next,
@@ -74,24 +112,28 @@ void weighted_values(float* accs, const float* sc, int64_t span, const C* v_cach
         const float* sk = sc + kh * G * span + t0 + t;
         float* ak = accs + kh * G * head_dim;
         for (int v0 = 0; v0 < NV; v0 += VP) {
-          vf acc[G][VP];
-          for (int j = 0; j < G; ++j)
-            for (int v = 0; v < VP; ++v) acc[j][v] = loadu(ak + j * head_dim + (v0 + v) * 16);
-          for (int64_t u = 0; u < nt; ++u) {
-            const C* vr = vb + (t + u) * kv_row + kh * head_row;
-            float row_scale_unshifted = 1.f;
-            if constexpr (std::is_same_v<C, Fp8>) row_scale_unshifted = row_scale(vr, head_dim) * kFp8Unshift;
-            for (int v = 0; v < VP; ++v) {
-              const vf val = load_values(vr + (v0 + v) * 16);
-              for (int j = 0; j < G; ++j) {
-                float w = sk[j * span + u];
-                if constexpr (std::is_same_v<C, Fp8>) w *= row_scale_unshifted;
-                acc[j][v] = fmadd(set1(w), val, acc[j][v]);
+          if constexpr (kBf16Rows) {
+            bf16_value_rows<G, VP>(ak + v0 * 16, head_dim, sk, span, vb + t * kv_row + kh * head_row + v0 * 16, kv_row, nt);
+          } else {
+            vf acc[G][VP];
+            for (int j = 0; j < G; ++j)
+              for (int v = 0; v < VP; ++v) acc[j][v] = loadu(ak + j * head_dim + (v0 + v) * 16);
+            for (int64_t u = 0; u < nt; ++u) {
+              const C* vr = vb + (t + u) * kv_row + kh * head_row;
+              float row_scale_unshifted = 1.f;
+              if constexpr (std::is_same_v<C, Fp8>) row_scale_unshifted = row_scale(vr, head_dim) * kFp8Unshift;
+              for (int v = 0; v < VP; ++v) {
+                const vf val = load_values(vr + (v0 + v) * 16);
+                for (int j = 0; j < G; ++j) {
+                  float w = sk[j * span + u];
+                  if constexpr (std::is_same_v<C, Fp8>) w *= row_scale_unshifted;
+                  acc[j][v] = fmadd(set1(w), val, acc[j][v]);
+                }
               }
             }
+            for (int j = 0; j < G; ++j)
+              for (int v = 0; v < VP; ++v) storeu(ak + j * head_dim + (v0 + v) * 16, acc[j][v]);
           }
-          for (int j = 0; j < G; ++j)
-            for (int v = 0; v < VP; ++v) storeu(ak + j * head_dim + (v0 + v) * 16, acc[j][v]);
         }
       }
     }

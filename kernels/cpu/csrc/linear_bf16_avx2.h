@@ -47,11 +47,8 @@ constexpr int64_t kWholePanels = 32;
 constexpr int64_t kRawRows = 64;
 
 LLMSERVE_INLINE __m256 widen_even(__m256i u) { return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)); }
-// The high bf16 of each unit in place (widen_odd_at reads this mask from memory).
-alignas(32) inline constexpr uint32_t kOddMask[8] = {0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u,
-                                                    0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u};
-LLMSERVE_INLINE __m256 widen_odd(__m256i u) {
-  return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_load_si256(reinterpret_cast<const __m256i*>(kOddMask))));
+LLMSERVE_INLINE __m256 widen_odd(__m256i u) {  // the high bf16 of each unit in place
+  return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_load_si256(reinterpret_cast<const __m256i*>(vec::kOddMask))));
 }
 
 // Where the sums of the 16 columns from c0 (`cols` of them exist) start: the bias, or 0.
@@ -169,19 +166,6 @@ LLMSERVE_INLINE void micro_step(__m256 (&acc)[MR][2], const float* a, __m256 b0,
   }
 }
 
-// The odd weights of the 8 pair units at p (widen_odd), loaded and masked in one asm statement: the
-// compiler can neither merge this load with the even half's load of the same units (which would keep
-// those live across the pair) nor hold the mask in a register, so a 6-row tile's 12 sums, 2 weight
-// vectors and broadcast fit the 16 ymm registers (with plain intrinsics one sum was spilled, and the
-// tile ran 1.33x slower).
-LLMSERVE_INLINE __m256 widen_odd_at(const uint32_t* p) {
-  __m256 r;
-  asm("vmovdqa %1, %0\n\tvpand %2, %0, %0"
-      : "=&x"(r)
-      : "m"(*reinterpret_cast<const __m256i*>(p)), "m"(*reinterpret_cast<const __m256i*>(kOddMask)));
-  return r;
-}
-
 // Pair kk (input features 2kk, 2kk + 1; a: [feature][MR]) of MR rows against 16 columns, into acc:
 // - b: fp32 [feature][16], a block widen_block made;
 // - b: the sub-panel's bf16 pair rows (kPanel units apart), widened here.
@@ -196,7 +180,7 @@ LLMSERVE_INLINE void micro_pair(__m256 (&acc)[MR][2], const float* a, const uint
   const uint32_t* u = b + kk * kPanel;
   micro_step<MR>(acc, a + 2 * kk * MR, widen_even(_mm256_load_si256(reinterpret_cast<const __m256i*>(u))),
                  widen_even(_mm256_load_si256(reinterpret_cast<const __m256i*>(u + 8))));
-  micro_step<MR>(acc, a + (2 * kk + 1) * MR, widen_odd_at(u), widen_odd_at(u + 8));
+  micro_step<MR>(acc, a + (2 * kk + 1) * MR, vec::bf16_odd_at(u), vec::bf16_odd_at(u + 8));
 }
 
 // MR rows x 16 columns over pairs [begin, end), into acc; with kPrefetch, one line a pair of
