@@ -1,11 +1,13 @@
-// Decode attention over the paged KV cache: one query token per sequence. Each KV head's group of query heads scores every cached key of the
-// sequence, read block by block in place (fp32 sums), softmax, then the weighted sum of values. The
-// cache is read once per KV head, not once per query head. The block walk, softmax, fp32 and bf16
-// value sums and the merge of a sequence's parts are written once against the 16-lane vec API. The
-// key scores have an AVX-512 form (16 x 16 register transposes) and an AVX2 one (8 x 8, keys in two
-// groups: 16 registers; bf16 keys with their dims in lanes), bf16 and int8 value sums an AVX2 form
-// (registers; integer shuffles), and bf16 caches take AVX512-BF16 dot products where the build has them. fp8 (e4m3) rows are
-// widened to fp32 exactly (F16C: no CPU here converts fp8 natively) and take the fp32 forms.
+// Decode attention over the paged KV cache: one query token per sequence. Each KV head's group of
+// query heads scores every cached key of the sequence, read block by block in place (fp32 sums),
+// softmax, then the weighted sum of values. The cache is read once per KV head, not once per query
+// head. The block walk, softmax, fp32 and bf16 value sums and the merge of a sequence's parts are
+// written once against the 16-lane vec API. The key scores have an AVX-512 form (16 x 16 register
+// transposes) and an AVX2 one (8 x 8, keys in two groups: 16 registers; bf16 keys of up to 3 query
+// heads with their dims in lanes), the bf16 and int8 value sums an AVX2 form (values widened from
+// memory beside the sums; integer shuffles), and bf16 caches take AVX512-BF16 dot products where the
+// build has them. fp8 (e4m3) rows are widened to fp32 exactly (F16C: no CPU here converts fp8
+// natively) and take the fp32 forms.
 // The pieces: decode_blocks.h (block walk, softmax), decode_keys.h (scores), decode_values.h (value sums).
 #include "common.h"
 #include "decode_keys.h"

@@ -10,8 +10,8 @@ namespace decode {
 // Scores of G query heads (head_dim = NV * 16 apart at q) against nt <= 16 key rows (stride apart at
 // k): dot[j] lane u = q_j . k_u, 0 for u >= nt. Mostly the rows' 32-bit units (a dim, a bf16 pair or
 // four int8) are moved into lanes by register transposes, so each key's products accumulate in its
-// own lane: no horizontal sums. The AVX-512 forms sum a key's products in dim order; AVX2 sums its
-// even and odd dims apart (int8: exact int32 sums at every level).
+// own lane: no horizontal sums. The AVX-512 forms sum a key's products in dim order; AVX2's
+// transposing forms sum its even and odd dims apart (int8: exact int32 sums at every level).
 //
 // bf16 keys without AVX512-BF16 take the queries widened to fp32 once per item (widen_query). On
 // AVX-512 the rows' bf16 pairs are transposed as they are (half the transposes of widening first),
