@@ -193,8 +193,8 @@ inline void key_scores(vf (&dot)[G], const float* q, const c10::BFloat16* k, int
         load_units_transposed8(r, rows + c * 32, sb, n);  // r[i] lane u = (k_u[16c + 2i], k_u[16c + 2i + 1])
         for (int i = 0; i < 8; ++i) {
           const __m256i x = _mm256_castps_si256(r[i]);
-          const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
-          const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+          const __m256 even = vec::bf16_even(x);
+          const __m256 odd = vec::bf16_odd(x);
           for (int j = 0; j < G; ++j) {
             const float* qj = q + j * NV * 16 + c * 16 + i;  // its dim 16c + 2i; 16c + 2i + 1 eight on
             acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(qj[0]), even, acc[j]);
@@ -221,11 +221,11 @@ inline void key_scores(vf (&dot)[G], const float* q, const c10::BFloat16* k, int
         x[u] = t0 + u < nt ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + (t0 + u) * stride + c * 16))
                            : _mm256_setzero_si256();
       for (int u = 0; u < 4; ++u) {
-        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(x[u], 16));
+        const __m256 even = vec::bf16_even(x[u]);
         for (int j = 0; j < G; ++j) acc[u][j] = _mm256_fmadd_ps(even, _mm256_loadu_ps(q + j * NV * 16 + c * 16), acc[u][j]);
       }
       for (int u = 0; u < 4; ++u) {
-        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(x[u], _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+        const __m256 odd = vec::bf16_odd(x[u]);
         for (int j = 0; j < G; ++j) acc[u][j] = _mm256_fmadd_ps(odd, _mm256_loadu_ps(q + j * NV * 16 + c * 16 + 8), acc[u][j]);
       }
     }

@@ -46,11 +46,6 @@ constexpr int64_t kWholePanels = 32;
 // (loadtests/RESULTS.md).
 constexpr int64_t kRawRows = 64;
 
-LLMSERVE_INLINE __m256 widen_even(__m256i u) { return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)); }
-LLMSERVE_INLINE __m256 widen_odd(__m256i u) {  // the high bf16 of each unit in place
-  return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_load_si256(reinterpret_cast<const __m256i*>(vec::kOddMask))));
-}
-
 // Where the sums of the 16 columns from c0 (`cols` of them exist) start: the bias, or 0.
 LLMSERVE_INLINE void bias_start(__m256 (&start)[2], const c10::BFloat16* bias, int64_t c0, int64_t cols) {
   for (int h = 0; h < 2; ++h)
@@ -78,8 +73,8 @@ inline void row_tile(c10::BFloat16* y, int64_t n, int64_t n0, const float* x, in
 #pragma GCC unroll 6
     for (int g = 0; g < G; ++g) {
       const __m256i u = _mm256_load_si256(reinterpret_cast<const __m256i*>(panel + kk * kPanel + 8 * g));
-      acc[g] = _mm256_fmadd_ps(widen_even(u), xe, acc[g]);
-      acc[g] = _mm256_fmadd_ps(widen_odd(u), xo, acc[g]);
+      acc[g] = _mm256_fmadd_ps(vec::bf16_even(u), xe, acc[g]);
+      acc[g] = _mm256_fmadd_ps(vec::bf16_odd(u), xo, acc[g]);
     }
   }
 #pragma GCC unroll 6
@@ -113,7 +108,7 @@ LLMSERVE_INLINE void sub_tile(c10::BFloat16* y, int64_t n, int64_t cols, const f
     if (prefetch != nullptr) _mm_prefetch(reinterpret_cast<const char*>(prefetch + kk * kPanel), _MM_HINT_T1);
     const __m256i u0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(sub + kk * kPanel));
     const __m256i u1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(sub + kk * kPanel + 8));
-    const __m256 e0 = widen_even(u0), e1 = widen_even(u1), o0 = widen_odd(u0), o1 = widen_odd(u1);
+    const __m256 e0 = vec::bf16_even(u0), e1 = vec::bf16_even(u1), o0 = vec::bf16_odd(u0), o1 = vec::bf16_odd(u1);
 #pragma GCC unroll 4
     for (int i = 0; i < MR; ++i) {
       const __m256 xe = _mm256_broadcast_ss(x + i * k + 2 * kk), xo = _mm256_broadcast_ss(x + i * k + 2 * kk + 1);
@@ -178,8 +173,8 @@ LLMSERVE_INLINE void micro_pair(__m256 (&acc)[MR][2], const float* a, const floa
 template <int MR>
 LLMSERVE_INLINE void micro_pair(__m256 (&acc)[MR][2], const float* a, const uint32_t* b, int64_t kk) {
   const uint32_t* u = b + kk * kPanel;
-  micro_step<MR>(acc, a + 2 * kk * MR, widen_even(_mm256_load_si256(reinterpret_cast<const __m256i*>(u))),
-                 widen_even(_mm256_load_si256(reinterpret_cast<const __m256i*>(u + 8))));
+  micro_step<MR>(acc, a + 2 * kk * MR, vec::bf16_even(_mm256_load_si256(reinterpret_cast<const __m256i*>(u))),
+                 vec::bf16_even(_mm256_load_si256(reinterpret_cast<const __m256i*>(u + 8))));
   micro_step<MR>(acc, a + (2 * kk + 1) * MR, vec::bf16_odd_at(u), vec::bf16_odd_at(u + 8));
 }
 
@@ -206,8 +201,8 @@ inline void widen_block(float* scratch, const uint32_t* panel, int64_t p0, int64
     for (int h = 0; h < 2; ++h) {
       const __m256i u = _mm256_load_si256(reinterpret_cast<const __m256i*>(src + 8 * h));
       float* dst = scratch + 2 * i * kSub + 8 * h;
-      _mm256_store_ps(dst, widen_even(u));
-      _mm256_store_ps(dst + kSub, widen_odd(u));
+      _mm256_store_ps(dst, vec::bf16_even(u));
+      _mm256_store_ps(dst + kSub, vec::bf16_odd(u));
     }
   }
 }

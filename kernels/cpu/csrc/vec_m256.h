@@ -49,5 +49,10 @@ LLMSERVE_INLINE __m256 bf16_odd_at(const void* p) {
       : "m"(*static_cast<const __m256i*>(p)), "m"(*reinterpret_cast<const __m256i*>(kOddMask)));
   return r;
 }
+// The same two widenings (even by a shift, odd by a mask) of units already in a register.
+LLMSERVE_INLINE __m256 bf16_even(__m256i u) { return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)); }
+LLMSERVE_INLINE __m256 bf16_odd(__m256i u) {
+  return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_load_si256(reinterpret_cast<const __m256i*>(kOddMask))));
+}
 
 }  // namespace vec
