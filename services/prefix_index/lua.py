@@ -35,9 +35,9 @@ Script contracts (ARGV after the prefix; every reply is a status word or a flat 
   A heartbeat: a newer epoch purges a live record's entries and is adopted ('restarted'; 'ok' if
   the old record was a tombstone); 'dead': this very epoch was purged as dead, yet it beats.
 - match(model, hashes) → [executor, num_blocks, ...] for every executor holding a leading run
-  (the first hash first); the scan stops at the first block no remaining executor holds. The
-  hashes come in one argument, separated by spaces: redis-py packs a prompt's hundred-odd
-  arguments in ~20x the time it packs one.
+  (the first hash first): the holders of the first block, each with the length of its run in
+  its held set. The hashes come in one argument, separated by spaces: redis-py packs a prompt's
+  hundred-odd arguments in ~20x the time it packs one.
 - stats() → [executors holding at least one block, (block, executor) entries]
 - executors() → [executor, epoch, ...] of the live records.
 """
@@ -98,6 +98,27 @@ local function change_entries(cmd, p, e, model, argv, first, last)
   for j = first, last, 1000 do
     redis.call(cmd, key_held(p, e), unpack(argv, j, math.min(j + 999, last)))
   end
+end
+
+-- How many of ``hashes``, from the first, are in the set ``held``: SMISMEMBER a chunk at a time
+-- (Redis 6.2+), else (an older server answers it with an error) SISMEMBER a hash at a time.
+local function leading_run(held, hashes)
+  local n = 0
+  for j = 1, #hashes, 1000 do
+    local found = redis.pcall('SMISMEMBER', held, unpack(hashes, j, math.min(j + 999, #hashes)))
+    if found.err then
+      for i = j, #hashes do
+        if redis.call('SISMEMBER', held, hashes[i]) == 0 then return n end
+        n = n + 1
+      end
+      return n
+    end
+    for i = 1, #found do
+      if found[i] == 0 then return n end
+      n = n + 1
+    end
+  end
+  return n
 end
 
 -- A newer epoch (or a first one) replaces whatever the record held.
@@ -206,27 +227,16 @@ return 'ok'
 """,
     "match": """
 local p, model = ARGV[1], ARGV[2]
-local run = nil
-local depth = {}
-local i = 0
-for h in string.gmatch(ARGV[3], '%d+') do
-  i = i + 1
-  local holders = redis.call('SMEMBERS', key_block(p, model, h))
-  local next_run, any = {}, false
-  for _, e in ipairs(holders) do
-    if run == nil or run[e] then
-      next_run[e] = true
-      depth[e] = i
-      any = true
-    end
-  end
-  if not any then break end
-  run = next_run
-end
+local hashes = {}
+for h in string.gmatch(ARGV[3], '%d+') do hashes[#hashes + 1] = h end
 local out = {}
-for e, d in pairs(depth) do
+if #hashes == 0 then return out end
+-- Only an executor holding the first block has a run. Such an executor serves this model and is
+-- live, so (the first invariant) a hash is in its held set exactly when it holds that block here:
+-- its run is read from its held set in one call, not one call a block.
+for _, e in ipairs(redis.call('SMEMBERS', key_block(p, model, hashes[1]))) do
   out[#out + 1] = e
-  out[#out + 1] = d
+  out[#out + 1] = leading_run(key_held(p, e), hashes)
 end
 return out
 """,

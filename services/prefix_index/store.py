@@ -5,14 +5,14 @@ lives in one cluster slot and one Lua call may touch any of it::
 
     {llmserve:pi}:executors            SET   ids of executors with a live record
     {llmserve:pi}:x:<executor>         HASH  epoch, seq, model   (+ dead=1: a tombstone, expiring)
-    {llmserve:pi}:xb:<executor>        SET   block hashes it holds (decimal strings), for purging
+    {llmserve:pi}:xb:<executor>        SET   block hashes it holds (decimal strings)
     {llmserve:pi}:b:<model>:<hash>     SET   executor ids holding block <hash> of <model>
 
              match(model, [h1, h2, h3])                    purge(e2)
-                  │    │    │                                  │
+                  │                                            │
     b:m:h1 ───── {e1, e2, e3}                     xb:e2 {h1, h2}  ── SREM e2 from b:m:h1, b:m:h2
-    b:m:h2 ───── {e1, e2}        → e1: 3, e2: 2, e3: 1
-    b:m:h3 ───── {e1}
+    SMISMEMBER xb:e1 h1 h2 h3 → 1 1 1, xb:e2 → 1 1 0, xb:e3 → 1 0 1
+                                 → e1: 3, e2: 2, e3: 1
 
 Each operation is one Lua call (lua.py: the contracts), atomic: Redis 7's server-side functions
 where the server has them, else EVALSHA of the same bodies, loaded again when the server answers

@@ -76,7 +76,18 @@ def redis7() -> Iterator[ServerProcess | None]:
     server.stop()
 
 
-@pytest.fixture(params=["evalsha", "library", "redis7-functions"])
+@pytest.fixture(scope="module")
+def redis_without_smismember() -> Iterator[ServerProcess]:
+    """A Redis whose one user may run everything but SMISMEMBER, as a server older than 6.2
+    lacks it: match takes its one-SISMEMBER-a-block path there."""
+    server = start_redis(
+        acl="user default off\nuser pi on >pi-test-password ~* &* +@all -smismember"
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["evalsha", "library", "redis7-functions", "evalsha-no-smismember"])
 def with_store(request, redis_url, redis7):
     """``with_store(main)``: runs ``await main(store, key_prefix)`` on a fresh key prefix, in one
     event loop with the store's client, and closes it."""
@@ -84,6 +95,9 @@ def with_store(request, redis_url, redis7):
     if mode == "redis7-functions" and redis7 is None:
         pytest.skip("set LLMSERVE_TEST_REDIS7_SERVER to a redis-server >= 7 to run this mode")
     url = redis7.url if mode == "redis7-functions" else redis_url
+    if mode == "evalsha-no-smismember":
+        host_port = request.getfixturevalue("redis_without_smismember").url.split("//", 1)[1]
+        url = f"redis://pi:pi-test-password@{host_port}"
     cls = LibraryUnderEvalStore if mode == "library" else PrefixStore
 
     def use(main: Callable[[PrefixStore, str], Awaitable[None]]) -> None:
@@ -143,6 +157,22 @@ def test_match_gives_each_executor_its_leading_run(with_store):
         # A hole in A's run ends it there, even though it holds later blocks.
         await store.apply(a.batch([a.removed([hashes[2]])]))
         assert await store.match(MODEL, hashes) == {"ex-a": 2, "ex-b": 3}
+
+    with_store(main)
+
+
+def test_match_reads_runs_longer_than_one_call_takes(with_store):
+    # The script asks for a run 1,000 hashes a call: runs that end in the second and third chunk.
+    async def main(store: PrefixStore, key_prefix: str) -> None:
+        tokens = list(range(4 * 2500))  # 2,500 blocks of 4
+        a, b = KVExecutorModel("ex-a", MODEL), KVExecutorModel("ex-b", MODEL)
+        hashes = a.stored(tokens).block_hashes
+        await store.apply(a.store_prompt(tokens))
+        await store.apply(b.store_prompt(tokens[: 4 * 1200]))
+        assert await store.match(MODEL, hashes) == {"ex-a": 2500, "ex-b": 1200}
+        await store.apply(a.batch([a.removed([hashes[2100]])]))
+        assert await store.match(MODEL, hashes) == {"ex-a": 2100, "ex-b": 1200}
+        assert await store.match(MODEL, hashes[:1000]) == {"ex-a": 1000, "ex-b": 1000}
 
     with_store(main)
 
