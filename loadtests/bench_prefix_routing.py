@@ -1,20 +1,30 @@
 """Cache-aware routing against round robin, on the whole stack, in one run.
 
-    python -m loadtests.bench_prefix_routing [--conversations 16 --turns 4 --system-len 1000 \
-        --user-len 150 --output-len 64 --think-time 4 --num-kv-blocks 512]
+    python -m loadtests.bench_prefix_routing [--conversations 8 --turns 8 --system-len 1000 \
+        --user-len 64 --output-len 128 --think-time 5 --stagger 0.6 --num-kv-blocks 480]
 
 Two executors serve a multi-turn chat workload: every conversation opens with the same system
 prompt (``--system-len`` tokens), and each turn's prompt is the previous turn's prompt plus the
 reply it got (its text encoded again, as a chat server re-encodes a returned message) and a new
-user message of ``--user-len`` tokens, so it extends the last one. Conversations start ``--stagger``
-seconds apart and run their turns one after another, a seeded think time apart (the user reading
-and typing; drawn per turn, so conversations fall out of step and round robin places a turn
-independently of where the last one went, as it does among many clients: in lock step, an even
-number of conversations would meet the same executor every turn). Every request streams
-``--output-len`` greedy tokens. The default cache (``--num-kv-blocks`` per executor) holds the
-conversations once across the two executors but not once on each: placement decides which
-histories stay cached. The same workload runs once per routing policy on a fresh stack
-(``--policies``); greedy decoding does not depend on the batch, so both see the same prompts.
+user message of ``--user-len`` tokens, so it extends the last one. The defaults have the shape of
+chat traffic, short user messages and replies a few times longer, over eight turns: a history soon
+outgrows what a turn adds, so a turn sent where its history is not cached recomputes several
+times what it adds. Conversations start ``--stagger`` seconds apart and run their turns one after
+another, a seeded think time apart (the user reading and typing; drawn per turn, so conversations
+fall out of step and round robin places a turn independently of where the last one went, as it
+does among many clients: in lock step, an even number of conversations would meet the same
+executor every turn). Every request streams ``--output-len`` greedy tokens. The default cache
+(``--num-kv-blocks`` per executor) holds the conversations once across the two executors but not
+once on each (831 blocks against 2 x 480): placement decides which histories stay cached. The
+same workload runs once per routing policy on a fresh stack (``--policies``); greedy decoding
+does not depend on the batch, so both see the same prompts.
+
+With two executors, round robin sends a later turn to the executor that served the turn before
+about half the time (1/N with N executors); the rest, and the turns whose history its executors,
+each caching every conversation, have evicted, recompute part of their history. So its median
+request is a hit or a miss depending on how many of those it met (printed as "missed"), and the
+ratio of the medians moves with that count.
+
 Reported per policy:
 
 - TTFT (mean, median, p99) as the client sees it, and the median of the requests that hit their
@@ -82,16 +92,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--conversations", type=int, default=16)
-    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=8)
     p.add_argument("--system-len", type=int, default=1000, help="shared system prompt, tokens")
-    p.add_argument("--user-len", type=int, default=150, help="tokens each user turn adds")
-    p.add_argument("--output-len", type=int, default=64, help="tokens of each reply")
-    p.add_argument("--stagger", type=float, default=0.5, help="seconds between conversations")
+    p.add_argument("--user-len", type=int, default=64, help="tokens each user turn adds")
+    p.add_argument("--output-len", type=int, default=128, help="tokens of each reply")
+    p.add_argument("--stagger", type=float, default=0.6, help="seconds between conversations")
     p.add_argument(
         "--think-time",
         type=float,
-        default=4.0,
+        default=5.0,
         help="mean seconds between a reply's end and the conversation's next turn (the user "
         "reading and typing), each drawn uniformly from [0, 2 x mean]",
     )
@@ -101,7 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--num-kv-blocks",
         type=int,
-        default=512,
+        default=480,
         help="KV blocks of 16 tokens per executor (0: from a 1GiB budget); a pool that holds one "
         "copy of the conversations (the working set printed at the start) but not one on every "
         "executor, as here, shows what placement saves",

@@ -31,13 +31,13 @@ def test_think_times_are_seeded_per_turn_and_within_twice_the_mean():
 
 
 def test_working_set_counts_the_system_prompt_once_and_each_history_in_whole_blocks():
-    # The defaults: ceil(1000 / 16) = 63 shared blocks, then 16 x ceil(4 x (150 + 64) / 16) = 54.
+    # The defaults: ceil(1000 / 16) = 63 shared blocks, then 8 x ceil(8 x (64 + 128) / 16) = 96.
     args = parse_args([])
-    assert working_set_blocks(args) == 63 + 16 * 54
+    assert working_set_blocks(args) == 63 + 8 * 96
     # The default pool holds it once, not once on each executor: what placement decides.
     assert args.num_kv_blocks < working_set_blocks(args) <= args.executors * args.num_kv_blocks
     one = parse_args(["--conversations", "1", "--turns", "1", "--system-len", "16"])
-    assert working_set_blocks(one) == 1 + (150 + 64 + BLOCK_SIZE - 1) // BLOCK_SIZE
+    assert working_set_blocks(one) == 1 + (64 + 128 + BLOCK_SIZE - 1) // BLOCK_SIZE
 
 
 def _turn(conversation: int, turn: int, prompt: list[int], sent_at: float, **kw) -> Turn:
