@@ -67,7 +67,7 @@ LLMSERVE_INLINE void bf16_value_rows(float* sums, int64_t head_dim, const float*
 }
 
 // 16 values of a row as fp32, in the order weighted_values accumulates them: fp32 as they are; bf16
-// widened (on AVX2, bf16_value_rows below).
+// widened (on AVX2, bf16_value_rows above).
 LLMSERVE_INLINE vf load_values(const float* p) { return loadu(p); }
 LLMSERVE_INLINE vf load_values(const Fp8* p) { return load16_fp8_shifted(p); }  // times 2^-8
 #if LLMSERVE_VEC_AVX512
@@ -83,6 +83,33 @@ inline void interleave_even_odd(float* sums, int64_t count) {
   }
 }
 #endif
+
+// One pass of weighted_values for fp32, fp8 and (with AVX-512) bf16 values: the G heads' sums of VP
+// 16-dim vectors from `sums` (head_dim apart) += their weights (sk, span apart) times dims
+// [16 v0, 16 (v0 + VP)) of rows [0, nt) from `head` (each row's values of one KV head, kv_row
+// apart; fp8 rows carry their scale after head_dim values).
+template <int G, int VP, typename C>
+LLMSERVE_INLINE void value_rows(float* sums, int64_t head_dim, const float* sk, int64_t span, const C* head, int v0,
+                                int64_t kv_row, int64_t nt) {
+  vf acc[G][VP];
+  for (int j = 0; j < G; ++j)
+    for (int v = 0; v < VP; ++v) acc[j][v] = loadu(sums + j * head_dim + v * 16);
+  for (int64_t u = 0; u < nt; ++u) {
+    const C* vr = head + u * kv_row;
+    float row_scale_unshifted = 1.f;
+    if constexpr (std::is_same_v<C, Fp8>) row_scale_unshifted = row_scale(vr, head_dim) * kFp8Unshift;
+    for (int v = 0; v < VP; ++v) {
+      const vf val = load_values(vr + (v0 + v) * 16);
+      for (int j = 0; j < G; ++j) {
+        float w = sk[j * span + u];
+        if constexpr (std::is_same_v<C, Fp8>) w *= row_scale_unshifted;
+        acc[j][v] = fmadd(set1(w), val, acc[j][v]);
+      }
+    }
+  }
+  for (int j = 0; j < G; ++j)
+    for (int v = 0; v < VP; ++v) storeu(sums + j * head_dim + v * 16, acc[j][v]);
+}
 
 // accs [kv_heads * G heads][head_dim] += the part's softmax weights (sc: [head][span], the part's
 // keys from block b_lo on) times its value rows, in fp32 products, kValueRows rows at a time and
@@ -111,29 +138,12 @@ void weighted_values(float* accs, const float* sc, int64_t span, const C* v_cach
 #endif
         const float* sk = sc + kh * G * span + t0 + t;
         float* ak = accs + kh * G * head_dim;
+        const C* head = vb + t * kv_row + kh * head_row;  // row t's values of KV head kh
         for (int v0 = 0; v0 < NV; v0 += VP) {
-          if constexpr (kBf16Rows) {
-            bf16_value_rows<G, VP>(ak + v0 * 16, head_dim, sk, span, vb + t * kv_row + kh * head_row + v0 * 16, kv_row, nt);
-          } else {
-            vf acc[G][VP];
-            for (int j = 0; j < G; ++j)
-              for (int v = 0; v < VP; ++v) acc[j][v] = loadu(ak + j * head_dim + (v0 + v) * 16);
-            for (int64_t u = 0; u < nt; ++u) {
-              const C* vr = vb + (t + u) * kv_row + kh * head_row;
-              float row_scale_unshifted = 1.f;
-              if constexpr (std::is_same_v<C, Fp8>) row_scale_unshifted = row_scale(vr, head_dim) * kFp8Unshift;
-              for (int v = 0; v < VP; ++v) {
-                const vf val = load_values(vr + (v0 + v) * 16);
-                for (int j = 0; j < G; ++j) {
-                  float w = sk[j * span + u];
-                  if constexpr (std::is_same_v<C, Fp8>) w *= row_scale_unshifted;
-                  acc[j][v] = fmadd(set1(w), val, acc[j][v]);
-                }
-              }
-            }
-            for (int j = 0; j < G; ++j)
-              for (int v = 0; v < VP; ++v) storeu(ak + j * head_dim + (v0 + v) * 16, acc[j][v]);
-          }
+          if constexpr (kBf16Rows)
+            bf16_value_rows<G, VP>(ak + v0 * 16, head_dim, sk, span, head + v0 * 16, kv_row, nt);
+          else
+            value_rows<G, VP>(ak + v0 * 16, head_dim, sk, span, head, v0, kv_row, nt);
         }
       }
     }
